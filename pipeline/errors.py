@@ -1,0 +1,31 @@
+"""The one error family of the project: every expected failure is a PipelineError."""
+
+
+class PipelineError(Exception):
+    """Base of every error the pipeline raises on purpose; the message says what to do."""
+
+
+class DefinitionError(PipelineError):
+    """A prefix definition file is invalid."""
+
+
+class TemplateError(PipelineError):
+    """A chat template is unpinned, changed, unsupported or fails to render."""
+
+
+class ModelError(PipelineError):
+    """A model folder is missing, unreadable or not loadable."""
+
+
+class BuildError(PipelineError):
+    """A build step failed (prefill, stability or fidelity check)."""
+
+
+class BundleError(PipelineError):
+    """A bundle is missing, corrupt or does not match the model it is mounted for."""
+
+    def __init__(self, bundle: str, message: str, field: str | None = None) -> None:
+        super().__init__(f"bundle {bundle}: {message}")
+        self.bundle = bundle
+        self.field = field
+        self.reason = message
