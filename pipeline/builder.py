@@ -1,0 +1,337 @@
+"""Orchestrates definition -> rendered text -> tokens -> prefill -> bundle. No printing, no argv."""
+
+from __future__ import annotations
+
+import json
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline import BLAS_STATUS, __version__
+from pipeline.bundle import (
+    CACHE_FILE,
+    FORMAT_VERSION,
+    BuilderInfo,
+    CacheInfo,
+    FidelityInfo,
+    Manifest,
+    ModelInfo,
+    PrefixInfo,
+    TextInfo,
+    TokenInfo,
+    load_cache,
+    verify_files,
+    write_bundle,
+)
+from pipeline.definition import LoadedDefinition, ModelSpec, model_slug, slugify
+from pipeline.errors import BundleError, ModelError, TemplateError
+from pipeline.fingerprint import (
+    ModelIdentity,
+    canonical_json,
+    model_chat_template,
+    model_identity,
+    sha256_bytes,
+    sha256_file,
+)
+from pipeline.fidelity import check_fidelity
+from pipeline.prefill import (
+    Progress,
+    cache_nbytes,
+    dtype_name,
+    encode,
+    finalize_cache,
+    load_model,
+    prefill,
+)
+from pipeline.stability import StableCut, stable_prefix
+from pipeline.template import check_pin, render, uses_date
+
+HUB_PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jsonl", "*.jinja"]
+SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One (definition, model) pair to build."""
+
+    definition: LoadedDefinition
+    model_dir: Path
+    slug: str
+    expected_fingerprint: str | None = None
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """The prefix rendered through the pinned template."""
+
+    text: str
+    template_sha256: str
+    template_source: str
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    bundle: Path
+    manifest: Manifest
+    report: dict[str, Any]
+    up_to_date: bool
+
+
+def resolve_model(spec: ModelSpec, root: Path) -> Path:
+    """A local model folder for the spec: a path under the repo, or a hub snapshot at a revision."""
+    if spec.path is not None:
+        path = (root / spec.path).resolve()
+        if not (path / "config.json").is_file():
+            raise ModelError(
+                f"model {spec.path}: no config.json in {path}; generate the demo model with "
+                "'python build.py demo-model' or fix models.path"
+            )
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(spec.repo, revision=spec.revision, allow_patterns=HUB_PATTERNS)
+    except Exception as exc:  # hub errors come in many types; all mean the same to the user
+        raise ModelError(
+            f"model {spec.repo}@{spec.revision}: download failed ({exc.__class__.__name__}); "
+            "check the network and HF_TOKEN, or pre-download it and use models.path"
+        ) from None
+    return Path(local)
+
+
+def targets(definition: LoadedDefinition, root: Path, model_override: Path | None = None) -> list[Target]:
+    """The models a definition is built for, or the one model given on the command line."""
+    if model_override is not None:
+        path = Path(model_override).resolve()
+        return [Target(definition, resolve_model(ModelSpec(path=str(path)), root), slugify(path.name))]
+    return [
+        Target(definition, resolve_model(spec, root), model_slug(spec), spec.fingerprint)
+        for spec in definition.spec.models
+    ]
+
+
+def bundle_path(bundles_root: Path, definition: LoadedDefinition, slug: str) -> Path:
+    """bundles/<name>/<version>/<model-slug>."""
+    return Path(bundles_root) / definition.name / str(definition.version) / slug
+
+
+def special_tokens(model_dir: Path) -> dict[str, str]:
+    """bos/eos/pad/unk token strings from tokenizer_config.json, as templates see them."""
+    path = Path(model_dir) / "tokenizer_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    out = {}
+    for key in SPECIAL_TOKENS:
+        value = config.get(key)
+        if isinstance(value, dict):
+            value = value.get("content")
+        if isinstance(value, str):
+            out[key] = value
+    return out
+
+
+def template_text(definition: LoadedDefinition, model_dir: Path) -> tuple[str, str]:
+    """(template text, source label) for the definition's pin, checked against its sha256."""
+    pin = definition.spec.template
+    if pin.source == "file":
+        path = definition.path.parent / pin.file
+        if not path.is_file():
+            raise TemplateError(f"{definition.path}: template.file: '{pin.file}' not found")
+        text, source = path.read_text(encoding="utf-8"), f"file:{pin.file}"
+    else:
+        text, source = model_chat_template(model_dir), "model"
+        if text is None:
+            raise TemplateError(
+                f"model {model_dir}: ships no chat template; set template.source = \"file\""
+            )
+    check_pin(text, pin.sha256, f"{definition.path} template ({source})")
+    return text, source
+
+
+def render_prefix(definition: LoadedDefinition, model_dir: Path, **overrides: Any) -> Rendered:
+    """Render the prefix messages through the pinned template (no generation prompt)."""
+    from pipeline.fingerprint import sha256_text
+
+    text, source = template_text(definition, model_dir)
+    pin = definition.spec.template
+    kwargs = dict(
+        tools=definition.tools,
+        documents=definition.documents,
+        special_tokens=special_tokens(model_dir),
+        extra=pin.kwargs,
+    )
+    messages = overrides.pop("messages", definition.messages)
+    if pin.date is None and uses_date(text, messages, **kwargs):
+        raise TemplateError(
+            f"{definition.path}: the template's output depends on today's date (strftime_now); "
+            "pin it with template.date = YYYY-MM-DD so the bundle stays a prefix of served prompts"
+        )
+    rendered = render(text, messages, date=pin.date, **kwargs, **overrides)
+    return Rendered(rendered, sha256_text(text), source)
+
+
+def build_key(target: Target, identity: ModelIdentity, rendered: Rendered, builder: BuilderInfo) -> str:
+    """Hash of every input that changes the bundle's bytes."""
+    d = target.definition
+    return sha256_bytes(
+        canonical_json(
+            {
+                "format": FORMAT_VERSION,
+                "prefix": [d.name, d.version, d.content_sha256],
+                "text": sha256_bytes(rendered.text.encode()),
+                "model": [identity.model, identity.tokenizer, rendered.template_sha256],
+                "cache": d.spec.cache.model_dump(),
+                "check": d.spec.check.model_dump(),
+                "builder": builder.model_dump(),
+            }
+        )
+    )
+
+
+def existing_manifest(bundle: Path) -> Manifest | None:
+    """The manifest of a complete, intact bundle already at `bundle`, else None."""
+    if not bundle.is_dir():
+        return None
+    try:
+        return verify_files(bundle)
+    except BundleError:
+        return None
+
+
+def preview(text: str, width: int = 120) -> str:
+    """First and last characters of the rendered text."""
+    if len(text) <= 2 * width:
+        return text
+    return f"{text[:width]} [...] {text[-width:]}"
+
+
+def builder_info() -> BuilderInfo:
+    """Versions and device of this builder (part of the build key)."""
+    import mlx.core as mx
+    from mlx_lm import __version__ as mlx_lm_version
+
+    from pipeline.prefill import device_label
+
+    on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    return BuilderInfo(
+        pipeline=__version__,
+        mlx=mx.__version__,
+        mlx_lm=mlx_lm_version,
+        platform=f"{platform.system()} {platform.machine()} python{platform.python_version()}",
+        device=device_label(),
+        compute_dtype="float32" if on_cpu else "model",
+    )
+
+
+def build(
+    target: Target,
+    bundles_root: Path,
+    *,
+    force: bool = False,
+    check: bool = False,
+    progress: Progress | None = None,
+) -> BuildResult:
+    """Build one bundle (or report it up to date); the folder appears complete or not at all."""
+    d = target.definition
+    identity = model_identity(target.model_dir)
+    if target.expected_fingerprint and target.expected_fingerprint != identity.model:
+        raise ModelError(
+            f"model {target.model_dir}: fingerprint {identity.model[:12]}.. differs from the "
+            f"definition's models.fingerprint {target.expected_fingerprint[:12]}..; "
+            "update the pin if the new weights are intended"
+        )
+    rendered = render_prefix(d, target.model_dir)
+    builder = builder_info()
+    key = build_key(target, identity, rendered, builder)
+    dest = bundle_path(bundles_root, d, target.slug)
+    current = None if force else existing_manifest(dest)
+    if current is not None and current.build_key == key:
+        return BuildResult(dest, current, {}, up_to_date=True)
+    loaded = load_model(target.model_dir)
+    encode_text = lambda text: encode(loaded.tokenizer, text)  # noqa: E731
+    rerender = lambda msgs: render_prefix(d, target.model_dir, messages=msgs).text  # noqa: E731
+    cut = stable_prefix(rendered.text, d.messages, rerender, encode_text)
+    cache, stats = prefill(loaded, cut.tokens, d.spec.cache.prefill_step_size, progress)
+    opts = d.spec.cache
+    reference = finalize_cache(cache, loaded.serving_dtype, None, opts.kv_group_size)
+    final = finalize_cache(cache, loaded.serving_dtype, opts.kv_bits, opts.kv_group_size) if opts.kv_bits else reference
+    del cache
+
+    def finish(staged: Path) -> Manifest:
+        fidelity = FidelityInfo(checked=False)
+        if check:
+            written, _ = load_cache(staged, sha256_file(staged / CACHE_FILE))
+            fidelity = check_fidelity(loaded, reference, written, d.spec, cut.probe_tokens)
+        facts = BuildFacts(identity, rendered, cut, final, dtype_name(loaded.serving_dtype), builder, key)
+        return make_manifest(target, facts, fidelity)
+
+    report = {
+        "prefill_seconds": round(stats.seconds, 4),
+        "tokens_per_second": round(stats.tokens_per_second, 2),
+        "peak_memory_bytes": stats.peak_memory_bytes,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "blas": BLAS_STATUS.notice,
+    }
+    manifest = write_bundle(dest, final, cut.tokens, finish, report)
+    return BuildResult(dest, manifest, report, up_to_date=False)
+
+
+@dataclass(frozen=True)
+class BuildFacts:
+    """What a build established, from which the manifest is made."""
+
+    identity: ModelIdentity
+    rendered: Rendered
+    cut: StableCut
+    cache: list[Any]
+    dtype: str
+    builder: BuilderInfo
+    key: str
+
+
+def make_manifest(target: Target, facts: BuildFacts, fidelity: FidelityInfo) -> Manifest:
+    """The bundle's manifest (deterministic: no timings, no paths, no timestamps)."""
+    d, text, opts = target.definition, facts.rendered.text, target.definition.spec.cache
+    return Manifest(
+        format_version=FORMAT_VERSION,
+        prefix=PrefixInfo(name=d.name, version=d.version, content_sha256=d.content_sha256),
+        text=TextInfo(sha256=sha256_bytes(text.encode()), chars=len(text), preview=preview(text)),
+        tokens=TokenInfo(
+            count=len(facts.cut.tokens),
+            ids_sha256=token_ids_sha256(facts.cut.tokens),
+            rendered_tokens=facts.cut.rendered_tokens,
+            stable_tokens=len(facts.cut.tokens),
+        ),
+        model=ModelInfo(
+            slug=target.slug,
+            fingerprint=facts.identity.model,
+            tokenizer_fingerprint=facts.identity.tokenizer,
+            template_sha256=facts.rendered.template_sha256,
+            template_source=facts.rendered.template_source,
+        ),
+        cache=CacheInfo(
+            classes=[type(c).__name__ for c in facts.cache],
+            dtype=facts.dtype,
+            kv_bits=opts.kv_bits,
+            kv_group_size=opts.kv_group_size,
+            prefill_step_size=opts.prefill_step_size,
+            nbytes=cache_nbytes(facts.cache),
+        ),
+        builder=facts.builder,
+        fidelity=fidelity,
+        build_key=facts.key,
+    )
+
+
+def token_ids_sha256(tokens: list[int]) -> str:
+    """sha256 of the token ids as compact JSON (how the manifest and runtime compare them)."""
+    return sha256_bytes(canonical_json(tokens))
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident memory of this process."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024

@@ -1,0 +1,245 @@
+"""Command line: argparse, printing and exit codes. The only module that talks to the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from pipeline.errors import PipelineError
+
+DEMO_MODEL = Path("models/demo-tiny")
+
+
+def _err(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+
+
+def _progress(label: str):
+    tty = sys.stderr.isatty()
+    last = [0.0]
+
+    def report(done: int, total: int, elapsed: float) -> None:
+        now = time.perf_counter()
+        if done < total and now - last[0] < 0.5:
+            return
+        last[0] = now
+        rate = done / max(elapsed, 1e-9)
+        eta = (total - done) / max(rate, 1e-9)
+        line = f"{label}: prefill {done}/{total} tokens, {rate:,.0f} tok/s, ETA {eta:.1f}s"
+        print(("\r" + line) if tty else line, end="" if tty and done < total else "\n", file=sys.stderr)
+
+    return report
+
+
+def _load_definitions(prefix_dir: Path, names: list[str]):
+    from pipeline.definition import find_definitions, load_definition
+
+    paths = find_definitions(prefix_dir)
+    if names:
+        by_name = {p.stem: p for p in paths}
+        missing = [n for n in names if n not in by_name]
+        if missing:
+            raise PipelineError(
+                f"no definition named {', '.join(missing)} in {prefix_dir}/ "
+                f"(have: {', '.join(sorted(by_name)) or 'none'})"
+            )
+        paths = [by_name[n] for n in names]
+    if not paths:
+        raise PipelineError(f"no prefix definitions (*.toml) in {prefix_dir}/")
+    root = Path(prefix_dir).resolve().parent
+    return [load_definition(p, root) for p in paths]
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    from pipeline import BLAS_STATUS
+    from pipeline.builder import build, targets
+    from pipeline.bundle import clean_staging
+
+    print(BLAS_STATUS.notice, file=sys.stderr)
+    clean_staging(args.bundles)
+    for definition in _load_definitions(args.prefixes, args.prefix):
+        for target in targets(definition, args.prefixes.resolve().parent, args.model):
+            label = f"{definition.name}@{definition.version} -> {target.slug}"
+            result = build(target, args.bundles, force=args.force, check=args.check, progress=_progress(label))
+            m = result.manifest
+            if result.up_to_date:
+                print(f"{label}: up to date ({result.bundle})")
+                continue
+            r = result.report
+            fid = m.fidelity
+            check = (
+                f", fidelity max|dlogit| {fid.max_abs_logit_diff:.3g} greedy_match {fid.greedy_match}"
+                if fid.checked
+                else ""
+            )
+            print(
+                f"{label}: {m.tokens.count} tokens (stable {m.tokens.stable_tokens}/{m.tokens.rendered_tokens}), "
+                f"{r['prefill_seconds']:.2f}s ({r['tokens_per_second']:,.0f} tok/s), "
+                f"peak {r['peak_memory_bytes'] / 2**20:,.0f} MiB{check} -> {result.bundle}"
+            )
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from pipeline.runtime import verify
+
+    template = _read_template(args.chat_template)
+    failed = 0
+    for bundle in args.bundle:
+        try:
+            m = verify(bundle, args.model, template)
+            print(f"ok {bundle} ({m.prefix.name}@{m.prefix.version}, {m.tokens.count} tokens)")
+        except PipelineError as exc:
+            _err(str(exc))
+            failed += 1
+    return 1 if failed else 0
+
+
+def _read_template(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise PipelineError(f"--chat-template {path}: cannot be read ({exc.strerror})") from None
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from pipeline.bundle import REPORT_FILE, read_manifest, verify_files
+    from pipeline.runtime import verify
+
+    bundle = Path(args.bundle)
+    manifest = read_manifest(bundle)
+    data = manifest.model_dump(mode="json")
+    if args.json:
+        print(json.dumps(data, indent=2, sort_keys=True))
+    else:
+        _print_manifest(bundle, data)
+        report = bundle / REPORT_FILE
+        if report.is_file():
+            print(f"build report: {json.loads(report.read_text())}")
+        sizes = {p.name: p.stat().st_size for p in sorted(bundle.iterdir()) if p.is_file()}
+        print("files: " + ", ".join(f"{k} {v:,} B" for k, v in sizes.items()))
+    try:
+        if args.model:
+            verify(bundle, args.model, _read_template(args.chat_template))
+            print(f"valid for model {args.model}: yes (checksums, fingerprints, template, mlx-lm)")
+        else:
+            verify_files(bundle)
+            print("checksums: ok (pass --model DIR to check it against a model)")
+    except PipelineError as exc:
+        print(f"valid: no: {exc}")
+        return 1
+    return 0
+
+
+def _print_manifest(bundle: Path, data: dict) -> None:
+    print(f"bundle {bundle}")
+    for section in ("prefix", "tokens", "model", "cache", "fidelity", "builder"):
+        values = data[section]
+        print(f"  {section}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+    print(f"  text: {data['text']['chars']} chars, sha256 {data['text']['sha256'][:16]}..")
+    print("  preview: " + json.dumps(data["text"]["preview"], ensure_ascii=False))
+    print(f"  build_key: {data['build_key']}")
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    from pipeline.builder import bundle_path
+    from pipeline.bundle import verify_files
+    from pipeline.definition import model_slug
+
+    for definition in _load_definitions(args.prefixes, []):
+        for spec in definition.spec.models:
+            path = bundle_path(args.bundles, definition, model_slug(spec))
+            try:
+                state = f"built ({verify_files(path).tokens.count} tokens)" if path.is_dir() else "missing"
+            except PipelineError as exc:
+                state = f"broken: {exc}"
+            print(f"{definition.name}@{definition.version}  {model_slug(spec):<24} {state}  {path}")
+    return 0
+
+
+def cmd_demo_model(args: argparse.Namespace) -> int:
+    from pipeline.testmodel import generate_model
+
+    print(generate_model(args.out, args.size, seed=args.seed))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from pipeline.demo import run_demo
+
+    rows = run_demo(args.prefixes, args.bundles, DEMO_MODEL, progress=_progress)
+    header = f"{'prefix':<22}{'tokens':>8}{'bytes':>13}{'prefill s':>11}{'mount ms':>10}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['prefix']:<22}{r['tokens']:>8}{r['bytes']:>13,}{r['prefill_s']:>11.3f}{r['mount_ms']:>10.1f}")
+    return 0
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="build.py", description="Build, verify and serve MLX prefix-cache bundles.")
+    p.add_argument("--prefixes", type=Path, default=Path("prefixes"), help="definitions folder (default: prefixes)")
+    p.add_argument("--bundles", type=Path, default=Path("bundles"), help="bundles folder (default: bundles)")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    b = sub.add_parser("build", help="build bundles for prefix definitions")
+    b.add_argument("prefix", nargs="*", help="definition names (default: all)")
+    b.add_argument("--model", type=Path, help="build for this model folder instead of the definition's models")
+    b.add_argument("--force", action="store_true", help="rebuild even when the bundle is up to date")
+    b.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                   help="warm-equals-cold fidelity check before shipping (default: on)")
+    b.set_defaults(func=cmd_build)
+
+    v = sub.add_parser("verify", help="verify bundles against a model folder (exit 0 ok, 1 refused)")
+    v.add_argument("bundle", nargs="+", type=Path)
+    v.add_argument("--model", type=Path, required=True)
+    v.add_argument("--chat-template", type=Path, help="template file the server will use instead of the model's")
+    v.set_defaults(func=cmd_verify)
+
+    i = sub.add_parser("inspect", help="show what a bundle holds and whether it is valid")
+    i.add_argument("bundle", type=Path)
+    i.add_argument("--model", type=Path, help="also check validity for this model folder")
+    i.add_argument("--chat-template", type=Path)
+    i.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    i.set_defaults(func=cmd_inspect)
+
+    sub.add_parser("list", help="definitions and their bundles, built or missing").set_defaults(func=cmd_list)
+
+    m = sub.add_parser("demo-model", help="generate the deterministic demo/test model folder")
+    m.add_argument("--size", choices=("tiny", "bench"), default="tiny")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--out", type=Path, default=DEMO_MODEL)
+    m.set_defaults(func=cmd_demo_model)
+
+    sub.add_parser("demo", help="generate the demo model, build, verify and mount every example").set_defaults(
+        func=cmd_demo
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: one-line 'error: ...' and exit 1 on failure, 2 on usage errors."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        from pipeline.serve import main as serve_main
+
+        return serve_main(argv[1:])
+    args = setup_arg_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except PipelineError as exc:
+        _err(str(exc))
+        return 1
+    except KeyboardInterrupt:
+        _err("interrupted; no partial bundle was left in place")
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

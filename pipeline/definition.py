@@ -1,0 +1,249 @@
+"""Prefix definitions: the TOML schema people write, loading, and resolution of included files."""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pipeline.errors import DefinitionError
+from pipeline.fingerprint import canonical_json
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class MessageSpec(Strict):
+    """One message of the prefix; content inline or concatenated from files."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str | None = None
+    content_files: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> MessageSpec:
+        if (self.content is None) == (not self.content_files):
+            raise ValueError("give exactly one of 'content' or 'content_files'")
+        return self
+
+
+class DocumentSpec(Strict):
+    """A document passed to the template's `documents` variable (RAG-style templates)."""
+
+    title: str
+    file: str
+
+
+class PrefixSpec(Strict):
+    """What the prefix holds: messages, tool schemas, documents."""
+
+    messages: list[MessageSpec] = Field(min_length=1)
+    tools_file: str | None = None
+    documents: list[DocumentSpec] = Field(default_factory=list)
+
+
+class TemplateSpec(Strict):
+    """The pinned chat template: the model's own or a file, with its sha256."""
+
+    source: Literal["model", "file"] = "model"
+    file: str | None = None
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    date: dt.date | None = None  # what strftime_now renders; pin it for date-dependent templates
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _file_when_file(self) -> TemplateSpec:
+        if (self.source == "file") != (self.file is not None):
+            raise ValueError("'file' is required when source = \"file\" and only then")
+        return self
+
+
+class ModelSpec(Strict):
+    """A model the prefix is built for: a local folder or a hub repo at a pinned revision."""
+
+    path: str | None = None
+    repo: str | None = None
+    revision: str | None = None
+    slug: str | None = Field(default=None, pattern=NAME_PATTERN)
+    fingerprint: str | None = None
+
+    @model_validator(mode="after")
+    def _one_location(self) -> ModelSpec:
+        if (self.path is None) == (self.repo is None):
+            raise ValueError("give exactly one of 'path' or 'repo'")
+        if self.repo is not None and not self.revision:
+            raise ValueError("a hub 'repo' needs a pinned 'revision' (commit hash)")
+        return self
+
+
+class CacheSpec(Strict):
+    """KV-cache options that change the bundle's bytes."""
+
+    kv_bits: Literal[4, 8] | None = None
+    kv_group_size: Literal[32, 64, 128] = 64
+    prefill_step_size: int = Field(default=512, ge=16, le=16384)
+
+
+class CheckSpec(Strict):
+    """Warm-equals-cold fidelity thresholds (defaults depend on kv_bits)."""
+
+    max_abs_logit_diff: float | None = Field(default=None, ge=0)
+    greedy_tokens: int = Field(default=8, ge=1, le=64)
+
+
+class PrefixDefinition(Strict):
+    """A versioned prefix definition as written in prefixes/<name>.toml."""
+
+    name: str = Field(pattern=NAME_PATTERN)
+    version: int = Field(ge=1)
+    description: str = ""
+    template: TemplateSpec
+    prefix: PrefixSpec
+    models: list[ModelSpec] = Field(min_length=1)
+    cache: CacheSpec = CacheSpec()
+    check: CheckSpec = CheckSpec()
+
+
+class LoadedDefinition(BaseModel):
+    """A validated definition with its included files read and its content hash."""
+
+    model_config = ConfigDict(frozen=True)
+
+    spec: PrefixDefinition
+    path: Path
+    messages: list[dict[str, str]]
+    tools: list[dict[str, Any]] | None
+    documents: list[dict[str, str]] | None
+    content_sha256: str
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def version(self) -> int:
+        return self.spec.version
+
+
+def load_definition(path: Path, repo_root: Path | None = None) -> LoadedDefinition:
+    """Load, validate and resolve one definition file; raise DefinitionError naming file and field."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DefinitionError(f"{path}: file not found") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise DefinitionError(f"{path}: not valid TOML ({exc}); fix the syntax") from None
+    try:
+        spec = PrefixDefinition.model_validate(raw)
+    except ValidationError as exc:
+        raise DefinitionError(f"{path}: {_first_error(exc)}") from None
+    if spec.name != path.stem:
+        raise DefinitionError(f"{path}: name: '{spec.name}' must equal the file name '{path.stem}'")
+    root = (repo_root or path.parent.parent).resolve()
+    return _resolve(spec, path, root)
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        msg = "unknown field; remove it or check its spelling"
+    elif err["type"] == "missing":
+        msg = "required field is missing; add it"
+    return f"{field}: {msg}"
+
+
+def _resolve(spec: PrefixDefinition, path: Path, root: Path) -> LoadedDefinition:
+    base = path.parent.resolve()
+    read = lambda rel, field: _read_included(rel, base, root, path, field)  # noqa: E731
+    messages = [
+        {
+            "role": m.role,
+            "content": m.content
+            if m.content is not None
+            else "\n\n".join(read(f, f"prefix.messages.{i}.content_files") for f in m.content_files),
+        }
+        for i, m in enumerate(spec.prefix.messages)
+    ]
+    tools = None
+    if spec.prefix.tools_file:
+        tools = _parse_tools(read(spec.prefix.tools_file, "prefix.tools_file"), path)
+    documents = [
+        {"title": d.title, "text": read(d.file, f"prefix.documents.{i}.file")}
+        for i, d in enumerate(spec.prefix.documents)
+    ] or None
+    content = {
+        "messages": messages,
+        "tools": tools,
+        "documents": documents,
+        "template_kwargs": spec.template.kwargs,
+        "template_date": spec.template.date.isoformat() if spec.template.date else None,
+    }
+    digest = hashlib.sha256(canonical_json(content)).hexdigest()
+    return LoadedDefinition(
+        spec=spec, path=path, messages=messages, tools=tools, documents=documents,
+        content_sha256=digest,
+    )
+
+
+def _read_included(rel: str, base: Path, root: Path, path: Path, field: str) -> str:
+    target = (base / rel).resolve()
+    if not target.is_relative_to(base) or not target.is_relative_to(root):
+        raise DefinitionError(
+            f"{path}: {field}: '{rel}' is outside the definition's folder {base}; "
+            "move the file under it"
+        )
+    try:
+        return target.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise DefinitionError(f"{path}: {field}: included file '{rel}' not found") from None
+    except UnicodeDecodeError:
+        raise DefinitionError(f"{path}: {field}: '{rel}' is not UTF-8 text") from None
+
+
+def _parse_tools(text: str, path: Path) -> list[dict[str, Any]]:
+    try:
+        tools = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DefinitionError(f"{path}: prefix.tools_file: not valid JSON ({exc})") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise DefinitionError(f"{path}: prefix.tools_file: must hold a JSON list of tool objects")
+    return tools
+
+
+def model_slug(spec: ModelSpec) -> str:
+    """Folder name for a model's bundles: explicit slug, else derived from path or repo."""
+    if spec.slug:
+        return spec.slug
+    if spec.path is not None:
+        base = Path(spec.path).name
+    else:
+        base = f"{spec.repo.split('/')[-1]}-{spec.revision[:8]}"
+    return slugify(base)
+
+
+def slugify(text: str) -> str:
+    """Lower-case, filesystem-safe name."""
+    slug = re.sub(r"[^a-z0-9._-]+", "-", text.lower()).strip("-.")
+    return slug[:64] or "model"
+
+
+def find_definitions(prefix_dir: Path) -> list[Path]:
+    """All definition files in prefixes/, sorted by name."""
+    return sorted(Path(prefix_dir).glob("*.toml"))

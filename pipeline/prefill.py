@@ -1,0 +1,132 @@
+"""MLX prefill into a prompt cache: the only place that runs the model at build time."""
+
+from __future__ import annotations
+
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
+from mlx_lm.utils import load as mlx_load
+
+from pipeline.errors import BuildError, ModelError
+
+Progress = Callable[[int, int, float], None]  # (tokens done, total, seconds elapsed)
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to prefill, with the dtype the serving model's activations have."""
+
+    model: nn.Module
+    tokenizer: Any  # mlx_lm TokenizerWrapper
+    serving_dtype: mx.Dtype
+    compute_dtype: mx.Dtype
+
+
+@dataclass(frozen=True)
+class PrefillStats:
+    seconds: float
+    tokens_per_second: float
+    peak_memory_bytes: int
+
+
+def device_label() -> str:
+    """Where the prefill runs, e.g. 'linux-x86_64-cpu' or 'darwin-arm64-gpu'."""
+    return f"{platform.system().lower()}-{platform.machine()}-{mx.default_device().type.name}"
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """'bfloat16' for mx.bfloat16."""
+    return str(dtype).removeprefix("mlx.core.")
+
+
+def serving_dtype(model: nn.Module) -> mx.Dtype:
+    """The activation dtype the model computes in when served as shipped (its floating weights)."""
+    from mlx.utils import tree_flatten
+
+    counts: dict[mx.Dtype, int] = {}
+    for _, p in tree_flatten(model.parameters()):
+        if mx.issubdtype(p.dtype, mx.floating):
+            counts[p.dtype] = counts.get(p.dtype, 0) + p.size
+    return max(counts, key=counts.get) if counts else mx.float32
+
+
+def load_model(model_dir: Path) -> LoadedModel:
+    """Load weights and tokenizer; on CPU compute in float32 (no fast half-precision CPU path)."""
+    try:
+        model, tokenizer = mlx_load(str(model_dir))
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        raise ModelError(f"model {model_dir}: cannot be loaded by mlx_lm ({exc})") from None
+    dtype = serving_dtype(model)
+    compute = mx.float32 if mx.default_device().type == mx.DeviceType.cpu else dtype
+    if compute != dtype:
+        model.set_dtype(compute)
+    return LoadedModel(model, tokenizer, dtype, compute)
+
+
+def encode(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of rendered text; the template already placed any BOS, so add none."""
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def prefill(
+    loaded: LoadedModel, tokens: list[int], step: int, progress: Progress | None = None
+) -> tuple[list[Any], PrefillStats]:
+    """Run the tokens through the model in chunks of `step`, returning the filled cache."""
+    if not tokens:
+        raise BuildError("nothing to prefill: the rendered prefix has no tokens")
+    cache = make_prompt_cache(loaded.model)
+    mx.reset_peak_memory()
+    start = time.perf_counter()
+    for done in range(0, len(tokens), step):
+        chunk = mx.array(tokens[done : done + step])[None]
+        loaded.model(chunk, cache=cache)  # logits stay lazy and are never computed
+        mx.eval([c.state for c in cache])
+        if progress:
+            progress(min(done + step, len(tokens)), len(tokens), time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    stats = PrefillStats(seconds, len(tokens) / max(seconds, 1e-9), mx.get_peak_memory())
+    return cache, stats
+
+
+def finalize_cache(
+    cache: list[Any], dtype: mx.Dtype, kv_bits: int | None, group_size: int
+) -> list[Any]:
+    """Cast KV to the serving dtype, optionally quantize, and drop the unused tail of buffers."""
+    out = []
+    for layer in cache:
+        if not isinstance(layer, KVCache):
+            out.append(layer)
+            continue
+        fresh = KVCache()
+        fresh.keys = layer.keys[..., : layer.offset, :].astype(dtype)
+        fresh.values = layer.values[..., : layer.offset, :].astype(dtype)
+        fresh.offset = layer.offset
+        out.append(_quantize(fresh, kv_bits, group_size) if kv_bits else fresh)
+    mx.eval([c.state for c in out])
+    return out
+
+
+def _quantize(layer: KVCache, bits: int, group_size: int) -> QuantizedKVCache:
+    head_dim = layer.keys.shape[-1]
+    if head_dim % group_size:
+        raise BuildError(
+            f"kv_group_size {group_size} does not divide the model's head_dim {head_dim}; "
+            "set cache.kv_group_size to a divisor of it (32, 64 or 128)"
+        )
+    q = QuantizedKVCache(group_size=group_size, bits=bits)
+    q.keys = mx.quantize(layer.keys, group_size=group_size, bits=bits)
+    q.values = mx.quantize(layer.values, group_size=group_size, bits=bits)
+    q.offset = layer.offset
+    return q
+
+
+def cache_nbytes(cache: list[Any]) -> int:
+    """Bytes held by the cache arrays."""
+    return sum(c.nbytes for c in cache)
