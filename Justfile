@@ -1,0 +1,29 @@
+# Prefix-cache bundles for MLX. `just` alone runs the tests and the linter.
+
+set positional-arguments
+
+default: test lint
+
+# Generate the demo model if missing, build every example prefix, verify and mount the bundles.
+demo:
+    python build.py demo
+
+# Build bundles (all definitions, or the names given): `just build support-agent`.
+build *args:
+    python build.py build "$@"
+
+# Run the test suite (no network, no GPU; the tiny model is generated on the fly).
+test *args:
+    python -m pytest "$@"
+
+# Side-by-side benchmarks against mlx_lm; writes bench/RESULTS.md and a chart. `just bench --quick`.
+bench *args:
+    python bench/run.py "$@"
+
+lint:
+    ruff check pipeline tests bench build.py
+    ruff format --check pipeline tests bench build.py
+
+fmt:
+    ruff format pipeline tests bench build.py
+    ruff check --fix pipeline tests bench build.py
