@@ -22,3 +22,76 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_model_other_weights(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The same tiny model with other weights (seed 1): same shapes, tokenizer and template."""
     return generate_model(tmp_path_factory.mktemp("models") / "tiny-seed1", seed=1)
+
+
+# --- Test projects: a prefixes/ folder with definitions for the tiny model --------------------
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "lookup_order",
+            "description": "Find an order by its id.",
+            "parameters": {
+                "type": "object",
+                "properties": {"order_id": {"type": "string", "description": "The order id."}},
+                "required": ["order_id"],
+            },
+        },
+    }
+]
+SYSTEM = (
+    "You are the support assistant of a small bookshop. Be brief, polite and exact. "
+    "Never invent order numbers; look them up with the tools. Café opening hours: 9-17."
+)
+
+
+def model_template_sha(model_dir: Path) -> str:
+    """sha256 of the chat template a model folder ships."""
+    from pipeline.fingerprint import model_chat_template, sha256_text
+
+    return sha256_text(model_chat_template(model_dir))
+
+
+def write_definition(root: Path, model_dir: Path, name: str = "shop", extra: str = "", **cache) -> Path:
+    """Write prefixes/<name>.toml (system text + tools) for model_dir under root; return its path."""
+    import json
+
+    prefixes = root / "prefixes"
+    (prefixes / name).mkdir(parents=True, exist_ok=True)
+    (prefixes / name / "tools.json").write_text(json.dumps(TOOLS))
+    cache_lines = "".join(f"{k} = {v}\n" for k, v in cache.items())
+    path = prefixes / f"{name}.toml"
+    path.write_text(
+        f'name = "{name}"\nversion = 1\n{extra}\n'
+        f'[template]\nsource = "model"\nsha256 = "{model_template_sha(model_dir)}"\n\n'
+        f'[prefix]\ntools_file = "{name}/tools.json"\n\n'
+        f"[[prefix.messages]]\nrole = \"system\"\ncontent = {json.dumps(SYSTEM)}\n\n"
+        f'[[models]]\npath = "{model_dir}"\n\n[cache]\n{cache_lines}'
+    )
+    return path
+
+
+@pytest.fixture
+def project(tmp_path: Path, tiny_model: Path) -> Path:
+    """A project folder with prefixes/shop.toml for the tiny model."""
+    write_definition(tmp_path, tiny_model)
+    return tmp_path
+
+
+def build_bundle(project_root: Path, name: str = "shop", **kwargs) -> Path:
+    """Build one definition of a test project; return the bundle folder."""
+    from pipeline.builder import build, targets
+    from pipeline.definition import load_definition
+
+    definition = load_definition(project_root / "prefixes" / f"{name}.toml", project_root)
+    (target,) = targets(definition, project_root)
+    return build(target, project_root / "bundles", **kwargs).bundle
+
+
+@pytest.fixture(scope="session")
+def shop_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
+    """A bundle of the shop prefix for the tiny model, built once (checked)."""
+    root = tmp_path_factory.mktemp("shop-project")
+    write_definition(root, tiny_model)
+    return build_bundle(root, check=True)

@@ -1,0 +1,51 @@
+"""The demo job: demo model, every example prefix built, verified and mounted, one row each."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pipeline.builder import build, targets
+from pipeline.bundle import REPORT_FILE
+from pipeline.definition import find_definitions, load_definition
+from pipeline.errors import PipelineError
+from pipeline.prefill import Progress
+from pipeline.runtime import PromptCacheManager, mount, verify
+from pipeline.testmodel import generate_model
+
+
+def run_demo(
+    prefix_dir: Path,
+    bundles_root: Path,
+    model_dir: Path,
+    progress: Callable[[str], Progress] | None = None,
+) -> list[dict[str, Any]]:
+    """Build every definition for the demo model, verify and mount; return one row per bundle."""
+    if not (Path(model_dir) / "config.json").is_file():
+        generate_model(Path(model_dir), "tiny")
+    root = Path(prefix_dir).resolve().parent
+    built: list[Path] = []
+    for path in find_definitions(prefix_dir):
+        definition = load_definition(path, root)
+        for target in targets(definition, root, model_dir):
+            label = f"{definition.name}@{definition.version}"
+            result = build(target, bundles_root, check=True, progress=progress(label) if progress else None)
+            verify(result.bundle, model_dir)
+            built.append(result.bundle)
+    if not built:
+        raise PipelineError(f"no prefix definitions (*.toml) in {prefix_dir}/")
+    mounted = mount(model_dir, built, manager=PromptCacheManager())
+    return [_row(b.path, b.manifest.prefix.name, b.manifest.tokens.count, b.seconds) for b in mounted.bundles]
+
+
+def _row(bundle: Path, name: str, tokens: int, mount_seconds: float) -> dict[str, Any]:
+    report = json.loads((bundle / REPORT_FILE).read_text()) if (bundle / REPORT_FILE).is_file() else {}
+    return {
+        "prefix": name,
+        "tokens": tokens,
+        "bytes": sum(p.stat().st_size for p in bundle.iterdir() if p.is_file()),
+        "prefill_s": report.get("prefill_seconds", float("nan")),
+        "mount_ms": mount_seconds * 1000,
+    }

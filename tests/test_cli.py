@@ -1,0 +1,58 @@
+"""The CLI in-process: build, inspect, list; exact output where it is stable."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from pipeline.bundle import MANIFEST_FILE
+from pipeline.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def cli(project: Path, *argv: str) -> int:
+    return main(["--prefixes", str(project / "prefixes"), "--bundles", str(project / "bundles"), *argv])
+
+
+def test_build_then_up_to_date(project: Path, capsys):
+    assert cli(project, "build", "shop") == 0
+    out = capsys.readouterr()
+    assert "shop@1 -> tiny: " in out.out and "fidelity max|dlogit| 0 greedy_match True" in out.out
+    assert "prefill" in out.err and "tok/s" in out.err  # progress on stderr
+    assert cli(project, "build") == 0
+    assert capsys.readouterr().out == f"shop@1 -> tiny: up to date ({project / 'bundles/shop/1/tiny'})\n"
+
+
+def test_inspect_shows_stability_fidelity_and_validity(shop_bundle: Path, tiny_model: Path, capsys):
+    assert main(["inspect", str(shop_bundle), "--model", str(tiny_model)]) == 0
+    out = capsys.readouterr().out
+    manifest = json.loads((shop_bundle / MANIFEST_FILE).read_text())
+    count = manifest["tokens"]["count"]
+    assert f"rendered_tokens={count}, stable_tokens={count}" in out
+    assert "max_abs_logit_diff=0.0" in out and "greedy_match=True" in out
+    assert "You are the support assistant of a small bookshop" in out
+    assert out.rstrip().endswith(f"valid for model {tiny_model}: yes (checksums, fingerprints, template, mlx-lm)")
+
+
+def test_inspect_json_is_the_manifest(shop_bundle: Path, capsys):
+    assert main(["inspect", "--json", str(shop_bundle)]) == 0
+    out = capsys.readouterr().out
+    assert json.loads(out.split("\nchecksums:")[0]) == json.loads((shop_bundle / MANIFEST_FILE).read_text())
+
+
+def test_list_shows_built_and_missing(project: Path, capsys):
+    assert cli(project, "list") == 0
+    assert "missing" in capsys.readouterr().out
+    cli(project, "build")
+    capsys.readouterr()
+    assert cli(project, "list") == 0
+    assert "built (" in capsys.readouterr().out
+
+
+def test_build_py_runs_as_a_script(project: Path):
+    args = [sys.executable, str(ROOT / "build.py"), "--prefixes", str(project / "prefixes"), "verify"]
+    out = subprocess.run(args, capture_output=True, text=True)
+    assert out.returncode == 2 and "required" in out.stderr
