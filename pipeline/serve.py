@@ -1,0 +1,116 @@
+"""`serve`: mlx_lm.server with bundles mounted before the first request is accepted.
+
+The hook is one name: mlx_lm.server builds its prompt cache with `LRUPromptCache(size)`; we put
+a subclass there that answers from the mounted bundles when they cover more of the prompt than
+the server's own entries. Everything else (options, HTTP, generation) is mlx_lm.server's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipeline.errors import PipelineError
+from pipeline.runtime import SUPPORTED_MLX_LM, MountResult, PromptCacheManager, mount
+
+log = logging.getLogger("prefix-bundles")
+BUNDLE_KEY = "bundles"
+
+
+def check_mlx_lm() -> str:
+    """The installed mlx-lm version, or a PipelineError when serve does not support it."""
+    from mlx_lm import __version__ as version
+
+    parts = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
+    low, high = SUPPORTED_MLX_LM
+    if not low <= parts < high:
+        raise PipelineError(
+            f"serve supports mlx-lm >={low[0]}.{low[1]},<{high[0]}.{high[1]}; found {version}: "
+            f"install one with \"pip install 'mlx-lm>={low[0]}.{low[1]},<{high[0]}.{high[1]}'\""
+        )
+    return version
+
+
+def bundled_prompt_cache_class(manager: PromptCacheManager, model_path: str) -> type:
+    """A LRUPromptCache subclass that also answers from the bundles pinned in `manager`."""
+    from mlx_lm.models.cache import LRUPromptCache
+
+    class BundledPromptCache(LRUPromptCache):
+        def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
+            cache, rest = super().fetch_nearest_cache(model, tokens)
+            if model != (model_path, None, None) or not tokens:
+                return cache, rest
+            hit = manager.fetch(BUNDLE_KEY, tokens)
+            if hit.cache is not None and hit.cache_hit_tokens > len(tokens) - len(rest):
+                log.debug("bundle %s covers %d prompt tokens", hit.source, hit.cache_hit_tokens)
+                return hit.cache, list(hit.remaining)
+            return cache, rest
+
+    return BundledPromptCache
+
+
+def log_mounts(result: MountResult) -> None:
+    """One line per bundle mounted or refused, and the total."""
+    for b in result.bundles:
+        log.info(
+            "mounted %s (%d tokens, %.1f MiB) from %s in %.1f ms",
+            b.name, len(b.tokens), b.manifest.cache.nbytes / 2**20, b.path, b.seconds * 1000,
+        )
+    for r in result.refused:
+        log.warning("refused %s: %s", r.path, r.reason)
+    log.info(
+        "%d bundle(s) mounted, %d refused, in %.1f ms", len(result.bundles), len(result.refused), result.seconds * 1000
+    )
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="build.py serve",
+        description="mlx_lm.server with prefix bundles mounted at startup. "
+        "Options not listed here are passed to mlx_lm.server unchanged.",
+    )
+    p.add_argument("--model", required=True, help="the MLX model folder the bundles were built for")
+    p.add_argument("--bundles", type=Path, required=True, help="folder holding bundles (searched recursively)")
+    p.add_argument("--strict", action="store_true", help="exit instead of skipping a refused bundle")
+    return p
+
+
+def _template_override(rest: list[str]) -> str | None:
+    """The --chat-template string mlx_lm.server will use, if one is passed through."""
+    for i, arg in enumerate(rest):
+        if arg == "--chat-template" and i + 1 < len(rest):
+            return rest[i + 1] or None
+        if arg.startswith("--chat-template="):
+            return arg.split("=", 1)[1] or None
+    return None
+
+
+def main(argv: list[str]) -> int:
+    """Mount, install the hook, then hand over to mlx_lm.server's own main."""
+    args, rest = setup_arg_parser().parse_known_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s - %(levelname)s - %(message)s")
+    try:
+        check_mlx_lm()
+        manager = PromptCacheManager()
+        result = mount(
+            args.model,
+            args.bundles,
+            skip_refused=not args.strict,
+            chat_template=_template_override(rest),
+            manager=manager,
+            model_key=BUNDLE_KEY,
+        )
+    except PipelineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    log_mounts(result)
+
+    import mlx_lm.server as server
+
+    server.LRUPromptCache = bundled_prompt_cache_class(manager, args.model)
+    sys.argv = ["mlx_lm.server", "--model", args.model, *rest]
+    server.main()
+    return 0

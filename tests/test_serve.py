@@ -1,0 +1,103 @@
+"""End to end: the real mlx_lm.server started by `build.py serve`, over loopback HTTP."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+from conftest import SYSTEM, TOOLS
+from pipeline.bundle import MANIFEST_FILE
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def server(model: Path, bundles: Path, log: Path):
+    port = free_port()
+    args = [sys.executable, str(ROOT / "build.py"), "serve", "--model", str(model), "--bundles", str(bundles),
+            "--port", str(port), "--max-tokens", "12"]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_ready(port, proc, log)
+            yield port
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def wait_ready(port: int, proc: subprocess.Popen, log: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited: {log.read_text()}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError(f"server not ready: {log.read_text()}")
+
+
+def chat(port: int, question: str) -> dict:
+    body = {
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "tools": TOOLS,
+        "max_tokens": 12,
+        "temperature": 0.0,
+    }
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def cached(response: dict) -> int:
+    return response["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
+
+
+def test_first_request_after_start_is_warm_and_equals_cold(shop_bundle: Path, tiny_model: Path, tmp_path: Path):
+    prefix_tokens = json.loads((shop_bundle / MANIFEST_FILE).read_text())["tokens"]["count"]
+    bundles = shop_bundle.parents[2]
+    with server(tiny_model, bundles, tmp_path / "warm.log") as port:
+        warm = chat(port, "Where is my order 12345?")
+    log = (tmp_path / "warm.log").read_text()
+    assert "mounted shop@1" in log and "1 bundle(s) mounted, 0 refused" in log
+    assert cached(warm) >= prefix_tokens - 1
+
+    empty = tmp_path / "no-bundles"
+    empty.mkdir()
+    with server(tiny_model, empty, tmp_path / "cold.log") as port:
+        cold = chat(port, "Where is my order 12345?")
+    assert cached(cold) == 0
+    assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
+    assert warm["usage"]["prompt_tokens"] == cold["usage"]["prompt_tokens"]
+
+    with server(tiny_model, bundles, tmp_path / "restart.log") as port:
+        again = chat(port, "Where is my order 12345?")
+        later = chat(port, "And my order 777?")
+    assert cached(again) >= prefix_tokens - 1 and again["choices"] == warm["choices"]
+    assert cached(later) >= prefix_tokens - 1
+
+
+def test_refused_bundle_is_logged_and_skipped(shop_bundle: Path, tiny_model_other_weights: Path, tmp_path: Path):
+    with server(tiny_model_other_weights, shop_bundle.parents[2], tmp_path / "s.log") as port:
+        response = chat(port, "Hello?")
+    log = (tmp_path / "s.log").read_text()
+    assert "refused" in log and "model weights/config mismatch" in log
+    assert cached(response) == 0
