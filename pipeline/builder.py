@@ -58,6 +58,7 @@ class Target:
     definition: LoadedDefinition
     model_dir: Path
     slug: str
+    model_ref: str  # the model as the definition or command line names it (for mlx_lm interop)
     expected_fingerprint: str | None = None
 
 
@@ -104,9 +105,10 @@ def targets(definition: LoadedDefinition, root: Path, model_override: Path | Non
     """The models a definition is built for, or the one model given on the command line."""
     if model_override is not None:
         path = Path(model_override).resolve()
-        return [Target(definition, resolve_model(ModelSpec(path=str(path)), root), slugify(path.name))]
+        model_dir = resolve_model(ModelSpec(path=str(path)), root)
+        return [Target(definition, model_dir, slugify(path.name), str(model_override))]
     return [
-        Target(definition, resolve_model(spec, root), model_slug(spec), spec.fingerprint)
+        Target(definition, resolve_model(spec, root), model_slug(spec), spec.path or spec.repo, spec.fingerprint)
         for spec in definition.spec.models
     ]
 
@@ -179,7 +181,7 @@ def build_key(target: Target, identity: ModelIdentity, rendered: Rendered, build
                 "format": FORMAT_VERSION,
                 "prefix": [d.name, d.version, d.content_sha256],
                 "text": sha256_bytes(rendered.text.encode()),
-                "model": [identity.model, identity.tokenizer, rendered.template_sha256],
+                "model": [identity.model, identity.tokenizer, rendered.template_sha256, target.model_ref],
                 "cache": d.spec.cache.model_dump(),
                 "check": d.spec.check.model_dump(),
                 "builder": builder.model_dump(),
@@ -272,7 +274,9 @@ def build(
         "peak_rss_bytes": peak_rss_bytes(),
         "blas": BLAS_STATUS.notice,
     }
-    manifest = write_bundle(dest, final, cut.tokens, finish, report)
+    # "model" and "tokenizer_config" let `mlx_lm.generate --prompt-cache-file` read the file too
+    metadata = {"model": target.model_ref, "tokenizer_config": "{}"}
+    manifest = write_bundle(dest, final, cut.tokens, finish, report, metadata)
     return BuildResult(dest, manifest, report, up_to_date=False)
 
 

@@ -181,11 +181,13 @@ def write_bundle(
     tokens: list[int],
     finish: Callable[[Path], Manifest],
     report: dict[str, Any],
+    metadata: dict[str, str] | None = None,
 ) -> Manifest:
     """Write the bundle into a staging folder, then rename it into place (complete or absent).
 
     `finish` receives the staging folder once cache.safetensors is written (so checks can read
     the file as it will ship) and returns the manifest; raising there ships nothing.
+    `metadata` (strings) is stored in cache.safetensors beside the token ids.
     """
     from mlx_lm.models.cache import save_prompt_cache
 
@@ -195,7 +197,8 @@ def write_bundle(
     tmp = Path(tempfile.mkdtemp(prefix=f"{dest.name}.{os.getpid()}.", dir=staging_root))
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; deployed bundles must be readable
     try:
-        save_prompt_cache(str(tmp / CACHE_FILE), cache, {"token_ids": json.dumps(tokens, separators=(",", ":"))})
+        user = {**(metadata or {}), "token_ids": json.dumps(tokens, separators=(",", ":"))}
+        save_prompt_cache(str(tmp / CACHE_FILE), cache, user)
         manifest = finish(tmp)
         (tmp / MANIFEST_FILE).write_bytes(manifest_bytes(manifest))
         digests = {name: sha256_file(tmp / name) for name in CHECKSUMMED}
