@@ -30,7 +30,11 @@ def _progress(label: str):
         rate = done / max(elapsed, 1e-9)
         eta = (total - done) / max(rate, 1e-9)
         line = f"{label}: prefill {done}/{total} tokens, {rate:,.0f} tok/s, ETA {eta:.1f}s"
-        print(("\r" + line) if tty else line, end="" if tty and done < total else "\n", file=sys.stderr)
+        print(
+            ("\r" + line) if tty else line,
+            end="" if tty and done < total else "\n",
+            file=sys.stderr,
+        )
 
     return report
 
@@ -59,12 +63,15 @@ def cmd_build(args: argparse.Namespace) -> int:
     from pipeline.builder import build, targets
     from pipeline.bundle import clean_staging
 
+    definitions = _load_definitions(args.prefixes, args.prefix)
     print(BLAS_STATUS.notice, file=sys.stderr)
     clean_staging(args.bundles)
-    for definition in _load_definitions(args.prefixes, args.prefix):
+    for definition in definitions:
         for target in targets(definition, args.prefixes.resolve().parent, args.model):
             label = f"{definition.name}@{definition.version} -> {target.slug}"
-            result = build(target, args.bundles, force=args.force, check=args.check, progress=_progress(label))
+            result = build(
+                target, args.bundles, force=args.force, check=args.check, progress=_progress(label)
+            )
             m = result.manifest
             if result.up_to_date:
                 print(f"{label}: up to date ({result.bundle})")
@@ -156,7 +163,11 @@ def cmd_list(args: argparse.Namespace) -> int:
         for spec in definition.spec.models:
             path = bundle_path(args.bundles, definition, model_slug(spec))
             try:
-                state = f"built ({verify_files(path).tokens.count} tokens)" if path.is_dir() else "missing"
+                state = (
+                    f"built ({verify_files(path).tokens.count} tokens)"
+                    if path.is_dir()
+                    else "missing"
+                )
             except PipelineError as exc:
                 state = f"broken: {exc}"
             print(f"{definition.name}@{definition.version}  {model_slug(spec):<24} {state}  {path}")
@@ -178,28 +189,53 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r['prefix']:<22}{r['tokens']:>8}{r['bytes']:>13,}{r['prefill_s']:>11.3f}{r['mount_ms']:>10.1f}")
+        print(
+            f"{r['prefix']:<22}{r['tokens']:>8}{r['bytes']:>13,}{r['prefill_s']:>11.3f}{r['mount_ms']:>10.1f}"
+        )
     return 0
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="build.py", description="Build, verify and serve MLX prefix-cache bundles.")
-    p.add_argument("--prefixes", type=Path, default=Path("prefixes"), help="definitions folder (default: prefixes)")
-    p.add_argument("--bundles", type=Path, default=Path("bundles"), help="bundles folder (default: bundles)")
+    p = argparse.ArgumentParser(
+        prog="build.py", description="Build, verify and serve MLX prefix-cache bundles."
+    )
+    p.add_argument(
+        "--prefixes",
+        type=Path,
+        default=Path("prefixes"),
+        help="definitions folder (default: prefixes)",
+    )
+    p.add_argument(
+        "--bundles", type=Path, default=Path("bundles"), help="bundles folder (default: bundles)"
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     b = sub.add_parser("build", help="build bundles for prefix definitions")
     b.add_argument("prefix", nargs="*", help="definition names (default: all)")
-    b.add_argument("--model", type=Path, help="build for this model folder instead of the definition's models")
-    b.add_argument("--force", action="store_true", help="rebuild even when the bundle is up to date")
-    b.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
-                   help="warm-equals-cold fidelity check before shipping (default: on)")
+    b.add_argument(
+        "--model", type=Path, help="build for this model folder instead of the definition's models"
+    )
+    b.add_argument(
+        "--force", action="store_true", help="rebuild even when the bundle is up to date"
+    )
+    b.add_argument(
+        "--check",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="warm-equals-cold fidelity check before shipping (default: on)",
+    )
     b.set_defaults(func=cmd_build)
 
-    v = sub.add_parser("verify", help="verify bundles against a model folder (exit 0 ok, 1 refused)")
+    v = sub.add_parser(
+        "verify", help="verify bundles against a model folder (exit 0 ok, 1 refused)"
+    )
     v.add_argument("bundle", nargs="+", type=Path)
     v.add_argument("--model", type=Path, required=True)
-    v.add_argument("--chat-template", type=Path, help="template file the server will use instead of the model's")
+    v.add_argument(
+        "--chat-template",
+        type=Path,
+        help="template file the server will use instead of the model's",
+    )
     v.set_defaults(func=cmd_verify)
 
     i = sub.add_parser("inspect", help="show what a bundle holds and whether it is valid")
@@ -209,7 +245,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     i.add_argument("--json", action="store_true", help="print the manifest as JSON")
     i.set_defaults(func=cmd_inspect)
 
-    sub.add_parser("list", help="definitions and their bundles, built or missing").set_defaults(func=cmd_list)
+    sub.add_parser("list", help="definitions and their bundles, built or missing").set_defaults(
+        func=cmd_list
+    )
 
     m = sub.add_parser("demo-model", help="generate the deterministic demo/test model folder")
     m.add_argument("--size", choices=("tiny", "bench"), default="tiny")
@@ -217,9 +255,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     m.add_argument("--out", type=Path, default=DEMO_MODEL)
     m.set_defaults(func=cmd_demo_model)
 
-    sub.add_parser("demo", help="generate the demo model, build, verify and mount every example").set_defaults(
-        func=cmd_demo
-    )
+    sub.add_parser(
+        "demo", help="generate the demo model, build, verify and mount every example"
+    ).set_defaults(func=cmd_demo)
     return p
 
 

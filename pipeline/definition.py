@@ -7,6 +7,7 @@ import hashlib
 import json
 import re
 import sys
+import unicodedata
 from pathlib import Path
 from typing import Any, Literal
 
@@ -109,7 +110,7 @@ class PrefixDefinition(Strict):
     """A versioned prefix definition as written in prefixes/<name>.toml."""
 
     name: str = Field(pattern=NAME_PATTERN)
-    version: int = Field(ge=1)
+    version: int = Field(ge=1, strict=True)
     description: str = ""
     template: TemplateSpec
     prefix: PrefixSpec
@@ -158,14 +159,26 @@ def load_definition(path: Path, repo_root: Path | None = None) -> LoadedDefiniti
     return _resolve(spec, path, root)
 
 
+# What to do, for fields whose pydantic message names the rule but not the fix.
+FIELD_HINTS = {
+    "name": "use 1-64 of a-z 0-9 . _ - starting with a letter or digit, and name the file the same",
+    "version": "start at 1 and bump it whenever the content changes",
+    "template.sha256": "pin the sha256 that the build's 'sha256 mismatch' error prints",
+    "cache.kv_bits": "leave it out for a full-precision cache",
+}
+
+
 def _first_error(exc: ValidationError) -> str:
     err = exc.errors()[0]
     field = ".".join(str(p) for p in err["loc"]) or "(top level)"
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
-        msg = "unknown field; remove it or check its spelling"
-    elif err["type"] == "missing":
-        msg = "required field is missing; add it"
+        return f"{field}: unknown field; remove it or check its spelling"
+    if err["type"] == "missing":
+        return f"{field}: required field is missing; add it"
+    hint = FIELD_HINTS.get(re.sub(r"\.\d+\.", ".", field))
+    if hint:
+        return f"{field}: {msg} (got {err['input']!r}); {hint}"
     return f"{field}: {msg}"
 
 
@@ -177,7 +190,9 @@ def _resolve(spec: PrefixDefinition, path: Path, root: Path) -> LoadedDefinition
             "role": m.role,
             "content": m.content
             if m.content is not None
-            else "\n\n".join(read(f, f"prefix.messages.{i}.content_files") for f in m.content_files),
+            else "\n\n".join(
+                read(f, f"prefix.messages.{i}.content_files") for f in m.content_files
+            ),
         }
         for i, m in enumerate(spec.prefix.messages)
     ]
@@ -197,7 +212,11 @@ def _resolve(spec: PrefixDefinition, path: Path, root: Path) -> LoadedDefinition
     }
     digest = hashlib.sha256(canonical_json(content)).hexdigest()
     return LoadedDefinition(
-        spec=spec, path=path, messages=messages, tools=tools, documents=documents,
+        spec=spec,
+        path=path,
+        messages=messages,
+        tools=tools,
+        documents=documents,
         content_sha256=digest,
     )
 
@@ -211,8 +230,13 @@ def _read_included(rel: str, base: Path, root: Path, path: Path, field: str) -> 
         )
     try:
         return target.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise DefinitionError(f"{path}: {field}: included file '{rel}' not found") from None
+    except (FileNotFoundError, IsADirectoryError):
+        raise DefinitionError(
+            f"{path}: {field}: included file '{rel}' not found in {base}; "
+            "paths are relative to the definition's folder"
+        ) from None
+    except OSError as exc:
+        raise DefinitionError(f"{path}: {field}: '{rel}' cannot be read ({exc.strerror})") from None
     except UnicodeDecodeError:
         raise DefinitionError(f"{path}: {field}: '{rel}' is not UTF-8 text") from None
 
@@ -239,9 +263,10 @@ def model_slug(spec: ModelSpec) -> str:
 
 
 def slugify(text: str) -> str:
-    """Lower-case, filesystem-safe name."""
-    slug = re.sub(r"[^a-z0-9._-]+", "-", text.lower()).strip("-.")
-    return slug[:64] or "model"
+    """Lower-case ASCII, filesystem-safe name that NAME_PATTERN accepts."""
+    ascii_text = unicodedata.normalize("NFKD", text).encode("ascii", "ignore").decode()
+    slug = re.sub(r"[^a-z0-9._-]+", "-", ascii_text.lower())[:64].strip("-._")
+    return slug or "model"
 
 
 def find_definitions(prefix_dir: Path) -> list[Path]:

@@ -99,6 +99,7 @@ HEAD = 'name = "x"\nversion = 1\n'
 TEMPLATE = f'[template]\nsha256 = "{SHA}"\n'
 MESSAGE = '[[prefix.messages]]\nrole = "system"\ncontent = "Be brief."\n'
 MODEL = '[[models]]\npath = "models/demo-tiny"\n'
+V = "; start at 1 and bump it whenever the content changes"
 VALID = HEAD + TEMPLATE + MESSAGE + MODEL
 
 
@@ -149,25 +150,26 @@ INVALID = [
         "version 0",
         VALID.replace("version = 1", "version = 0"),
         {},
-        "version: Input should be greater than or equal to 1",
+        "version: Input should be greater than or equal to 1 (got 0); start at 1 and bump it whenever the content changes",
     ),
     (
         "version not an integer",
         VALID.replace("version = 1", "version = 1.5"),
         {},
-        "version: Input should be a valid integer, got a number with a fractional part",
+        "version: Input should be a valid integer (got 1.5); start at 1 and bump it whenever the content changes",
     ),
     (
         "version a word",
         VALID.replace("version = 1", 'version = "two"'),
         {},
-        "version: Input should be a valid integer, unable to parse string as an integer",
+        "version: Input should be a valid integer (got 'two'); start at 1 and bump it whenever the content changes",
     ),
     (
         "name not a slug",
         VALID.replace('name = "x"', 'name = "Support Bot"'),
         {},
-        "name: String should match pattern '^[a-z0-9][a-z0-9._-]{0,63}$'",
+        "name: String should match pattern '^[a-z0-9][a-z0-9._-]{0,63}$' (got 'Support Bot'); "
+        "use 1-64 of a-z 0-9 . _ - starting with a letter or digit, and name the file the same",
     ),
     (
         "name not the file stem",
@@ -199,7 +201,8 @@ INVALID = [
         "included file missing",
         from_files("x/s.md", "x/gone.md"),
         {"x/s.md": "Be brief."},
-        "prefix.messages.0.content_files: included file 'x/gone.md' not found",
+        "prefix.messages.0.content_files: included file 'x/gone.md' not found in {base}; "
+        "paths are relative to the definition's folder",
     ),
     (
         "included file outside the folder",
@@ -228,7 +231,8 @@ INVALID = [
         "sha256 not 64 hex",
         VALID.replace(SHA, SHA[:63] + "G"),
         {},
-        "template.sha256: String should match pattern '^[0-9a-f]{64}$'",
+        f"template.sha256: String should match pattern '^[0-9a-f]{{64}}$' (got '{SHA[:63]}G'); "
+        "pin the sha256 that the build's 'sha256 mismatch' error prints",
     ),
     (
         "template source file without file",
@@ -254,7 +258,12 @@ INVALID = [
         {},
         "models.0: give exactly one of 'path' or 'repo'",
     ),
-    ("kv_bits 3", VALID + "[cache]\nkv_bits = 3\n", {}, "cache.kv_bits: Input should be 4 or 8"),
+    (
+        "kv_bits 3",
+        VALID + "[cache]\nkv_bits = 3\n",
+        {},
+        "cache.kv_bits: Input should be 4 or 8 (got 3); leave it out for a full-precision cache",
+    ),
     (
         "TOML syntax error",
         VALID.replace('name = "x"', 'name "x"'),
@@ -308,10 +317,6 @@ def test_missing_definition_file(tmp_path: Path) -> None:
     assert str(caught.value) == f"{tmp_path / 'gone.toml'}: file not found"
 
 
-# Known bug: a folder (or "") in content_files escapes as IsADirectoryError, not DefinitionError.
-@pytest.mark.xfail(
-    raises=IsADirectoryError, strict=True, reason="_read_included catches only FileNotFoundError"
-)
 @pytest.mark.parametrize("included", ["x", ""])
 def test_included_folder_is_a_definition_error(tmp_path: Path, included: str) -> None:
     path = write_definition(tmp_path, from_files(included), {"x/s.md": "Be brief."})
@@ -362,14 +367,9 @@ def test_slugify(text: str, slug: str) -> None:
     assert slugify(text) == slug
 
 
-_SLUG_BUG = pytest.mark.xfail(
-    strict=True, reason="slugify keeps a leading '_', which NAME_PATTERN refuses"
-)
-
-
 @pytest.mark.parametrize(
     "text",
-    ["Qwen3-0.6B", "a" * 63 + "-b", "--x--", pytest.param("_private", marks=_SLUG_BUG)],
+    ["Qwen3-0.6B", "a" * 63 + "-b", "--x--", "_private", "über-model"],
 )
 def test_slugify_output_is_a_valid_slug(text: str) -> None:
     assert re.fullmatch(NAME_PATTERN, slugify(text))
@@ -384,9 +384,11 @@ def test_cli_build_bad_definition_prints_one_error_line(tmp_path: Path, capsys) 
     out, err = capsys.readouterr()
     assert code == 1
     assert out == ""
-    # The BLAS notice is printed before the definitions are read; it is the only other line.
-    lines = [line for line in err.splitlines() if line != BLAS_STATUS.notice]
-    assert lines == [f"error: {path}: cache.kv_bits: Input should be 4 or 8"]
+    lines = err.splitlines()
+    assert lines == [
+        f"error: {path}: cache.kv_bits: Input should be 4 or 8 (got 3); "
+        "leave it out for a full-precision cache"
+    ]
     assert not (tmp_path / "bundles" / "x").exists()
 
 
@@ -418,7 +420,9 @@ def test_cli_list_bad_definition_is_one_error_line(tmp_path: Path, capsys) -> No
     code = main(["--prefixes", str(path.parent), "--bundles", str(tmp_path / "bundles"), "list"])
     out, err = capsys.readouterr()
     assert (code, out) == (1, "")
-    assert err == f"error: {path}: version: Input should be greater than or equal to 1\n"
+    assert err == (
+        f"error: {path}: version: Input should be greater than or equal to 1 (got 0){V}\n"
+    )
 
 
 @pytest.mark.parametrize(
