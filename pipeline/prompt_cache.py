@@ -1,0 +1,264 @@
+"""In-memory prompt-cache manager: longest-prefix reuse over pinned bundles and LRU entries."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from pipeline.errors import PipelineError
+
+# Duck-typed on purpose: importing anything under mlx_lm runs mlx_lm/__init__.py, which
+# imports transformers and jinja2 (~0.75 s); the runtime must stay thin.
+_NARROWED = frozenset({"KVCache", "QuantizedKVCache"})  # cut to offset on hand-out
+
+
+@dataclass(frozen=True)
+class CacheHit:
+    """What `fetch` hands out: a cache to extend (or None) and the tokens still to process."""
+
+    cache: list | None  # ready-to-extend prompt cache, or None = start cold
+    remaining: list[int]  # tokens still to process (never empty when tokens non-empty)
+    cache_hit_tokens: int
+    source: str  # "bundle:<name>", "entry", or "cold"
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """A cache the manager owns; its arrays are never written, only re-wrapped."""
+
+    tokens: np.ndarray  # token ids the cache covers, exactly
+    cache: list
+    trimmable: bool
+    nbytes: int
+    source: str
+
+
+def _fork(value: Any) -> Any:
+    """Same data, new handles: arrays re-wrapped, containers and cache objects rebuilt."""
+    if isinstance(value, mx.array):
+        # A new handle over the same buffer. Slice assignment into it rebinds only this
+        # handle, and MLX never donates a buffer that another handle still holds.
+        return value[...]
+    if isinstance(value, list):
+        return [_fork(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_fork(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _fork(v) for k, v in value.items()}
+    if hasattr(type(value), "is_trimmable"):  # every mlx_lm cache class, ArraysCache included
+        new = copy.copy(value)
+        new.__dict__.update({k: _fork(v) for k, v in vars(value).items()})
+        return new
+    return value
+
+
+def _arrays(value: Any) -> Iterator[mx.array]:
+    """Every array held by a cache, a container of caches, or a container of arrays."""
+    if isinstance(value, mx.array):
+        yield value
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _arrays(v)
+    elif isinstance(value, dict):
+        yield from _arrays(list(value.values()))
+    elif hasattr(value, "__dict__"):
+        yield from _arrays(list(vars(value).values()))
+
+
+def _children(layer: Any) -> Sequence[Any] | None:
+    """The sub-caches of a CacheList-like layer, else None."""
+    children = getattr(layer, "caches", None)
+    return children if isinstance(children, list | tuple) else None
+
+
+def _offsets(cache: Sequence[Any]) -> set[int]:
+    """The token counts the layers report (caches without an int offset report nothing)."""
+    found: set[int] = set()
+    for layer in cache:
+        if _children(layer) is not None:
+            found |= _offsets(_children(layer))
+        elif isinstance(getattr(layer, "offset", None), int):
+            found.add(layer.offset)
+    return found
+
+
+def _narrow(layer: Any) -> None:
+    """Cut KV buffers to the offset so the first write copies only the kept prefix."""
+    for child in _children(layer) or ():
+        _narrow(child)
+    names = {cls.__name__ for cls in type(layer).__mro__}
+    if not names & _NARROWED or getattr(layer, "keys", None) is None:
+        return
+    # KVCache keys: one array; QuantizedKVCache keys: (packed, scales, biases).
+    end = layer.offset
+    if isinstance(layer.keys, mx.array):
+        layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
+    else:
+        layer.keys = tuple(x[..., :end, :] for x in layer.keys)
+        layer.values = tuple(x[..., :end, :] for x in layer.values)
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the longest common prefix of two token arrays."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
+
+
+def _make_entry(tokens: Sequence[int], cache: list, source: str, label: str) -> _Entry | None:
+    """Own a snapshot of `cache` (new handles, materialized); None when it covers nothing."""
+    if not isinstance(cache, list) or not cache:
+        raise PipelineError(f"{label}: expected a prompt cache (non-empty list), got {cache!r}")
+    ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    offsets = _offsets(cache)
+    if len(offsets) > 1:
+        raise PipelineError(
+            f"{label}: cache layers disagree on their length {sorted(offsets)}; "
+            "pass the prompt cache of one model and one request"
+        )
+    if offsets:
+        covered = offsets.pop()
+        if covered > len(ids):
+            raise PipelineError(
+                f"{label}: cache covers {covered} tokens but {len(ids)} token ids were given; "
+                "pass the token ids the cache was built from"
+            )
+        ids = ids[:covered]  # ids past the cache (a last sampled token) were never fed to it
+    if len(ids) == 0:
+        return None
+    owned = [_fork(layer) for layer in cache]
+    mx.eval(list(_arrays(owned)))  # lazy arrays are bound to the creating thread's stream
+    nbytes = sum(layer.nbytes for layer in owned)
+    trimmable = all(layer.is_trimmable() for layer in owned)
+    return _Entry(ids.copy(), owned, trimmable, nbytes, source)
+
+
+def _usable(entry: _Entry, request: np.ndarray) -> int:
+    """How many leading request tokens this entry can serve (0: it cannot serve the request)."""
+    common = _common_prefix(entry.tokens, request)
+    if entry.trimmable:
+        return min(common, len(request) - 1)
+    whole = len(entry.tokens)
+    return whole if common == whole and whole < len(request) else 0
+
+
+def _best(candidates: list[_Entry], request: np.ndarray) -> tuple[_Entry | None, int]:
+    """The candidate serving the most tokens; ties go to less trimming, then to bundles."""
+    best, best_rank = None, (0, 0)
+    for entry in candidates:
+        keep = _usable(entry, request)
+        rank = (keep, keep - len(entry.tokens))
+        if keep > 0 and rank > best_rank:
+            best, best_rank = entry, rank
+    return best, best_rank[0]
+
+
+def _hand_out(entry: _Entry, keep: int) -> list:
+    """A fresh cache over the entry's arrays covering its first `keep` tokens."""
+    cache = [_fork(layer) for layer in entry.cache]
+    excess = len(entry.tokens) - keep
+    for layer in cache:
+        if excess:
+            layer.trim(excess)
+        _narrow(layer)
+    mx.eval(list(_arrays(cache)))  # slices are views: cheap, and usable from any thread
+    return cache
+
+
+class PromptCacheManager:
+    """Longest-common-prefix prompt cache over pinned bundles and LRU-bounded entries."""
+
+    def __init__(self, max_entries: int = 10, max_bytes: int = 8 << 30) -> None:
+        """Bound stored entries by count and bytes; pinned bundles count against neither."""
+        if max_entries < 0 or max_bytes < 0:
+            raise PipelineError(
+                f"prompt cache limits must be >= 0 (max_entries={max_entries}, "
+                f"max_bytes={max_bytes}); pass 0 to keep only pinned bundles"
+            )
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._pinned: dict[str, dict[str, _Entry]] = {}
+        self._entries: OrderedDict[tuple[str, bytes], _Entry] = OrderedDict()
+        self._bytes = 0
+        self._counts = dict(hits=0, misses=0, hit_tokens=0, evictions=0, rejected=0)
+
+    def pin(self, model_key: str, tokens: Sequence[int], cache: list, name: str) -> None:
+        """Mount a bundle's cache for `model_key`; never evicted, never mutated by requests."""
+        entry = _make_entry(tokens, cache, f"bundle:{name}", f"bundle {name}")
+        if entry is None:
+            raise PipelineError(f"bundle {name}: its prompt cache covers no tokens; rebuild it")
+        with self._lock:
+            self._pinned.setdefault(model_key, {})[name] = entry
+
+    def fetch(self, model_key: str, tokens: Sequence[int]) -> CacheHit:
+        """The longest reusable cached prefix of `tokens`, as a cache the caller may mutate."""
+        request = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        with self._lock:
+            candidates = list(self._pinned.get(model_key, {}).values())
+            candidates += [e for (key, _), e in self._entries.items() if key == model_key]
+        best, keep = _best(candidates, request) if len(request) > 1 else (None, 0)
+        if best is None:
+            with self._lock:
+                self._counts["misses"] += 1
+            return CacheHit(None, request.tolist(), 0, "cold")
+        cache = _hand_out(best, keep)  # built outside the lock: entries are never written
+        key = (model_key, best.tokens.tobytes())
+        with self._lock:
+            self._counts["hits"] += 1
+            self._counts["hit_tokens"] += keep
+            if self._entries.get(key) is best:
+                self._entries.move_to_end(key)
+        return CacheHit(cache, request[keep:].tolist(), keep, best.source)
+
+    def store(self, model_key: str, tokens: Sequence[int], cache: list) -> None:
+        """Keep a snapshot of a request's cache for reuse; evicts least recently used entries."""
+        entry = _make_entry(tokens, cache, "entry", f"prompt cache entry for {model_key}")
+        if entry is None or entry.nbytes > self.max_bytes or self.max_entries == 0:
+            with self._lock:
+                self._counts["rejected"] += 1
+            return
+        key = (model_key, entry.tokens.tobytes())
+        with self._lock:
+            self._drop(key)
+            if entry.trimmable:  # a trimmable entry serves every prefix of itself
+                for old_key, old in list(self._entries.items()):
+                    if old_key[0] == model_key and _is_prefix(old.tokens, entry.tokens):
+                        self._drop(old_key)
+            self._entries[key] = entry
+            self._bytes += entry.nbytes
+            while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
+                self._drop(next(iter(self._entries)))
+                self._counts["evictions"] += 1
+
+    def stats(self) -> dict:
+        """Counts and sizes: stored entries and pinned bundles reported separately."""
+        with self._lock:
+            pinned = [e for group in self._pinned.values() for e in group.values()]
+            return {
+                "entries": len(self._entries),
+                "bytes": self._bytes,
+                "max_entries": self.max_entries,
+                "max_bytes": self.max_bytes,
+                "pinned": len(pinned),
+                "pinned_bytes": sum(e.nbytes for e in pinned),
+                **self._counts,
+            }
+
+    def _drop(self, key: tuple[str, bytes]) -> None:
+        """Forget a stored entry (lock held)."""
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._bytes -= entry.nbytes
+
+
+def _is_prefix(short: np.ndarray, long: np.ndarray) -> bool:
+    """True when `short` is a strict prefix of `long`."""
+    return len(short) < len(long) and _common_prefix(short, long) == len(short)

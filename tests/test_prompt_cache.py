@@ -1,0 +1,450 @@
+"""PromptCacheManager: reuse rules, copy-on-write hand-outs and exact logits on real caches."""
+
+# ruff: noqa: I001  (pipeline must be imported before mlx: it loads OpenBLAS first)
+import copy
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pipeline  # noqa: F401
+from pipeline.errors import PipelineError
+from pipeline.prompt_cache import CacheHit, PromptCacheManager, _arrays
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import llama, mamba
+from mlx_lm.models.cache import (
+    CacheList,
+    RotatingKVCache,
+    make_prompt_cache,
+    trim_prompt_cache,
+)
+
+VOCAB = 64
+_rng = np.random.default_rng(7)
+
+
+@pytest.fixture(autouse=True)
+def _same_ids_in_any_order():
+    global _rng
+    _rng = np.random.default_rng(7)
+
+
+def ids(n: int) -> list[int]:
+    """Random token ids, never 0: 0 is kept for 'the request diverges here'."""
+    return _rng.integers(1, VOCAB, size=n).tolist()
+
+
+def llama_model(hidden: int = 32, heads: int = 4) -> llama.Model:
+    mx.random.seed(0)
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=hidden,
+        num_hidden_layers=2,
+        intermediate_size=64,
+        num_attention_heads=heads,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=VOCAB,
+    )
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture(scope="module")
+def model() -> llama.Model:
+    return llama_model()
+
+
+@pytest.fixture(scope="module")
+def ssm() -> mamba.Model:
+    mx.random.seed(0)
+    args = mamba.ModelArgs(
+        model_type="mamba",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        state_size=8,
+        num_hidden_layers=2,
+        conv_kernel=4,
+        use_bias=False,
+        use_conv_bias=True,
+        time_step_rank=4,
+    )
+    m = mamba.Model(args)
+    mx.eval(m.parameters())
+    return m
+
+
+def kv(model):
+    return make_prompt_cache(model)
+
+
+def rotating(model, window: int = 8):
+    # keep=0: a one-shot cold prefill masks a plain sliding window, with no attention sinks
+    return [RotatingKVCache(max_size=window, keep=0) for _ in model.layers]
+
+
+def prefill(model, tokens: list[int], cache: list | None = None, make=kv) -> tuple[list, mx.array]:
+    """Run tokens through the model; returns the cache and the last position's logits."""
+    cache = make(model) if cache is None else cache
+    logits = model(mx.array([tokens]), cache=cache)[0, -1]
+    mx.eval(logits, list(_arrays(cache)))
+    return cache, logits
+
+
+def assert_fresh(model, hit: CacheHit, tokens: list[int], make=kv) -> mx.array:
+    """Logits on `remaining` with the handed-out cache equal a cold full prefill's."""
+    assert hit.remaining == tokens[hit.cache_hit_tokens :] and hit.remaining
+    _, logits = prefill(model, hit.remaining, hit.cache, make)
+    _, cold = prefill(model, tokens, None, make)
+    assert logits.dtype == mx.float32
+    assert mx.allclose(logits, cold, atol=1e-4).item()
+    return logits
+
+
+def pinned(model, tokens: list[int], name: str = "b", make=kv) -> PromptCacheManager:
+    manager = PromptCacheManager()
+    manager.pin("m", tokens, prefill(model, tokens, make=make)[0], name)
+    return manager
+
+
+def test_exact_resubmission_leaves_one_token(model):
+    prefix = ids(24)
+    hit = pinned(model, prefix).fetch("m", prefix)
+    assert (hit.cache_hit_tokens, hit.source) == (23, "bundle:b")
+    assert_fresh(model, hit, prefix)
+
+
+def test_extension_reuses_whole_prefix(model):
+    prefix, tail = ids(24), ids(5)
+    hit = pinned(model, prefix).fetch("m", prefix + tail)
+    assert (hit.cache_hit_tokens, hit.remaining) == (24, tail)
+    assert_fresh(model, hit, prefix + tail)
+
+
+def test_divergence_inside_prefix_trims(model):
+    prefix = ids(24)
+    request = prefix[:10] + [0] + ids(4)
+    hit = pinned(model, prefix).fetch("m", request)
+    assert hit.cache_hit_tokens == 10
+    assert all(layer.offset == 10 for layer in hit.cache)
+    assert_fresh(model, hit, request)
+
+
+@pytest.mark.parametrize("request_", [[0, 5, 6], [7]], ids=["first-token", "single-token"])
+def test_no_usable_prefix_is_cold(model, request_):
+    manager = pinned(model, [7] + ids(10))
+    assert manager.fetch("m", request_) == CacheHit(None, request_, 0, "cold")
+    assert manager.fetch("m", []) == CacheHit(None, [], 0, "cold")
+    assert (manager.stats()["hits"], manager.stats()["misses"]) == (0, 2)
+
+
+def test_rotating_past_window_reused_only_on_full_extension(model):
+    prefix = ids(24)
+    manager = pinned(model, prefix, make=rotating)
+    extended = prefix + ids(3)
+    hit = manager.fetch("m", extended)
+    assert hit.cache_hit_tokens == 24
+    assert_fresh(model, hit, extended, make=rotating)
+    for request in (prefix, prefix[:10] + [0, 1]):
+        assert manager.fetch("m", request).source == "cold"
+    # A shorter, still trimmable entry serves what the wrapped bundle cannot.
+    manager.store("m", prefix[:6], prefill(model, prefix[:6], make=rotating)[0])
+    hit = manager.fetch("m", prefix)
+    assert (hit.cache_hit_tokens, hit.source) == (6, "entry")
+    assert_fresh(model, hit, prefix, make=rotating)
+
+
+def test_arrays_cache_reused_only_on_full_extension(ssm):
+    prefix = ids(20)
+    manager = PromptCacheManager()
+    manager.pin("m", prefix, prefill(ssm, prefix)[0], "ssm")
+    extended = prefix + ids(4)
+    hit = manager.fetch("m", extended)
+    assert hit.cache_hit_tokens == 20
+    assert_fresh(ssm, hit, extended)
+    for request in (prefix, prefix[:10] + [0, 1]):
+        assert manager.fetch("m", request).source == "cold"
+
+
+def test_two_bundles_on_a_common_stem_longer_match_wins(model):
+    stem = ids(12)
+    short, long = stem + [1] + ids(7), stem + [2] + ids(15)
+    manager = PromptCacheManager()
+    manager.pin("m", short, prefill(model, short)[0], "short")
+    manager.pin("m", long, prefill(model, long)[0], "long")
+    cases = [(long + [3], "bundle:long", 28), (short + [3], "bundle:short", 20)]
+    cases.append((stem + [0, 3], "bundle:short", 12))  # tie: the one needing less trimming
+    for request, source, hit_tokens in cases:
+        hit = manager.fetch("m", request)
+        assert (hit.source, hit.cache_hit_tokens) == (source, hit_tokens)
+        assert_fresh(model, hit, request)
+
+
+def test_eviction_by_count_is_lru_and_keeps_pinned(model):
+    bundle = [0] + ids(15)
+    manager = pinned(model, bundle)
+    manager.max_entries = 2
+    a, b, c = ([n] + ids(7) for n in (1, 2, 3))
+    for tokens in (a, b):
+        manager.store("m", tokens, prefill(model, tokens)[0])
+    assert manager.fetch("m", a + [9]).source == "entry"  # a is now the most recent
+    manager.store("m", c, prefill(model, c)[0])
+    assert [manager.fetch("m", t + [9]).source for t in (a, b, c)] == ["entry", "cold", "entry"]
+    stats = manager.stats()
+    assert (stats["entries"], stats["pinned"], stats["evictions"]) == (2, 1, 1)
+    assert manager.fetch("m", bundle + [9]).source == "bundle:b"
+
+
+def test_eviction_by_bytes_keeps_pinned(model):
+    entries = [[n] + ids(7) for n in (1, 2, 3)]
+    caches = [prefill(model, t)[0] for t in entries]
+    size = sum(layer.nbytes for layer in caches[0])
+    manager = PromptCacheManager(max_bytes=int(2.5 * size))
+    big = [0] + ids(599)
+    manager.pin("m", big, prefill(model, big)[0], "big")  # above max_bytes, and kept
+    for tokens, cache in zip(entries, caches, strict=True):
+        manager.store("m", tokens, cache)
+    stats = manager.stats()
+    assert (stats["entries"], stats["bytes"], stats["evictions"]) == (2, 2 * size, 1)
+    assert stats["pinned"] == 1 and stats["pinned_bytes"] > manager.max_bytes
+    assert manager.fetch("m", entries[0] + [9]).source == "cold"
+    manager.store("m", big + [1], prefill(model, big + [1])[0])  # alone above max_bytes
+    assert manager.stats()["rejected"] == 1 and manager.stats()["entries"] == 2
+
+
+def test_store_drops_strict_prefixes_of_a_trimmable_entry(model):
+    tokens = ids(20)
+    manager = PromptCacheManager()
+    manager.store("m", tokens[:8], prefill(model, tokens[:8])[0])
+    manager.store("m", tokens, prefill(model, tokens)[0])
+    assert manager.stats()["entries"] == 1
+    hit = manager.fetch("m", tokens[:8] + [0])
+    assert (hit.cache_hit_tokens, hit.source) == (8, "entry")
+    assert_fresh(model, hit, tokens[:8] + [0])
+
+
+def test_store_ignores_ids_the_cache_never_saw(model):
+    prompt, sampled = ids(12), 5  # mlx_lm's server keys a cache with its last sampled token
+    manager = PromptCacheManager()
+    manager.store("m", prompt + [sampled], prefill(model, prompt)[0])
+    request = prompt + [sampled] + ids(3)
+    hit = manager.fetch("m", request)
+    assert hit.cache_hit_tokens == 12
+    assert_fresh(model, hit, request)
+
+
+def test_model_keys_isolate_caches(model):
+    prefix = ids(16)
+    manager = pinned(model, prefix)
+    manager.store("m", prefix + [1, 2], prefill(model, prefix + [1, 2])[0])
+    assert manager.fetch("other", prefix + [1, 2, 3]).source == "cold"
+    assert manager.fetch("m", prefix + [1, 2, 3]).source == "entry"
+
+
+def snapshot(cache: list) -> list[np.ndarray]:
+    return [np.array(a) for a in _arrays(cache)]
+
+
+def copies(cache: list) -> list[mx.array]:
+    return [mx.array(a) for a in _arrays(cache)]  # mx.array(a) copies the data
+
+
+def assert_unchanged(cache: list, saved: list[np.ndarray], before: list[mx.array]) -> None:
+    arrays = list(_arrays(cache))
+    assert len(arrays) == len(saved) == len(before)
+    for now, kept, old in zip(arrays, saved, before, strict=True):
+        assert mx.array_equal(now, old).item()
+        assert np.array_equal(np.array(now), kept)
+
+
+def abuse(model, manager: PromptCacheManager, prefix: list[int], make) -> None:
+    """Requests that extend, trim and overwrite the caches they were handed."""
+    for request in (prefix + ids(3), prefix[:10] + [0, 1], prefix):
+        hit = manager.fetch("m", request)
+        if hit.cache is not None:
+            prefill(model, hit.remaining, hit.cache, make)
+    for array in _arrays(manager.fetch("m", prefix + [2]).cache):
+        array[...] = 5.0  # writes into every handle it was given
+        mx.eval(array)
+    for request in (prefix[:10] + [0], prefix + [1]):
+        hit = manager.fetch("m", request)
+        if hit.cache is None:
+            continue
+        for layer in hit.cache:
+            if layer.is_trimmable():
+                layer.trim(4)
+            k = mx.full(layer.keys[..., :1, :].shape, 99.0)
+            layer.update_and_fetch(k, k)
+            layer.keys[..., :2, :] = -7.0
+        mx.eval(list(_arrays(hit.cache)))
+
+
+def decoded(model, tokens: list[int], make) -> list:
+    """A cache as generation leaves it: a prefill, then single-token steps (spare capacity)."""
+    cache = prefill(model, tokens[:-2], make=make)[0]
+    for token in tokens[-2:]:
+        prefill(model, [token], cache, make)
+    return cache
+
+
+def wide_rotating(model):
+    return rotating(model, window=64)
+
+
+@pytest.mark.parametrize("make", [kv, rotating, wide_rotating])
+def test_pinned_and_stored_bases_stay_bit_identical(model, make):
+    prefix = ids(24)
+    base, entry = decoded(model, prefix, make), decoded(model, prefix[:16], make)
+    saved, before = snapshot(base + entry), copies(base + entry)
+    manager = PromptCacheManager()
+    manager.pin("m", prefix, base, "b")
+    manager.store("m", prefix[:16], entry)
+    owned = manager._pinned["m"]["b"].cache + next(iter(manager._entries.values())).cache
+    abuse(model, manager, prefix, make)
+    assert_unchanged(base + entry, saved, before)
+    assert_unchanged(owned, saved, before)
+    assert_fresh(model, manager.fetch("m", prefix + [3]), prefix + [3], make)
+
+
+def test_cache_list_layers_fork_trim_and_stay_unchanged(model):
+    tokens = ids(20)
+    cache = [CacheList(*pair) for pair in zip(prefill(model, tokens)[0], kv(model), strict=True)]
+    for layer in cache:
+        layer.caches[1].update_and_fetch(*layer.caches[0].keys_and_values())
+    saved, before = snapshot(cache), copies(cache)
+    manager = PromptCacheManager()
+    manager.pin("m", tokens, cache, "pair")
+    hit = manager.fetch("m", tokens[:9] + [0])
+    for layer in hit.cache:
+        for child in layer.caches:
+            assert child.offset == 9 and child.keys.shape[2] == 9
+            zero = mx.zeros_like(child.keys[..., :1, :])
+            child.update_and_fetch(zero, zero)
+    mx.eval(list(_arrays(hit.cache)))
+    assert_unchanged(cache, saved, before)
+
+
+def test_quantized_cache_trims_like_mlx_lm_deepcopy_and_trim():
+    model = llama_model(hidden=128, heads=4)  # head_dim 32: one quantization group
+    prefix, tail = ids(24), [0] + ids(3)
+    base = [c.to_quantized(group_size=32, bits=8) for c in prefill(model, prefix)[0]]
+    manager = PromptCacheManager()
+    manager.pin("m", prefix, base, "q")
+    hit = manager.fetch("m", prefix[:10] + tail)
+    assert hit.cache_hit_tokens == 10
+    # mlx_lm's LRUPromptCache hands out copy.deepcopy(cache) trimmed in place.
+    reference = copy.deepcopy(base)
+    trim_prompt_cache(reference, 14)
+    logits = prefill(model, tail, hit.cache)[1]
+    assert mx.array_equal(logits, prefill(model, tail, reference)[1]).item()
+    assert logits.dtype == mx.float32 and not mx.array_equal(logits, prefill(model, tail)[1])
+
+
+def run_requests(model, manager: PromptCacheManager, requests: list, store: bool) -> list:
+    out = []
+    for request in requests:
+        hit = manager.fetch("m", request)
+        cache, logits = prefill(model, hit.remaining, hit.cache)
+        if store:
+            manager.store("m", request, cache)
+        out.append((hit.cache_hit_tokens, np.array(logits)))
+    return out
+
+
+def in_threads(model, manager: PromptCacheManager, requests: list, store: bool) -> list:
+    results, errors = [None] * len(requests), []
+
+    def worker(t: int) -> None:
+        try:
+            results[t] = run_requests(model, manager, requests[t], store)
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+        finally:
+            mx.clear_streams()  # else the process can abort at exit (mlx per-thread streams)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(len(requests))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    return results
+
+
+def test_eight_threads_match_sequential(model):
+    stems = [ids(24), ids(16)]
+    requests = [[stems[t % 2] + ids(2 + t + i) for i in range(3)] for t in range(8)]
+    for t in range(8):
+        requests[t][1] = requests[t][1][:12] + [0]  # diverges inside the pinned stem
+
+    def manager() -> PromptCacheManager:
+        m = PromptCacheManager(max_entries=4)
+        for n, stem in enumerate(stems):
+            m.pin("m", stem, prefill(model, stem)[0], str(n))
+        return m
+
+    cold = [[np.array(prefill(model, r)[1]) for r in rs] for rs in requests]
+    sequential = [run_requests(model, manager(), rs, store=False) for rs in requests]
+    concurrent = in_threads(model, manager(), requests, store=False)
+    for got, want in zip(concurrent, sequential, strict=True):
+        for (hit, logits), (seq_hit, seq_logits) in zip(got, want, strict=True):
+            assert hit == seq_hit and np.array_equal(logits, seq_logits)  # same splits: same bits
+    shared = manager()
+    stored = in_threads(model, shared, requests, store=True)
+    for t in range(8):
+        for (hit, got), (_, want), ref in zip(stored[t], sequential[t], cold[t], strict=True):
+            assert hit >= 12
+            assert np.allclose(got, want, atol=1e-4) and np.allclose(got, ref, atol=1e-4)
+    stats = shared.stats()
+    assert stats["hits"] == 24 and stats["misses"] == 0 and stats["entries"] <= 4
+
+
+def test_hand_outs_serve_a_forward_on_another_thread(model):
+    prefix, cache = ids(20), kv(model)
+    model(mx.array([prefix]), cache=cache)  # left lazy: bound to this thread's stream
+    manager = PromptCacheManager()
+    manager.store("m", prefix, cache)
+    request = prefix[:12] + [0, 5]
+    hit, logits, errors = manager.fetch("m", request), [], []
+
+    def worker() -> None:
+        try:
+            logits.append(np.array(prefill(model, hit.remaining, hit.cache)[1]))
+        except Exception as exc:  # surfaced below
+            errors.append(exc)
+        finally:
+            mx.clear_streams()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert errors == [] and hit.cache_hit_tokens == 12
+    assert np.allclose(logits[0], np.array(prefill(model, request)[1]), atol=1e-4)
+
+
+def test_pin_refuses_a_cache_longer_than_its_tokens(model):
+    cache = prefill(model, ids(10))[0]
+    with pytest.raises(PipelineError) as err:
+        PromptCacheManager().pin("m", ids(6), cache, "support")
+    assert str(err.value) == (
+        "bundle support: cache covers 10 tokens but 6 token ids were given; "
+        "pass the token ids the cache was built from"
+    )
+    with pytest.raises(PipelineError, match=r"^bundle x: expected a prompt cache"):
+        PromptCacheManager().pin("m", ids(6), [], "x")
+
+
+def test_module_stays_thin():
+    code = (
+        "import sys, pipeline.prompt_cache; "
+        "bad = {'jinja2', 'transformers', 'mlx_lm', 'pipeline.builder'} & set(sys.modules); "
+        "sys.exit(sorted(bad) or 0)"
+    )
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
