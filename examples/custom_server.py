@@ -5,10 +5,10 @@ Run from the repo root after `just demo`:  python examples/custom_server.py
 
 import sys
 
-import pipeline  # noqa: F401  (first: on Linux it loads OpenBLAS before mlx)
 from mlx_lm import load, stream_generate
 from mlx_lm.models.cache import make_prompt_cache
 
+import pipeline  # noqa: F401  (first: on Linux it loads OpenBLAS before mlx)
 from pipeline.runtime import PromptCacheManager, mount
 
 MODEL = sys.argv[1] if len(sys.argv) > 1 else "models/demo-tiny"
@@ -26,7 +26,10 @@ def answer(messages: list[dict], tools: list[dict] | None = None) -> tuple[str, 
     tokens = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
     hit = manager.fetch(MODEL, tokens)  # always leaves >= 1 token to process
     cache = hit.cache if hit.cache is not None else make_prompt_cache(model)
-    out = [r.token for r in stream_generate(model, tokenizer, hit.remaining, max_tokens=32, prompt_cache=cache)]
+    out = [
+        r.token
+        for r in stream_generate(model, tokenizer, hit.remaining, max_tokens=32, prompt_cache=cache)
+    ]
     manager.store(MODEL, tokens + out, cache)  # later turns of this conversation start warm
     return tokenizer.decode(out), hit.cache_hit_tokens
 

@@ -64,7 +64,9 @@ def _load_openblas() -> BlasStatus:
     path = _find_openblas()
     if path is None:
         return BlasStatus(
-            False, None, f"BLAS: no system OpenBLAS found; float32 prefill is ~40x slower, {INSTALL_HINT}"
+            False,
+            None,
+            f"BLAS: no system OpenBLAS found; float32 prefill is ~40x slower, {INSTALL_HINT}",
         )
     try:
         ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)

@@ -26,6 +26,7 @@ from pipeline.bundle import (
 )
 from pipeline.definition import LoadedDefinition, ModelSpec, model_slug, slugify
 from pipeline.errors import BundleError, ModelError, TemplateError
+from pipeline.fidelity import check_fidelity
 from pipeline.fingerprint import (
     ModelIdentity,
     canonical_json,
@@ -34,7 +35,6 @@ from pipeline.fingerprint import (
     sha256_bytes,
     sha256_file,
 )
-from pipeline.fidelity import check_fidelity
 from pipeline.prefill import (
     Progress,
     cache_nbytes,
@@ -47,7 +47,16 @@ from pipeline.prefill import (
 from pipeline.stability import StableCut, stable_prefix
 from pipeline.template import check_pin, render, uses_date
 
-HUB_PATTERNS = ["*.json", "model*.safetensors", "*.py", "tokenizer.model", "*.tiktoken", "*.txt", "*.jsonl", "*.jinja"]
+HUB_PATTERNS = [
+    "*.json",
+    "model*.safetensors",
+    "*.py",
+    "tokenizer.model",
+    "*.tiktoken",
+    "*.txt",
+    "*.jsonl",
+    "*.jinja",
+]
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
 
@@ -101,14 +110,22 @@ def resolve_model(spec: ModelSpec, root: Path) -> Path:
     return Path(local)
 
 
-def targets(definition: LoadedDefinition, root: Path, model_override: Path | None = None) -> list[Target]:
+def targets(
+    definition: LoadedDefinition, root: Path, model_override: Path | None = None
+) -> list[Target]:
     """The models a definition is built for, or the one model given on the command line."""
     if model_override is not None:
         path = Path(model_override).resolve()
         model_dir = resolve_model(ModelSpec(path=str(path)), root)
         return [Target(definition, model_dir, slugify(path.name), str(model_override))]
     return [
-        Target(definition, resolve_model(spec, root), model_slug(spec), spec.path or spec.repo, spec.fingerprint)
+        Target(
+            definition,
+            resolve_model(spec, root),
+            model_slug(spec),
+            spec.path or spec.repo,
+            spec.fingerprint,
+        )
         for spec in definition.spec.models
     ]
 
@@ -144,7 +161,7 @@ def template_text(definition: LoadedDefinition, model_dir: Path) -> tuple[str, s
         text, source = model_chat_template(model_dir), "model"
         if text is None:
             raise TemplateError(
-                f"model {model_dir}: ships no chat template; set template.source = \"file\""
+                f'model {model_dir}: ships no chat template; set template.source = "file"'
             )
     check_pin(text, pin.sha256, f"{definition.path} template ({source})")
     return text, source
@@ -172,7 +189,9 @@ def render_prefix(definition: LoadedDefinition, model_dir: Path, **overrides: An
     return Rendered(rendered, sha256_text(text), source)
 
 
-def build_key(target: Target, identity: ModelIdentity, rendered: Rendered, builder: BuilderInfo) -> str:
+def build_key(
+    target: Target, identity: ModelIdentity, rendered: Rendered, builder: BuilderInfo
+) -> str:
     """Hash of every input that changes the bundle's bytes."""
     d = target.definition
     return sha256_bytes(
@@ -181,7 +200,12 @@ def build_key(target: Target, identity: ModelIdentity, rendered: Rendered, build
                 "format": FORMAT_VERSION,
                 "prefix": [d.name, d.version, d.content_sha256],
                 "text": sha256_bytes(rendered.text.encode()),
-                "model": [identity.model, identity.tokenizer, rendered.template_sha256, target.model_ref],
+                "model": [
+                    identity.model,
+                    identity.tokenizer,
+                    rendered.template_sha256,
+                    target.model_ref,
+                ],
                 "cache": d.spec.cache.model_dump(),
                 "check": d.spec.check.model_dump(),
                 "builder": builder.model_dump(),
@@ -256,7 +280,11 @@ def build(
     cache, stats = prefill(loaded, cut.tokens, d.spec.cache.prefill_step_size, progress)
     opts = d.spec.cache
     reference = finalize_cache(cache, loaded.serving_dtype, None, opts.kv_group_size)
-    final = finalize_cache(cache, loaded.serving_dtype, opts.kv_bits, opts.kv_group_size) if opts.kv_bits else reference
+    final = (
+        finalize_cache(cache, loaded.serving_dtype, opts.kv_bits, opts.kv_group_size)
+        if opts.kv_bits
+        else reference
+    )
     del cache
 
     def finish(staged: Path) -> Manifest:
@@ -264,7 +292,9 @@ def build(
         if check:
             written, _ = load_cache(staged, sha256_file(staged / CACHE_FILE))
             fidelity = check_fidelity(loaded, reference, written, d.spec, cut.probe_tokens)
-        facts = BuildFacts(identity, rendered, cut, final, dtype_name(loaded.serving_dtype), builder, key)
+        facts = BuildFacts(
+            identity, rendered, cut, final, dtype_name(loaded.serving_dtype), builder, key
+        )
         return make_manifest(target, facts, fidelity)
 
     report = {

@@ -114,7 +114,9 @@ def parse_sums(bundle: Path) -> dict[str, str]:
     """Read SHA256SUMS into {file: hex}; raise BundleError when missing or malformed."""
     path = bundle / SUMS_FILE
     if not path.is_file():
-        raise BundleError(str(bundle), f"{SUMS_FILE} is missing; rebuild or re-copy the bundle", SUMS_FILE)
+        raise BundleError(
+            str(bundle), f"{SUMS_FILE} is missing; rebuild or re-copy the bundle", SUMS_FILE
+        )
     sums: dict[str, str] = {}
     for line in path.read_text().splitlines():
         digest, _, name = line.partition("  ")
@@ -143,7 +145,9 @@ def read_manifest(bundle: Path, sums: dict[str, str] | None = None) -> Manifest:
     """Read and validate manifest.json; when sums are given, check its sha256 first."""
     path = bundle / MANIFEST_FILE
     if not path.is_file():
-        raise BundleError(str(bundle), f"{MANIFEST_FILE} is missing; rebuild the bundle", MANIFEST_FILE)
+        raise BundleError(
+            str(bundle), f"{MANIFEST_FILE} is missing; rebuild the bundle", MANIFEST_FILE
+        )
     data = path.read_bytes()
     if sums is not None:
         check_digest(bundle, MANIFEST_FILE, sums[MANIFEST_FILE], sha256_bytes(data))
@@ -158,7 +162,9 @@ def read_manifest(bundle: Path, sums: dict[str, str] | None = None) -> Manifest:
             )
         return Manifest.model_validate(raw)
     except (ValueError, ValidationError) as exc:
-        raise BundleError(str(bundle), f"{MANIFEST_FILE} is invalid ({exc.__class__.__name__})", MANIFEST_FILE) from None
+        raise BundleError(
+            str(bundle), f"{MANIFEST_FILE} is invalid ({exc.__class__.__name__})", MANIFEST_FILE
+        ) from None
 
 
 def verify_files(bundle: Path) -> Manifest:
@@ -297,7 +303,9 @@ def load_cache(bundle: Path, expected_sha256: str) -> tuple[list[Any], list[int]
             arrays, metadata = mx.load(fh, format="safetensors", return_metadata=True)
             size = os.fstat(fh.fileno()).st_size
     except (ValueError, RuntimeError, struct.error) as exc:
-        raise BundleError(str(bundle), f"{CACHE_FILE} is not a readable safetensors file ({exc})", CACHE_FILE) from None
+        raise BundleError(
+            str(bundle), f"{CACHE_FILE} is not a readable safetensors file ({exc})", CACHE_FILE
+        ) from None
     found = _digest_loaded(header_bytes, header, arrays, size)
     check_digest(Path(bundle), CACHE_FILE, expected_sha256, found)
     return _rebuild(Path(bundle), arrays, metadata)
@@ -342,7 +350,9 @@ def _rebuild(bundle: Path, arrays: dict, metadata: dict[str, str]) -> tuple[list
             arrays[pos] = _decode_scalar(arrays[pos], kind)
         states = tree_unflatten(list(arrays.items()))
     except (KeyError, ValueError, TypeError) as exc:
-        raise BundleError(str(bundle), f"{CACHE_FILE} metadata is not a prompt-cache layout ({exc})", CACHE_FILE) from None
+        raise BundleError(
+            str(bundle), f"{CACHE_FILE} metadata is not a prompt-cache layout ({exc})", CACHE_FILE
+        ) from None
     allowed = _allowed_cache_classes()
     unknown = sorted(set(classes) - set(allowed))
     if unknown:
@@ -351,7 +361,13 @@ def _rebuild(bundle: Path, arrays: dict, metadata: dict[str, str]) -> tuple[list
             f"cache classes {unknown} are not supported by this loader (allowed: {sorted(allowed)})",
             "cache.classes",
         )
-    return [allowed[c].from_state(s) for c, s in zip(classes, states)], tokens
+    if len(classes) != len(states):
+        raise BundleError(
+            str(bundle),
+            f"{CACHE_FILE} lists {len(classes)} cache classes for {len(states)} layers",
+            CACHE_FILE,
+        )
+    return [allowed[c].from_state(s) for c, s in zip(classes, states, strict=True)], tokens
 
 
 def _decode_scalar(array: Any, kind: str) -> Any:

@@ -31,17 +31,24 @@ def run_demo(
         definition = load_definition(path, root)
         for target in targets(definition, root, model_dir):
             label = f"{definition.name}@{definition.version}"
-            result = build(target, bundles_root, check=True, progress=progress(label) if progress else None)
+            result = build(
+                target, bundles_root, check=True, progress=progress(label) if progress else None
+            )
             verify(result.bundle, model_dir)
             built.append(result.bundle)
     if not built:
         raise PipelineError(f"no prefix definitions (*.toml) in {prefix_dir}/")
     mounted = mount(model_dir, built, manager=PromptCacheManager())
-    return [_row(b.path, b.manifest.prefix.name, b.manifest.tokens.count, b.seconds) for b in mounted.bundles]
+    return [
+        _row(b.path, b.manifest.prefix.name, b.manifest.tokens.count, b.seconds)
+        for b in mounted.bundles
+    ]
 
 
 def _row(bundle: Path, name: str, tokens: int, mount_seconds: float) -> dict[str, Any]:
-    report = json.loads((bundle / REPORT_FILE).read_text()) if (bundle / REPORT_FILE).is_file() else {}
+    report = (
+        json.loads((bundle / REPORT_FILE).read_text()) if (bundle / REPORT_FILE).is_file() else {}
+    )
     return {
         "prefix": name,
         "tokens": tokens,

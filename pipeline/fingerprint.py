@@ -146,7 +146,9 @@ def tokenizer_fingerprint(model_dir: Path) -> str:
             data = json.dumps(cfg, sort_keys=True).encode()
         parts[name] = sha256_bytes(data)
     if not parts:
-        raise ModelError(f"model {model_dir}: no tokenizer files found ({', '.join(TOKENIZER_FILES[:2])})")
+        raise ModelError(
+            f"model {model_dir}: no tokenizer files found ({', '.join(TOKENIZER_FILES[:2])})"
+        )
     return sha256_bytes(json.dumps(parts, sort_keys=True).encode())
 
 
@@ -168,7 +170,9 @@ def model_chat_template(model_dir: Path) -> str | None:
 
 def model_identity(model_dir: Path, template_override: str | None = None) -> ModelIdentity:
     """Fingerprint a model folder as a server would serve it."""
-    template = template_override if template_override is not None else model_chat_template(model_dir)
+    template = (
+        template_override if template_override is not None else model_chat_template(model_dir)
+    )
     return ModelIdentity(
         model=model_fingerprint(model_dir),
         tokenizer=tokenizer_fingerprint(model_dir),

@@ -83,14 +83,22 @@ def find_bundles(root: Path) -> list[Path]:
     root = Path(root)
     if (root / MANIFEST_FILE).is_file() or (root / SUMS_FILE).is_file():
         return [root]
-    found = {p.parent for p in root.rglob(MANIFEST_FILE)} | {p.parent for p in root.rglob(SUMS_FILE)}
+    found = {p.parent for p in root.rglob(MANIFEST_FILE)} | {
+        p.parent for p in root.rglob(SUMS_FILE)
+    }
     return sorted(p for p in found if STAGING_DIR not in p.relative_to(root).parts)
 
 
-def _mismatch(bundle: Path, field_name: str, what: str, expected: str | None, found: str | None, fix: str) -> BundleError:
+def _mismatch(
+    bundle: Path, field_name: str, what: str, expected: str | None, found: str | None, fix: str
+) -> BundleError:
     exp = (expected or "none")[:16]
     got = (found or "none")[:16]
-    return BundleError(str(bundle), f"{what} mismatch (bundle expects {exp}.., model has {got}..); {fix}", field_name)
+    return BundleError(
+        str(bundle),
+        f"{what} mismatch (bundle expects {exp}.., model has {got}..); {fix}",
+        field_name,
+    )
 
 
 def check_identity(bundle: Path, manifest: Manifest, identity: ModelIdentity) -> None:
@@ -98,9 +106,23 @@ def check_identity(bundle: Path, manifest: Manifest, identity: ModelIdentity) ->
     m = manifest.model
     rebuild = f"rebuild it with 'python build.py build {manifest.prefix.name} --model <this model>'"
     if m.fingerprint != identity.model:
-        raise _mismatch(bundle, "model.fingerprint", "model weights/config", m.fingerprint, identity.model, rebuild)
+        raise _mismatch(
+            bundle,
+            "model.fingerprint",
+            "model weights/config",
+            m.fingerprint,
+            identity.model,
+            rebuild,
+        )
     if m.tokenizer_fingerprint != identity.tokenizer:
-        raise _mismatch(bundle, "model.tokenizer_fingerprint", "tokenizer", m.tokenizer_fingerprint, identity.tokenizer, rebuild)
+        raise _mismatch(
+            bundle,
+            "model.tokenizer_fingerprint",
+            "tokenizer",
+            m.tokenizer_fingerprint,
+            identity.tokenizer,
+            rebuild,
+        )
     if m.template_sha256 != identity.template:
         raise _mismatch(
             bundle,
@@ -117,7 +139,10 @@ def check_runtime(bundle: Path, manifest: Manifest) -> None:
     """Refuse a bundle this installation cannot load faithfully."""
     from mlx_lm import __version__ as installed
 
-    for label, version in (("installed mlx-lm", installed), ("bundle's mlx-lm", manifest.builder.mlx_lm)):
+    for label, version in (
+        ("installed mlx-lm", installed),
+        ("bundle's mlx-lm", manifest.builder.mlx_lm),
+    ):
         parts = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
         low, high = SUPPORTED_MLX_LM
         if not low <= parts < high:
@@ -149,11 +174,20 @@ def mount_one(bundle: Path, identity: ModelIdentity) -> MountedBundle:
     check_runtime(bundle, manifest)
     check_identity(bundle, manifest, identity)
     cache, tokens = load_cache(bundle, sums["cache.safetensors"])
-    if sha256_bytes(canonical_json(tokens)) != manifest.tokens.ids_sha256 or len(tokens) != manifest.tokens.count:
-        raise BundleError(str(bundle), "token ids in cache.safetensors do not match the manifest", "tokens.ids_sha256")
+    if (
+        sha256_bytes(canonical_json(tokens)) != manifest.tokens.ids_sha256
+        or len(tokens) != manifest.tokens.count
+    ):
+        raise BundleError(
+            str(bundle),
+            "token ids in cache.safetensors do not match the manifest",
+            "tokens.ids_sha256",
+        )
     classes = [type(c).__name__ for c in cache]
     if classes != manifest.cache.classes:
-        raise BundleError(str(bundle), f"cache classes {classes} differ from the manifest", "cache.classes")
+        raise BundleError(
+            str(bundle), f"cache classes {classes} differ from the manifest", "cache.classes"
+        )
     return MountedBundle(bundle, manifest, tokens, cache, time.perf_counter() - start)
 
 
@@ -172,7 +206,9 @@ def mount(
     """
     start = time.perf_counter()
     identity = identity_for(model_dir, chat_template)
-    paths = find_bundles(bundles) if isinstance(bundles, (str, Path)) else [Path(b) for b in bundles]
+    paths = (
+        find_bundles(bundles) if isinstance(bundles, (str, Path)) else [Path(b) for b in bundles]
+    )
     result = MountResult()
     for path in paths:
         try:
@@ -187,4 +223,3 @@ def mount(
             manager.pin(key, b.tokens, b.cache, b.name)
     result.seconds = time.perf_counter() - start
     return result
-

@@ -57,12 +57,19 @@ def log_mounts(result: MountResult) -> None:
     for b in result.bundles:
         log.info(
             "mounted %s (%d tokens, %.1f MiB) from %s in %.1f ms",
-            b.name, len(b.tokens), b.manifest.cache.nbytes / 2**20, b.path, b.seconds * 1000,
+            b.name,
+            len(b.tokens),
+            b.manifest.cache.nbytes / 2**20,
+            b.path,
+            b.seconds * 1000,
         )
     for r in result.refused:
         log.warning("refused %s: %s", r.path, r.reason)
     log.info(
-        "%d bundle(s) mounted, %d refused, in %.1f ms", len(result.bundles), len(result.refused), result.seconds * 1000
+        "%d bundle(s) mounted, %d refused, in %.1f ms",
+        len(result.bundles),
+        len(result.refused),
+        result.seconds * 1000,
     )
 
 
@@ -73,8 +80,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "Options not listed here are passed to mlx_lm.server unchanged.",
     )
     p.add_argument("--model", required=True, help="the MLX model folder the bundles were built for")
-    p.add_argument("--bundles", type=Path, required=True, help="folder holding bundles (searched recursively)")
-    p.add_argument("--strict", action="store_true", help="exit instead of skipping a refused bundle")
+    p.add_argument(
+        "--bundles", type=Path, required=True, help="folder holding bundles (searched recursively)"
+    )
+    p.add_argument(
+        "--strict", action="store_true", help="exit instead of skipping a refused bundle"
+    )
     return p
 
 

@@ -69,7 +69,9 @@ def stable_prefix(
         stable = min(stable, common_prefix_length(base, probe))
         first_probe = first_probe or probe
     if checked == 0:
-        raise BuildError("no probe turn could be rendered after the prefix; the template refuses every continuation")
+        raise BuildError(
+            "no probe turn could be rendered after the prefix; the template refuses every continuation"
+        )
     if stable == 0:
         raise BuildError(
             f"no token boundary is shared by the prefix and its continuations: the prefix "

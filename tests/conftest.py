@@ -53,7 +53,9 @@ def model_template_sha(model_dir: Path) -> str:
     return sha256_text(model_chat_template(model_dir))
 
 
-def write_definition(root: Path, model_dir: Path, name: str = "shop", extra: str = "", **cache) -> Path:
+def write_definition(
+    root: Path, model_dir: Path, name: str = "shop", extra: str = "", **cache
+) -> Path:
     """Write prefixes/<name>.toml (system text + tools) for model_dir under root; return its path."""
     import json
 
@@ -66,7 +68,7 @@ def write_definition(root: Path, model_dir: Path, name: str = "shop", extra: str
         f'name = "{name}"\nversion = 1\n{extra}\n'
         f'[template]\nsource = "model"\nsha256 = "{model_template_sha(model_dir)}"\n\n'
         f'[prefix]\ntools_file = "{name}/tools.json"\n\n'
-        f"[[prefix.messages]]\nrole = \"system\"\ncontent = {json.dumps(SYSTEM)}\n\n"
+        f'[[prefix.messages]]\nrole = "system"\ncontent = {json.dumps(SYSTEM)}\n\n'
         f'[[models]]\npath = "{model_dir}"\n\n[cache]\n{cache_lines}'
     )
     return path

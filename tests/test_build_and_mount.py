@@ -13,9 +13,10 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 
-from conftest import SYSTEM, TOOLS, build_bundle, write_definition
-from pipeline.bundle import CACHE_FILE, MANIFEST_FILE, SUMS_FILE, STAGING_DIR
+from pipeline.bundle import CACHE_FILE, MANIFEST_FILE, STAGING_DIR, SUMS_FILE
 from pipeline.runtime import PromptCacheManager, mount
+
+from conftest import SYSTEM, TOOLS, build_bundle, write_definition
 
 QUESTION = [{"role": "user", "content": "Where is my order 12345? It was due on Monday."}]
 
@@ -41,7 +42,9 @@ def test_mounted_bundle_continues_exactly_like_a_cold_prefill(shop_bundle: Path,
     assert tokens[: len(bundle_tokens)] == bundle_tokens
 
     hit = manager.fetch("tiny", tokens)
-    assert hit.cache_hit_tokens == len(bundle_tokens) and hit.remaining == tokens[len(bundle_tokens) :]
+    assert (
+        hit.cache_hit_tokens == len(bundle_tokens) and hit.remaining == tokens[len(bundle_tokens) :]
+    )
     warm = model(mx.array(hit.remaining)[None], cache=hit.cache)[0, -1]
     cold = model(mx.array(tokens)[None], cache=make_prompt_cache(model))[0, -1]
     assert mx.max(mx.abs(warm - cold)).item() <= 1e-4
@@ -59,7 +62,9 @@ def test_bundle_is_readable_by_mlx_lm_load_prompt_cache(shop_bundle: Path):
 
 
 def test_sha256sum_accepts_the_checksum_file(shop_bundle: Path):
-    out = subprocess.run(["sha256sum", "-c", SUMS_FILE], cwd=shop_bundle, capture_output=True, text=True)
+    out = subprocess.run(
+        ["sha256sum", "-c", SUMS_FILE], cwd=shop_bundle, capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout == f"{CACHE_FILE}: OK\n{MANIFEST_FILE}: OK\n"
 
@@ -116,7 +121,10 @@ def test_quantized_bundle_mounts_and_stays_close(tmp_path: Path, tiny_model: Pat
     bundle = build_bundle(tmp_path, check=True)
     manifest = json.loads((bundle / MANIFEST_FILE).read_text())
     assert manifest["cache"]["classes"] == ["QuantizedKVCache"] * 2
-    assert manifest["fidelity"]["checked"] and manifest["fidelity"]["max_abs_logit_diff"] <= manifest["fidelity"]["threshold"]
+    assert (
+        manifest["fidelity"]["checked"]
+        and manifest["fidelity"]["max_abs_logit_diff"] <= manifest["fidelity"]["threshold"]
+    )
     model, tokenizer = load(str(tiny_model))
     manager = PromptCacheManager()
     mount(tiny_model, bundle, manager=manager, model_key="tiny")

@@ -14,7 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def cli(project: Path, *argv: str) -> int:
-    return main(["--prefixes", str(project / "prefixes"), "--bundles", str(project / "bundles"), *argv])
+    return main(
+        ["--prefixes", str(project / "prefixes"), "--bundles", str(project / "bundles"), *argv]
+    )
 
 
 def test_build_then_up_to_date(project: Path, capsys):
@@ -23,7 +25,10 @@ def test_build_then_up_to_date(project: Path, capsys):
     assert "shop@1 -> tiny: " in out.out and "fidelity max|dlogit| 0 greedy_match True" in out.out
     assert "prefill" in out.err and "tok/s" in out.err  # progress on stderr
     assert cli(project, "build") == 0
-    assert capsys.readouterr().out == f"shop@1 -> tiny: up to date ({project / 'bundles/shop/1/tiny'})\n"
+    assert (
+        capsys.readouterr().out
+        == f"shop@1 -> tiny: up to date ({project / 'bundles/shop/1/tiny'})\n"
+    )
 
 
 def test_inspect_shows_stability_fidelity_and_validity(shop_bundle: Path, tiny_model: Path, capsys):
@@ -34,13 +39,17 @@ def test_inspect_shows_stability_fidelity_and_validity(shop_bundle: Path, tiny_m
     assert f"rendered_tokens={count}, stable_tokens={count}" in out
     assert "max_abs_logit_diff=0.0" in out and "greedy_match=True" in out
     assert "You are the support assistant of a small bookshop" in out
-    assert out.rstrip().endswith(f"valid for model {tiny_model}: yes (checksums, fingerprints, template, mlx-lm)")
+    assert out.rstrip().endswith(
+        f"valid for model {tiny_model}: yes (checksums, fingerprints, template, mlx-lm)"
+    )
 
 
 def test_inspect_json_is_the_manifest(shop_bundle: Path, capsys):
     assert main(["inspect", "--json", str(shop_bundle)]) == 0
     out = capsys.readouterr().out
-    assert json.loads(out.split("\nchecksums:")[0]) == json.loads((shop_bundle / MANIFEST_FILE).read_text())
+    assert json.loads(out.split("\nchecksums:")[0]) == json.loads(
+        (shop_bundle / MANIFEST_FILE).read_text()
+    )
 
 
 def test_list_shows_built_and_missing(project: Path, capsys):
@@ -53,6 +62,12 @@ def test_list_shows_built_and_missing(project: Path, capsys):
 
 
 def test_build_py_runs_as_a_script(project: Path):
-    args = [sys.executable, str(ROOT / "build.py"), "--prefixes", str(project / "prefixes"), "verify"]
+    args = [
+        sys.executable,
+        str(ROOT / "build.py"),
+        "--prefixes",
+        str(project / "prefixes"),
+        "verify",
+    ]
     out = subprocess.run(args, capture_output=True, text=True)
     assert out.returncode == 2 and "required" in out.stderr

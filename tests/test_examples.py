@@ -7,13 +7,16 @@ import runpy
 import sys
 from pathlib import Path
 
-from conftest import SYSTEM, TOOLS
 from pipeline.bundle import MANIFEST_FILE
+
+from conftest import SYSTEM, TOOLS
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "custom_server.py"
 
 
-def test_custom_server_example_starts_warm_and_reuses_turns(shop_bundle: Path, tiny_model: Path, monkeypatch):
+def test_custom_server_example_starts_warm_and_reuses_turns(
+    shop_bundle: Path, tiny_model: Path, monkeypatch
+):
     monkeypatch.setattr(sys, "argv", [str(EXAMPLE), str(tiny_model), str(shop_bundle.parents[2])])
     example = runpy.run_path(str(EXAMPLE), run_name="example")
     prefix = json.loads((shop_bundle / MANIFEST_FILE).read_text())["tokens"]["count"]

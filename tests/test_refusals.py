@@ -60,7 +60,9 @@ CASES: list[tuple[str, Callable[[Path, Path], None], str, str]] = [
 
 
 @pytest.fixture
-def damaged(request, tmp_path: Path, shop_bundle: Path, tiny_model: Path, tiny_model_other_weights: Path):
+def damaged(
+    request, tmp_path: Path, shop_bundle: Path, tiny_model: Path, tiny_model_other_weights: Path
+):
     """(bundle copy, model copy) with one thing changed, per case."""
     name, change, _, _ = request.param
     bundle = tmp_path / "bundles" / "shop" / "1" / "tiny"
@@ -96,10 +98,14 @@ def test_verify_cli_refuses_with_one_line(damaged, request, capsys):
     out = capsys.readouterr()
     assert out.out == ""
     lines = out.err.splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: bundle {bundle}: ") and message in lines[0]
+    assert (
+        len(lines) == 1 and lines[0].startswith(f"error: bundle {bundle}: ") and message in lines[0]
+    )
 
 
-def test_mismatch_message_shows_expected_and_found(tmp_path: Path, shop_bundle: Path, tiny_model_other_weights: Path):
+def test_mismatch_message_shows_expected_and_found(
+    tmp_path: Path, shop_bundle: Path, tiny_model_other_weights: Path
+):
     from pipeline.fingerprint import model_fingerprint
 
     expected = json.loads((shop_bundle / MANIFEST_FILE).read_text())["model"]["fingerprint"]
@@ -115,9 +121,23 @@ def test_verify_cli_accepts_a_good_bundle(shop_bundle: Path, tiny_model: Path, c
     assert out.startswith(f"ok {shop_bundle} (shop@1, ")
 
 
-def test_server_template_override_is_compared(shop_bundle: Path, tiny_model: Path, tmp_path: Path, capsys):
+def test_server_template_override_is_compared(
+    shop_bundle: Path, tiny_model: Path, tmp_path: Path, capsys
+):
     override = tmp_path / "server.jinja"
     override.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
-    assert main(["verify", str(shop_bundle), "--model", str(tiny_model), "--chat-template", str(override)]) == 1
+    assert (
+        main(
+            [
+                "verify",
+                str(shop_bundle),
+                "--model",
+                str(tiny_model),
+                "--chat-template",
+                str(override),
+            ]
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert "chat template mismatch" in err and "could never be hit" in err

@@ -11,8 +11,9 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-from conftest import SYSTEM, TOOLS
 from pipeline.bundle import MANIFEST_FILE
+
+from conftest import SYSTEM, TOOLS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,8 +27,19 @@ def free_port() -> int:
 @contextmanager
 def server(model: Path, bundles: Path, log: Path):
     port = free_port()
-    args = [sys.executable, str(ROOT / "build.py"), "serve", "--model", str(model), "--bundles", str(bundles),
-            "--port", str(port), "--max-tokens", "12"]
+    args = [
+        sys.executable,
+        str(ROOT / "build.py"),
+        "serve",
+        "--model",
+        str(model),
+        "--bundles",
+        str(bundles),
+        "--port",
+        str(port),
+        "--max-tokens",
+        "12",
+    ]
     with open(log, "w") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
         try:
@@ -71,7 +83,9 @@ def cached(response: dict) -> int:
     return response["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
 
 
-def test_first_request_after_start_is_warm_and_equals_cold(shop_bundle: Path, tiny_model: Path, tmp_path: Path):
+def test_first_request_after_start_is_warm_and_equals_cold(
+    shop_bundle: Path, tiny_model: Path, tmp_path: Path
+):
     prefix_tokens = json.loads((shop_bundle / MANIFEST_FILE).read_text())["tokens"]["count"]
     bundles = shop_bundle.parents[2]
     with server(tiny_model, bundles, tmp_path / "warm.log") as port:
@@ -95,7 +109,9 @@ def test_first_request_after_start_is_warm_and_equals_cold(shop_bundle: Path, ti
     assert cached(later) >= prefix_tokens - 1
 
 
-def test_refused_bundle_is_logged_and_skipped(shop_bundle: Path, tiny_model_other_weights: Path, tmp_path: Path):
+def test_refused_bundle_is_logged_and_skipped(
+    shop_bundle: Path, tiny_model_other_weights: Path, tmp_path: Path
+):
     with server(tiny_model_other_weights, shop_bundle.parents[2], tmp_path / "s.log") as port:
         response = chat(port, "Hello?")
     log = (tmp_path / "s.log").read_text()

@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 from mlx_lm import load
 
-from conftest import build_bundle
 from pipeline.bundle import MANIFEST_FILE
 from pipeline.errors import TemplateError
 from pipeline.fingerprint import sha256_text
@@ -16,13 +15,17 @@ from pipeline.runtime import PromptCacheManager, mount
 from pipeline.stability import common_prefix_length, stable_prefix
 from pipeline.template import render
 
+from conftest import build_bundle
+
 # A template that glues each message to the next with no separator: a prefix ending in a space
 # and a next turn starting with a word become one pre-token (" word"), merging across the boundary.
 GLUED = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 DATED = "Today is {{ strftime_now('%Y-%m-%d') }}.\n{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
 
 
-def write_file_template_definition(root: Path, model: Path, template: str, content: str, extra: str = "") -> None:
+def write_file_template_definition(
+    root: Path, model: Path, template: str, content: str, extra: str = ""
+) -> None:
     prefixes = root / "prefixes"
     prefixes.mkdir(parents=True, exist_ok=True)
     (prefixes / "glued.jinja").write_text(template)
@@ -34,16 +37,22 @@ def write_file_template_definition(root: Path, model: Path, template: str, conte
     )
 
 
-def test_merge_across_the_boundary_cuts_the_bundle_and_runtime_hits_stable_tokens(tmp_path: Path, tiny_model: Path):
-    write_file_template_definition(tmp_path, tiny_model, GLUED, "Answer every question about the weather ")
+def test_merge_across_the_boundary_cuts_the_bundle_and_runtime_hits_stable_tokens(
+    tmp_path: Path, tiny_model: Path
+):
+    write_file_template_definition(
+        tmp_path, tiny_model, GLUED, "Answer every question about the weather "
+    )
     bundle = build_bundle(tmp_path, "glued", check=True)
     tokens = json.loads((bundle / MANIFEST_FILE).read_text())["tokens"]
     assert tokens["stable_tokens"] < tokens["rendered_tokens"]
     assert tokens["count"] == tokens["stable_tokens"]
 
     _, tokenizer = load(str(tiny_model))
-    request = [{"role": "system", "content": "Answer every question about the weather "},
-               {"role": "user", "content": "today in Paris?"}]
+    request = [
+        {"role": "system", "content": "Answer every question about the weather "},
+        {"role": "user", "content": "today in Paris?"},
+    ]
     ids = list(tokenizer.encode(render(GLUED, request), add_special_tokens=False))
     manager = PromptCacheManager()
     mount(tiny_model, bundle, manager=manager, model_key="m", chat_template=GLUED)
@@ -57,14 +66,23 @@ def test_prefix_ending_at_a_turn_boundary_is_fully_stable(shop_bundle: Path):
 
 def test_date_dependent_template_is_refused_unless_pinned(tmp_path: Path, tiny_model: Path):
     write_file_template_definition(tmp_path, tiny_model, DATED, "Be brief.")
-    with pytest.raises(TemplateError, match=r"depends on today's date \(strftime_now\); pin it with template.date"):
+    with pytest.raises(
+        TemplateError, match=r"depends on today's date \(strftime_now\); pin it with template.date"
+    ):
         build_bundle(tmp_path, "glued")
-    write_file_template_definition(tmp_path, tiny_model, DATED, "Be brief.", extra="date = 2026-01-15\n")
+    write_file_template_definition(
+        tmp_path, tiny_model, DATED, "Be brief.", extra="date = 2026-01-15\n"
+    )
     bundle = build_bundle(tmp_path, "glued")
-    assert "Today is 2026-01-15." in json.loads((bundle / MANIFEST_FILE).read_text())["text"]["preview"]
+    assert (
+        "Today is 2026-01-15."
+        in json.loads((bundle / MANIFEST_FILE).read_text())["text"]["preview"]
+    )
 
 
 def test_stable_prefix_on_plain_lists():
     assert common_prefix_length([1, 2, 3], [1, 2, 4]) == 2
-    cut = stable_prefix("ab", [], render=lambda conv: "x", encode=lambda text: {"ab": [1, 2], "x": [1, 3]}[text])
+    cut = stable_prefix(
+        "ab", [], render=lambda conv: "x", encode=lambda text: {"ab": [1, 2], "x": [1, 3]}[text]
+    )
     assert cut.tokens == [1] and cut.rendered_tokens == 2 and cut.probe_tokens == [3]
