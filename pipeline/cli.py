@@ -115,32 +115,74 @@ def _read_template(path: Path | None) -> str | None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from pipeline.bundle import REPORT_FILE, read_manifest, verify_files
-    from pipeline.runtime import verify
+    from pipeline.bundle import REPORT_FILE, read_manifest
 
     bundle = Path(args.bundle)
     manifest = read_manifest(bundle)
-    data = manifest.model_dump(mode="json")
     if args.json:
-        print(json.dumps(data, indent=2, sort_keys=True))
-    else:
-        _print_manifest(bundle, data)
-        report = bundle / REPORT_FILE
-        if report.is_file():
-            print(f"build report: {json.loads(report.read_text())}")
-        sizes = {p.name: p.stat().st_size for p in sorted(bundle.iterdir()) if p.is_file()}
-        print("files: " + ", ".join(f"{k} {v:,} B" for k, v in sizes.items()))
+        print(json.dumps(manifest.model_dump(mode="json"), indent=2, sort_keys=True))
+        return 0 if _explain_validity(bundle, manifest, args, quiet=True) else 1
+    _print_manifest(bundle, manifest.model_dump(mode="json"))
+    report = bundle / REPORT_FILE
+    if report.is_file():
+        print(f"  build report: {json.loads(report.read_text())}")
+    sizes = {p.name: p.stat().st_size for p in sorted(bundle.iterdir()) if p.is_file()}
+    print("  files: " + ", ".join(f"{k} {v:,} B" for k, v in sizes.items()))
+    return 0 if _explain_validity(bundle, manifest, args) else 1
+
+
+def _explain_validity(
+    bundle: Path, manifest, args: argparse.Namespace, quiet: bool = False
+) -> bool:
+    """Print each check and its outcome; True when all pass."""
+    from pipeline.bundle import verify_files
+    from pipeline.runtime import check_runtime, identity_checks, identity_for
+
+    lines: list[tuple[str, bool, str]] = []
     try:
-        if args.model:
-            verify(bundle, args.model, _read_template(args.chat_template))
-            print(f"valid for model {args.model}: yes (checksums, fingerprints, template, mlx-lm)")
-        else:
-            verify_files(bundle)
-            print("checksums: ok (pass --model DIR to check it against a model)")
+        verify_files(bundle)
+        lines.append(("checksums", True, "SHA256SUMS matches cache.safetensors and manifest.json"))
+        check_runtime(bundle, manifest)
+        lines.append(
+            ("mlx-lm", True, f"bundle built with {manifest.builder.mlx_lm}, supported here")
+        )
     except PipelineError as exc:
-        print(f"valid: no: {exc}")
-        return 1
-    return 0
+        lines.append((getattr(exc, "field", None) or "bundle", False, str(exc)))
+    if args.model:
+        identity = identity_for(args.model, _read_template(args.chat_template))
+        for c in identity_checks(manifest, identity):
+            detail = f"{(c.found or 'none')[:16]}.. matches" if c.ok else str(c.error(bundle))
+            lines.append((c.what, c.ok, detail))
+    t, f = manifest.tokens, manifest.fidelity
+    lines.append(
+        (
+            "stability",
+            True,
+            f"{t.stable_tokens}/{t.rendered_tokens} rendered tokens are a prefix of every probe turn",
+        )
+    )
+    if f.checked:
+        lines.append(
+            (
+                "fidelity",
+                True,
+                f"max |logit diff| {f.max_abs_logit_diff:.3g} <= {f.threshold:g}, greedy match {f.greedy_match}",
+            )
+        )
+    ok = all(passed for _, passed, _ in lines)
+    if not quiet:
+        print(
+            "checks"
+            + (
+                f" for model {args.model}:"
+                if args.model
+                else " (pass --model DIR to check fingerprints):"
+            )
+        )
+        for name, passed, detail in lines:
+            print(f"  {'ok  ' if passed else 'FAIL'} {name:<21} {detail}")
+        print(f"valid{' for ' + str(args.model) if args.model else ''}: {'yes' if ok else 'no'}")
+    return ok
 
 
 def _print_manifest(bundle: Path, data: dict) -> None:

@@ -89,50 +89,60 @@ def find_bundles(root: Path) -> list[Path]:
     return sorted(p for p in found if STAGING_DIR not in p.relative_to(root).parts)
 
 
-def _mismatch(
-    bundle: Path, field_name: str, what: str, expected: str | None, found: str | None, fix: str
-) -> BundleError:
-    exp = (expected or "none")[:16]
-    got = (found or "none")[:16]
-    return BundleError(
-        str(bundle),
-        f"{what} mismatch (bundle expects {exp}.., model has {got}..); {fix}",
-        field_name,
-    )
+@dataclass(frozen=True)
+class IdentityCheck:
+    """One fingerprint comparison between a bundle and the served model."""
+
+    field: str
+    what: str
+    expected: str | None  # what the bundle was built for
+    found: str | None  # what the served model has
+    fix: str
+
+    @property
+    def ok(self) -> bool:
+        return self.expected == self.found
+
+    def error(self, bundle: Path) -> BundleError:
+        exp, got = (self.expected or "none")[:16], (self.found or "none")[:16]
+        message = f"{self.what} mismatch (bundle expects {exp}.., model has {got}..); {self.fix}"
+        return BundleError(str(bundle), message, self.field)
 
 
-def check_identity(bundle: Path, manifest: Manifest, identity: ModelIdentity) -> None:
-    """Refuse a bundle whose weights, tokenizer or template differ from the served model."""
+def identity_checks(manifest: Manifest, identity: ModelIdentity) -> list[IdentityCheck]:
+    """The comparisons that decide whether a bundle fits the served model, in refusal order."""
     m = manifest.model
     rebuild = f"rebuild it with 'python build.py build {manifest.prefix.name} --model <this model>'"
-    if m.fingerprint != identity.model:
-        raise _mismatch(
-            bundle,
-            "model.fingerprint",
-            "model weights/config",
-            m.fingerprint,
-            identity.model,
-            rebuild,
-        )
-    if m.tokenizer_fingerprint != identity.tokenizer:
-        raise _mismatch(
-            bundle,
+    never_hit = (
+        "the server renders prompts with another template, so this bundle could never be hit; "
+        f"serve with the bundle's template (--chat-template) or {rebuild}"
+    )
+    return [
+        IdentityCheck(
+            "model.fingerprint", "model weights/config", m.fingerprint, identity.model, rebuild
+        ),
+        IdentityCheck(
             "model.tokenizer_fingerprint",
             "tokenizer",
             m.tokenizer_fingerprint,
             identity.tokenizer,
             rebuild,
-        )
-    if m.template_sha256 != identity.template:
-        raise _mismatch(
-            bundle,
+        ),
+        IdentityCheck(
             "model.template_sha256",
             "chat template",
             m.template_sha256,
             identity.template,
-            "the server renders prompts with another template, so this bundle could never be hit; "
-            "serve with the bundle's template (--chat-template) or " + rebuild,
-        )
+            never_hit,
+        ),
+    ]
+
+
+def check_identity(bundle: Path, manifest: Manifest, identity: ModelIdentity) -> None:
+    """Refuse a bundle whose weights, tokenizer or template differ from the served model."""
+    for check in identity_checks(manifest, identity):
+        if not check.ok:
+            raise check.error(bundle)
 
 
 def check_runtime(bundle: Path, manifest: Manifest) -> None:

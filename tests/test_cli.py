@@ -39,17 +39,14 @@ def test_inspect_shows_stability_fidelity_and_validity(shop_bundle: Path, tiny_m
     assert f"rendered_tokens={count}, stable_tokens={count}" in out
     assert "max_abs_logit_diff=0.0" in out and "greedy_match=True" in out
     assert "You are the support assistant of a small bookshop" in out
-    assert out.rstrip().endswith(
-        f"valid for model {tiny_model}: yes (checksums, fingerprints, template, mlx-lm)"
-    )
+    assert "  ok   chat template         " in out and "FAIL" not in out
+    assert out.endswith(f"valid for {tiny_model}: yes\n")
 
 
 def test_inspect_json_is_the_manifest(shop_bundle: Path, capsys):
     assert main(["inspect", "--json", str(shop_bundle)]) == 0
     out = capsys.readouterr().out
-    assert json.loads(out.split("\nchecksums:")[0]) == json.loads(
-        (shop_bundle / MANIFEST_FILE).read_text()
-    )
+    assert json.loads(out) == json.loads((shop_bundle / MANIFEST_FILE).read_text())
 
 
 def test_list_shows_built_and_missing(project: Path, capsys):
@@ -71,3 +68,13 @@ def test_build_py_runs_as_a_script(project: Path):
     ]
     out = subprocess.run(args, capture_output=True, text=True)
     assert out.returncode == 2 and "required" in out.stderr
+
+
+def test_inspect_explains_why_a_bundle_is_invalid(
+    shop_bundle: Path, tiny_model_other_weights: Path, capsys
+):
+    assert main(["inspect", str(shop_bundle), "--model", str(tiny_model_other_weights)]) == 1
+    out = capsys.readouterr().out
+    assert "  FAIL model weights/config  bundle " in out and "model weights/config mismatch" in out
+    assert "  ok   tokenizer             " in out and "  ok   chat template         " in out
+    assert out.endswith(f"valid for {tiny_model_other_weights}: no\n")
