@@ -78,3 +78,13 @@ def test_inspect_explains_why_a_bundle_is_invalid(
     assert "  FAIL model weights/config  bundle " in out and "model weights/config mismatch" in out
     assert "  ok   tokenizer             " in out and "  ok   chat template         " in out
     assert out.endswith(f"valid for {tiny_model_other_weights}: no\n")
+
+
+def test_demo_builds_verifies_and_mounts_every_definition(project: Path, tiny_model: Path):
+    from pipeline.demo import run_demo
+
+    rows = run_demo(project / "prefixes", project / "bundles", tiny_model)
+    assert [(r["prefix"], r["status"]) for r in rows] == [("shop", "built")]
+    assert rows[0]["tokens"] > 50 and rows[0]["bytes"] > 0 and rows[0]["mount_ms"] > 0
+    again = run_demo(project / "prefixes", project / "bundles", tiny_model)
+    assert [r["status"] for r in again] == ["up to date"]
