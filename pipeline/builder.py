@@ -45,7 +45,7 @@ from pipeline.prefill import (
     prefill,
 )
 from pipeline.stability import StableCut, stable_prefix
-from pipeline.template import check_pin, render, uses_date
+from pipeline.template import check_pin, render, template_sha256, uses_date
 
 HUB_PATTERNS = [
     "*.json",
@@ -169,8 +169,6 @@ def template_text(definition: LoadedDefinition, model_dir: Path) -> tuple[str, s
 
 def render_prefix(definition: LoadedDefinition, model_dir: Path, **overrides: Any) -> Rendered:
     """Render the prefix messages through the pinned template (no generation prompt)."""
-    from pipeline.fingerprint import sha256_text
-
     text, source = template_text(definition, model_dir)
     pin = definition.spec.template
     kwargs = dict(
@@ -186,7 +184,7 @@ def render_prefix(definition: LoadedDefinition, model_dir: Path, **overrides: An
             "pin it with template.date = YYYY-MM-DD so the bundle stays a prefix of served prompts"
         )
     rendered = render(text, messages, date=pin.date, **kwargs, **overrides)
-    return Rendered(rendered, sha256_text(text), source)
+    return Rendered(rendered, template_sha256(text), source)
 
 
 def build_key(

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import hashlib
 import json
 import re
 import traceback
@@ -25,6 +24,7 @@ import jinja2.sandbox
 import jinja2.utils
 
 from pipeline.errors import TemplateError
+from pipeline.fingerprint import sha256_text
 
 # Names a message's reasoning may come under; transformers copies it to the first and `thinking`.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -40,8 +40,8 @@ _NOW: ContextVar[datetime.datetime] = ContextVar("chat_template_now")
 
 
 def template_sha256(text: str) -> str:
-    """Return the sha256 hex digest of the template's UTF-8 text."""
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+    """Return the sha256 hex digest of the template's UTF-8 text (the pin)."""
+    return sha256_text(text)
 
 
 def check_pin(text: str, expected_sha256: str, source: str) -> None:
