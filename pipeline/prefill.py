@@ -67,6 +67,7 @@ def load_model(model_dir: Path) -> LoadedModel:
     compute = mx.float32 if mx.default_device().type == mx.DeviceType.cpu else dtype
     if compute != dtype:
         model.set_dtype(compute)
+        mx.eval(model.parameters())  # convert at load: else the first prefill chunk pays for it
     return LoadedModel(model, tokenizer, dtype, compute)
 
 
