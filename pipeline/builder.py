@@ -9,21 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import BLAS_STATUS, __version__
-from pipeline.bundle import (
-    CACHE_FILE,
-    FORMAT_VERSION,
-    BuilderInfo,
-    CacheInfo,
-    FidelityInfo,
-    Manifest,
-    ModelInfo,
-    PrefixInfo,
-    TextInfo,
-    TokenInfo,
-    load_cache,
-    verify_files,
-    write_bundle,
-)
+from pipeline.bundle import CACHE_FILE, load_cache, verify_files, write_bundle
 from pipeline.definition import LoadedDefinition, ModelSpec, model_slug, slugify
 from pipeline.errors import BundleError, ModelError, TemplateError
 from pipeline.fidelity import check_fidelity
@@ -34,6 +20,17 @@ from pipeline.fingerprint import (
     model_identity,
     sha256_bytes,
     sha256_file,
+)
+from pipeline.manifest import (
+    FORMAT_VERSION,
+    BuilderInfo,
+    CacheInfo,
+    FidelityInfo,
+    Manifest,
+    ModelInfo,
+    PrefixInfo,
+    TextInfo,
+    TokenInfo,
 )
 from pipeline.prefill import (
     Progress,

@@ -14,95 +14,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
 from pipeline.errors import BundleError
 from pipeline.fingerprint import sha256_bytes, sha256_file
+from pipeline.manifest import FORMAT_VERSION, Manifest, manifest_bytes
 
-FORMAT_VERSION = 1
 CACHE_FILE = "cache.safetensors"
 MANIFEST_FILE = "manifest.json"
 SUMS_FILE = "SHA256SUMS"
 REPORT_FILE = "build-report.json"  # measurements; informational, not checksummed (varies per run)
 CHECKSUMMED = (CACHE_FILE, MANIFEST_FILE)
 STAGING_DIR = ".staging"
-
-
-class Record(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class PrefixInfo(Record):
-    name: str
-    version: int
-    content_sha256: str
-
-
-class TextInfo(Record):
-    sha256: str
-    chars: int
-    preview: str  # first and last characters of the rendered prefix
-
-
-class TokenInfo(Record):
-    count: int  # tokens stored in the bundle (the stable prefix)
-    ids_sha256: str
-    rendered_tokens: int  # tokens of the rendered prefix before the stability cut
-    stable_tokens: int
-
-
-class ModelInfo(Record):
-    slug: str
-    fingerprint: str
-    tokenizer_fingerprint: str
-    template_sha256: str
-    template_source: str  # "model" or "file:<name>"
-
-
-class CacheInfo(Record):
-    classes: list[str]
-    dtype: str
-    kv_bits: int | None
-    kv_group_size: int
-    prefill_step_size: int
-    nbytes: int
-
-
-class BuilderInfo(Record):
-    pipeline: str
-    mlx: str
-    mlx_lm: str
-    platform: str
-    device: str
-    compute_dtype: str
-
-
-class FidelityInfo(Record):
-    checked: bool
-    max_abs_logit_diff: float | None = None
-    threshold: float | None = None
-    greedy_tokens: int | None = None
-    greedy_match: bool | None = None
-    probe: str | None = None
-
-
-class Manifest(Record):
-    """Everything a bundle's validity depends on; deterministic for identical inputs."""
-
-    format_version: int
-    prefix: PrefixInfo
-    text: TextInfo
-    tokens: TokenInfo
-    model: ModelInfo
-    cache: CacheInfo
-    builder: BuilderInfo
-    fidelity: FidelityInfo
-    build_key: str
-
-
-def manifest_bytes(manifest: Manifest) -> bytes:
-    """Canonical manifest bytes: sorted keys, two-space indent, trailing newline."""
-    return (json.dumps(manifest.model_dump(mode="json"), sort_keys=True, indent=2) + "\n").encode()
 
 
 def sums_text(digests: dict[str, str]) -> str:
@@ -264,13 +187,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def read_safetensors_header(path: Path) -> tuple[int, dict[str, Any]]:
-    """(header length incl. the 8-byte prefix, parsed header) of a safetensors file."""
-    with open(path, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        return 8 + n, json.loads(fh.read(n))
 
 
 def _allowed_cache_classes() -> dict[str, type]:

@@ -7,9 +7,9 @@ from typing import Any
 
 import mlx.core as mx
 
-from pipeline.bundle import FidelityInfo
 from pipeline.definition import PrefixDefinition
 from pipeline.errors import BuildError
+from pipeline.manifest import FidelityInfo
 from pipeline.prefill import LoadedModel
 
 # Default bounds on the max |logit difference| (see README "Fidelity"): exact for full precision.

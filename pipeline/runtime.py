@@ -14,7 +14,6 @@ from pipeline.bundle import (
     MANIFEST_FILE,
     STAGING_DIR,
     SUMS_FILE,
-    Manifest,
     load_cache,
     parse_sums,
     read_manifest,
@@ -22,6 +21,7 @@ from pipeline.bundle import (
 )
 from pipeline.errors import BundleError, PipelineError
 from pipeline.fingerprint import ModelIdentity, canonical_json, model_identity, sha256_bytes
+from pipeline.manifest import Manifest
 from pipeline.prompt_cache import CacheHit, PromptCacheManager
 
 __all__ = [
