@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,13 +9,11 @@ from typing import Any
 
 from pipeline import BLAS_STATUS, __version__
 from pipeline.bundle import CACHE_FILE, load_cache, verify_files, write_bundle
-from pipeline.definition import LoadedDefinition, ModelSpec, model_slug, slugify
-from pipeline.errors import BundleError, ModelError, TemplateError
+from pipeline.errors import BundleError, ModelError
 from pipeline.fidelity import check_fidelity
 from pipeline.fingerprint import (
     ModelIdentity,
     canonical_json,
-    model_chat_template,
     model_identity,
     sha256_bytes,
     sha256_file,
@@ -41,40 +38,9 @@ from pipeline.prefill import (
     load_model,
     prefill,
 )
+from pipeline.render import Rendered, render_prefix
 from pipeline.stability import StableCut, stable_prefix
-from pipeline.template import check_pin, render, template_sha256, uses_date
-
-HUB_PATTERNS = [
-    "*.json",
-    "model*.safetensors",
-    "*.py",
-    "tokenizer.model",
-    "*.tiktoken",
-    "*.txt",
-    "*.jsonl",
-    "*.jinja",
-]
-SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
-
-
-@dataclass(frozen=True)
-class Target:
-    """One (definition, model) pair to build."""
-
-    definition: LoadedDefinition
-    model_dir: Path
-    slug: str
-    model_ref: str  # the model as the definition or command line names it (for mlx_lm interop)
-    expected_fingerprint: str | None = None
-
-
-@dataclass(frozen=True)
-class Rendered:
-    """The prefix rendered through the pinned template."""
-
-    text: str
-    template_sha256: str
-    template_source: str
+from pipeline.targets import Target, bundle_path
 
 
 @dataclass(frozen=True)
@@ -83,105 +49,6 @@ class BuildResult:
     manifest: Manifest
     report: dict[str, Any]
     up_to_date: bool
-
-
-def resolve_model(spec: ModelSpec, root: Path) -> Path:
-    """A local model folder for the spec: a path under the repo, or a hub snapshot at a revision."""
-    if spec.path is not None:
-        path = (root / spec.path).resolve()
-        if not (path / "config.json").is_file():
-            raise ModelError(
-                f"model {spec.path}: no config.json in {path}; generate the demo model with "
-                "'python build.py demo-model' or fix models.path"
-            )
-        return path
-    try:
-        from huggingface_hub import snapshot_download
-
-        local = snapshot_download(spec.repo, revision=spec.revision, allow_patterns=HUB_PATTERNS)
-    except Exception as exc:  # hub errors come in many types; all mean the same to the user
-        raise ModelError(
-            f"model {spec.repo}@{spec.revision}: download failed ({exc.__class__.__name__}); "
-            "check the network and HF_TOKEN, or pre-download it and use models.path"
-        ) from None
-    return Path(local)
-
-
-def targets(
-    definition: LoadedDefinition, root: Path, model_override: Path | None = None
-) -> list[Target]:
-    """The models a definition is built for, or the one model given on the command line."""
-    if model_override is not None:
-        path = Path(model_override).resolve()
-        model_dir = resolve_model(ModelSpec(path=str(path)), root)
-        return [Target(definition, model_dir, slugify(path.name), str(model_override))]
-    return [
-        Target(
-            definition,
-            resolve_model(spec, root),
-            model_slug(spec),
-            spec.path or spec.repo,
-            spec.fingerprint,
-        )
-        for spec in definition.spec.models
-    ]
-
-
-def bundle_path(bundles_root: Path, definition: LoadedDefinition, slug: str) -> Path:
-    """bundles/<name>/<version>/<model-slug>."""
-    return Path(bundles_root) / definition.name / str(definition.version) / slug
-
-
-def special_tokens(model_dir: Path) -> dict[str, str]:
-    """bos/eos/pad/unk token strings from tokenizer_config.json, as templates see them."""
-    path = Path(model_dir) / "tokenizer_config.json"
-    config = json.loads(path.read_text()) if path.is_file() else {}
-    out = {}
-    for key in SPECIAL_TOKENS:
-        value = config.get(key)
-        if isinstance(value, dict):
-            value = value.get("content")
-        if isinstance(value, str):
-            out[key] = value
-    return out
-
-
-def template_text(definition: LoadedDefinition, model_dir: Path) -> tuple[str, str]:
-    """(template text, source label) for the definition's pin, checked against its sha256."""
-    pin = definition.spec.template
-    if pin.source == "file":
-        path = definition.path.parent / pin.file
-        if not path.is_file():
-            raise TemplateError(f"{definition.path}: template.file: '{pin.file}' not found")
-        text, source = path.read_text(encoding="utf-8"), f"file:{pin.file}"
-    else:
-        text, source = model_chat_template(model_dir), "model"
-        if text is None:
-            raise TemplateError(
-                f'model {model_dir}: ships no chat template; set template.source = "file"'
-            )
-    check_pin(text, pin.sha256, f"{definition.path} template ({source})")
-    return text, source
-
-
-def render_prefix(definition: LoadedDefinition, model_dir: Path, **overrides: Any) -> Rendered:
-    """Render the prefix messages through the pinned template (no generation prompt)."""
-    text, source = template_text(definition, model_dir)
-    pin = definition.spec.template
-    kwargs = dict(
-        tools=definition.tools,
-        documents=definition.documents,
-        special_tokens=special_tokens(model_dir),
-        extra=pin.kwargs,
-    )
-    messages = overrides.pop("messages", definition.messages)
-    if pin.date is None and uses_date(text, messages, **kwargs):
-        raise TemplateError(
-            f"{definition.path}: the template's output depends on today's date (strftime_now); "
-            "pin it with template.date = YYYY-MM-DD so the bundle stays a prefix of served prompts"
-        )
-    rendered = render(text, messages, date=pin.date, **kwargs, **overrides)
-    return Rendered(rendered, template_sha256(text), source)
 
 
 def build_key(

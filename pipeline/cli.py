@@ -59,8 +59,9 @@ def _load_definitions(prefix_dir: Path, names: list[str]):
 
 def cmd_build(args: argparse.Namespace) -> int:
     from pipeline import BLAS_STATUS
-    from pipeline.builder import build, targets
+    from pipeline.builder import build
     from pipeline.bundle import clean_staging
+    from pipeline.targets import targets
 
     definitions = _load_definitions(args.prefixes, args.prefix)
     print(BLAS_STATUS.notice, file=sys.stderr)
@@ -196,9 +197,9 @@ def _print_manifest(bundle: Path, data: dict) -> None:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from pipeline.builder import bundle_path
     from pipeline.bundle import verify_files
     from pipeline.definition import model_slug
+    from pipeline.targets import bundle_path
 
     for definition in _load_definitions(args.prefixes, []):
         for spec in definition.spec.models:

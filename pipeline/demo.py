@@ -7,13 +7,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.builder import build, targets
+from pipeline.builder import build
 from pipeline.bundle import REPORT_FILE
 from pipeline.definition import find_definitions, load_definition
 from pipeline.errors import PipelineError
 from pipeline.manifest import Manifest
 from pipeline.prefill import Progress
 from pipeline.runtime import PromptCacheManager, mount, verify
+from pipeline.targets import targets
 from pipeline.testmodel import generate_model
 
 

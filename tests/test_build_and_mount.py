@@ -78,8 +78,9 @@ def test_same_inputs_give_identical_bytes(project: Path):
 
 
 def test_unchanged_definition_is_up_to_date(project: Path):
-    from pipeline.builder import build, targets
+    from pipeline.builder import build
     from pipeline.definition import load_definition
+    from pipeline.targets import targets
 
     build_bundle(project)
     definition = load_definition(project / "prefixes" / "shop.toml", project)

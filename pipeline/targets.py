@@ -1,0 +1,78 @@
+"""Build targets: which model folders a definition is built for, and where each bundle goes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.definition import LoadedDefinition, ModelSpec, model_slug, slugify
+from pipeline.errors import ModelError
+
+HUB_PATTERNS = [
+    "*.json",
+    "model*.safetensors",
+    "*.py",
+    "tokenizer.model",
+    "*.tiktoken",
+    "*.txt",
+    "*.jsonl",
+    "*.jinja",
+]
+
+
+@dataclass(frozen=True)
+class Target:
+    """One (definition, model) pair to build."""
+
+    definition: LoadedDefinition
+    model_dir: Path
+    slug: str
+    model_ref: str  # the model as the definition or command line names it (for mlx_lm interop)
+    expected_fingerprint: str | None = None
+
+
+def resolve_model(spec: ModelSpec, root: Path) -> Path:
+    """A local model folder for the spec: a path under the repo, or a hub snapshot at a revision."""
+    if spec.path is not None:
+        path = (root / spec.path).resolve()
+        if not (path / "config.json").is_file():
+            raise ModelError(
+                f"model {spec.path}: no config.json in {path}; generate the demo model with "
+                "'python build.py demo-model' or fix models.path"
+            )
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        local = snapshot_download(spec.repo, revision=spec.revision, allow_patterns=HUB_PATTERNS)
+    except Exception as exc:  # hub errors come in many types; all mean the same to the user
+        raise ModelError(
+            f"model {spec.repo}@{spec.revision}: download failed ({exc.__class__.__name__}); "
+            "check the network and HF_TOKEN, or pre-download it and use models.path"
+        ) from None
+    return Path(local)
+
+
+def targets(
+    definition: LoadedDefinition, root: Path, model_override: Path | None = None
+) -> list[Target]:
+    """The models a definition is built for, or the one model given on the command line."""
+    if model_override is not None:
+        path = Path(model_override).resolve()
+        model_dir = resolve_model(ModelSpec(path=str(path)), root)
+        return [Target(definition, model_dir, slugify(path.name), str(model_override))]
+    return [
+        Target(
+            definition,
+            resolve_model(spec, root),
+            model_slug(spec),
+            spec.path or spec.repo,
+            spec.fingerprint,
+        )
+        for spec in definition.spec.models
+    ]
+
+
+def bundle_path(bundles_root: Path, definition: LoadedDefinition, slug: str) -> Path:
+    """bundles/<name>/<version>/<model-slug>."""
+    return Path(bundles_root) / definition.name / str(definition.version) / slug
