@@ -1,0 +1,60 @@
+"""Model resolution: local folders, hub repos (offline here), fingerprint pins; serve's version pin."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conftest import build_bundle, write_definition
+from pipeline.definition import ModelSpec
+from pipeline.errors import ModelError, PipelineError
+from pipeline.targets import resolve_model
+
+
+def test_hub_model_offline_is_a_clear_error(monkeypatch, tmp_path: Path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    spec = ModelSpec(repo="Qwen/Qwen3-0.6B", revision="c1899de289a04d12100db370d81485cdf75e47ca")
+    with pytest.raises(ModelError) as info:
+        resolve_model(spec, tmp_path)
+    message = str(info.value)
+    assert message.startswith(
+        "model Qwen/Qwen3-0.6B@c1899de289a04d12100db370d81485cdf75e47ca: download failed ("
+    )
+    assert message.endswith(
+        "check the network and HF_TOKEN, or pre-download it and use models.path"
+    )
+
+
+def test_missing_local_model_names_the_fix(tmp_path: Path):
+    with pytest.raises(
+        ModelError, match=r"model nowhere: no config.json in .*; generate the demo model"
+    ):
+        resolve_model(ModelSpec(path="nowhere"), tmp_path)
+
+
+def test_fingerprint_pin_refuses_other_weights(tmp_path: Path, tiny_model_other_weights: Path):
+    write_definition(tmp_path, tiny_model_other_weights, extra="")
+    toml = tmp_path / "prefixes" / "shop.toml"
+    toml.write_text(
+        toml.read_text().replace("[[models]]\n", '[[models]]\nfingerprint = "' + "ab" * 32 + '"\n')
+    )
+    with pytest.raises(
+        ModelError, match=r"differs from the definition's models.fingerprint abababababab"
+    ):
+        build_bundle(tmp_path)
+
+
+def test_serve_refuses_an_unsupported_mlx_lm(monkeypatch):
+    import mlx_lm
+
+    from pipeline.serve import check_mlx_lm
+
+    monkeypatch.setattr(mlx_lm, "__version__", "0.40.1")
+    with pytest.raises(PipelineError) as info:
+        check_mlx_lm()
+    assert str(info.value) == (
+        "serve supports mlx-lm >=0.30,<0.33; found 0.40.1: "
+        "install one with \"pip install 'mlx-lm>=0.30,<0.33'\""
+    )
