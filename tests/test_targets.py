@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import build_bundle, write_definition
 from pipeline.definition import ModelSpec
 from pipeline.errors import ModelError, PipelineError
 from pipeline.targets import resolve_model
+
+from conftest import build_bundle, write_definition
 
 
 def test_hub_model_offline_is_a_clear_error(monkeypatch, tmp_path: Path):
