@@ -89,12 +89,12 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _template_override(rest: list[str]) -> str | None:
-    """The --chat-template string mlx_lm.server will use, if one is passed through."""
+def _passed_option(rest: list[str], name: str) -> str | None:
+    """The value of an mlx_lm.server option passed through (`--name V` or `--name=V`), if any."""
     for i, arg in enumerate(rest):
-        if arg == "--chat-template" and i + 1 < len(rest):
+        if arg == name and i + 1 < len(rest):
             return rest[i + 1] or None
-        if arg.startswith("--chat-template="):
+        if arg.startswith(name + "="):
             return arg.split("=", 1)[1] or None
     return None
 
@@ -102,7 +102,11 @@ def _template_override(rest: list[str]) -> str | None:
 def main(argv: list[str]) -> int:
     """Mount, install the hook, then hand over to mlx_lm.server's own main."""
     args, rest = setup_arg_parser().parse_known_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s - %(levelname)s - %(message)s")
+    level = (_passed_option(rest, "--log-level") or "INFO").upper()
+    logging.basicConfig(
+        level=getattr(logging, level, logging.INFO),
+        format="%(asctime)s - %(levelname)s - %(message)s",
+    )
     try:
         check_mlx_lm()
         manager = PromptCacheManager()
@@ -110,7 +114,7 @@ def main(argv: list[str]) -> int:
             args.model,
             args.bundles,
             skip_refused=not args.strict,
-            chat_template=_template_override(rest),
+            chat_template=_passed_option(rest, "--chat-template"),
             manager=manager,
             model_key=BUNDLE_KEY,
         )
