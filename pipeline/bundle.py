@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import struct
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -204,55 +203,20 @@ def _allowed_cache_classes() -> dict[str, type]:
 
 
 def load_cache(bundle: Path, expected_sha256: str) -> tuple[list[Any], list[int]]:
-    """Load cache.safetensors in one pass over the file, checking its sha256 on the loaded bytes."""
-    import mlx.core as mx
+    """Load cache.safetensors in one pass over the file, checking its sha256 on the bytes read."""
+    from pipeline.verified_read import FormatError, read_verified
 
     path = Path(bundle) / CACHE_FILE
     if not path.is_file():
         raise BundleError(str(bundle), f"{CACHE_FILE} is missing; rebuild the bundle", CACHE_FILE)
     try:
-        with open(path, "rb") as fh:
-            header_len, header = _read_header(fh)
-            fh.seek(0)
-            header_bytes = fh.read(header_len)
-            fh.seek(0)
-            arrays, metadata = mx.load(fh, format="safetensors", return_metadata=True)
-            size = os.fstat(fh.fileno()).st_size
-    except (ValueError, RuntimeError, struct.error) as exc:
+        arrays, metadata, found = read_verified(path)
+    except (FormatError, OSError) as exc:
         raise BundleError(
             str(bundle), f"{CACHE_FILE} is not a readable safetensors file ({exc})", CACHE_FILE
         ) from None
-    found = _digest_loaded(header_bytes, header, arrays, size)
     check_digest(Path(bundle), CACHE_FILE, expected_sha256, found)
     return _rebuild(Path(bundle), arrays, metadata)
-
-
-def _read_header(fh: Any) -> tuple[int, dict[str, Any]]:
-    (n,) = struct.unpack("<Q", fh.read(8))
-    try:
-        return 8 + n, json.loads(fh.read(n))
-    except ValueError as exc:
-        raise ValueError(f"bad header: {exc}") from None
-
-
-def _digest_loaded(header_bytes: bytes, header: dict[str, Any], arrays: dict, size: int) -> str:
-    """sha256 of the file as it was read: header bytes, then each tensor's bytes in file order."""
-    import hashlib
-
-    digest = hashlib.sha256(header_bytes)
-    spans = sorted((v["data_offsets"], k) for k, v in header.items() if k != "__metadata__")
-    position = 0
-    for (start, end), name in spans:
-        if start != position or name not in arrays:
-            return "0" * 64  # gaps or overlaps: not a file this pipeline wrote
-        view = memoryview(arrays[name])
-        if view.nbytes != end - start:
-            return "0" * 64
-        digest.update(view.cast("B") if view.format in "BbHhIiLlQqefd" else bytes(view))
-        position = end
-    if len(header_bytes) + position != size:
-        return "0" * 64
-    return digest.hexdigest()
 
 
 def _rebuild(bundle: Path, arrays: dict, metadata: dict[str, str]) -> tuple[list[Any], list[int]]:
