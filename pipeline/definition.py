@@ -96,7 +96,8 @@ class CacheSpec(Strict):
 
     kv_bits: Literal[4, 8] | None = None
     kv_group_size: Literal[32, 64, 128] = 64
-    prefill_step_size: int = Field(default=512, ge=16, le=16384)
+    # 2048 like mlx_lm: bigger chunks keep matmuls efficient (bench: 512 ran at 0.84x cache_prompt)
+    prefill_step_size: int = Field(default=2048, ge=16, le=16384)
 
 
 class CheckSpec(Strict):

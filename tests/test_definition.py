@@ -73,7 +73,7 @@ def test_support_agent_has_a_long_system_prompt_and_eight_tools() -> None:
     assert all(
         t["type"] == "function" and t["function"]["parameters"]["type"] == "object" for t in d.tools
     )
-    assert d.spec.cache.kv_bits is None and d.spec.cache.prefill_step_size == 512
+    assert d.spec.cache.kv_bits is None and d.spec.cache.prefill_step_size == 2048
 
 
 def test_docqa_handbook_joins_instructions_and_handbook_in_one_quantized_prefix() -> None:
