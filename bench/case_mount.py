@@ -1,0 +1,84 @@
+"""Case 3, mount cost of the largest bundle: verified mount vs unchecked load_prompt_cache vs raw reads.
+
+Every variant runs in a fresh process after the same imports, variants interleaved, page cache
+warm for all (the file is read once before the series): this compares CPU work on the same bytes,
+not disk speed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from common import MODEL_F32, Context, ratio, run_worker, stat, timed_command
+
+VARIANTS = {
+    "verified": "pipeline.runtime.mount (checksums + fingerprints + load)",
+    "unchecked": "mlx_lm load_prompt_cache + mx.eval (no checks)",
+    "python_read": "Python open().read(): raw read into fresh memory",
+    "read_prefaulted": "Python readinto() a buffer whose pages were touched before the timer",
+    "sha256": "sha256 of the file (hashlib, 8 MiB chunks): the floor of any sha256-verified read",
+    "cat": "cat cache.safetensors > /dev/null (128 KiB buffer reused: no page faults)",
+    "verified_phases": "mount_one's steps timed one by one (breakdown below)",
+}
+RSS_VARIANTS = ("verified", "unchecked", "python_read")
+
+
+def reps(quick: bool) -> int:
+    return 2 if quick else 5
+
+
+def one(variant: str, bundle: Path, nbytes: int) -> dict[str, Any]:
+    """Seconds (and peak RSS above baseline) of one variant in a fresh process."""
+    path = bundle / "cache.safetensors"
+    if variant == "cat":
+        seconds, _ = timed_command(["sh", "-c", f"cat '{path}' > /dev/null"])
+        return {"seconds": seconds}
+    args = {"variant": variant, "model": str(MODEL_F32), "bundle": str(bundle), "nbytes": nbytes}
+    r = run_worker("mount", args)
+    out = {"seconds": r["seconds"], "phases": r.get("phases"), "faults": r["faults"]}
+    if variant in RSS_VARIANTS:
+        out["rss_above_baseline"] = r["rss_peak"] - r["rss_baseline"]
+    return out
+
+
+def run(ctx: Context, bundle: dict[str, Any]) -> dict[str, Any]:
+    """Interleaved repetitions of every variant on one bundle."""
+    path = Path(bundle["bundle"])
+    nbytes = (path / "cache.safetensors").stat().st_size
+    timed_command(
+        ["sh", "-c", f"cat '{path / 'cache.safetensors'}' > /dev/null"]
+    )  # warm the page cache
+    variants = [v for v in VARIANTS if not (ctx.quick and v == "verified_phases")]
+    runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    for rep in range(reps(ctx.quick)):
+        for variant in variants:
+            ctx.note(f"mount cost: {variant} rep {rep + 1}")
+            runs[variant].append(one(variant, path, nbytes))
+    rows = {}
+    for variant, got in runs.items():
+        row = {"what": VARIANTS[variant], "seconds": stat([g["seconds"] for g in got]).as_dict()}
+        if "rss_above_baseline" in got[0]:
+            rss = stat([g["rss_above_baseline"] for g in got])
+            row["rss_above_baseline"] = rss.as_dict()
+            row["rss_over_bundle"] = rss.median / nbytes
+        row["gb_per_s"] = nbytes / row["seconds"]["median"] / 1e9
+        if "faults" in got[0]:
+            row["faults"] = stat([g["faults"] for g in got]).median
+        if got[0].get("phases"):
+            names = got[0]["phases"]
+            row["phases"] = {k: stat([g["phases"][k] for g in got]).as_dict() for k in names}
+        rows[variant] = row
+    med = {v: r["seconds"]["median"] for v, r in rows.items()}
+    return {
+        "bundle": str(path),
+        "length": bundle["length"],
+        "tokens": bundle["tokens"],
+        "cache_bytes": nbytes,
+        "rows": rows,
+        "verified_over_unchecked": ratio(med["verified"], med["unchecked"]),
+        "verified_over_cat": ratio(med["verified"], med["cat"]),
+        "verified_over_python_read": ratio(med["verified"], med["python_read"]),
+        "unchecked_over_cat": ratio(med["unchecked"], med["cat"]),
+        "python_read_over_prefaulted": ratio(med["python_read"], med["read_prefaulted"]),
+    }

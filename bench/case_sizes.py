@@ -1,0 +1,81 @@
+"""Case 4, bundle size and load time for full-precision, 8-bit and 4-bit KV of the same prefix.
+
+Uses the bench model as shipped (bfloat16), so full precision means bfloat16 KV (the serving
+dtype); the builder computes in float32 on CPU and stores the serving dtype.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from common import (
+    MODEL_BF16,
+    Context,
+    dir_bytes,
+    ratio,
+    run_worker,
+    stat,
+    text_with_tokens,
+    write_definition,
+)
+
+SYSTEM = "You answer questions about these notes.\nNotes:\n"
+KV_BITS = (None, 8, 4)
+
+
+def settings(quick: bool) -> dict[str, int]:
+    return {"tokens": 128, "reps": 1} if quick else {"tokens": 1024, "reps": 3}
+
+
+def build(ctx: Context, tokens: int, bits: int | None) -> dict[str, Any]:
+    """One bundle of the shared prefix with the given kv_bits (fidelity check on, except quick)."""
+    project = ctx.work / "sizes"
+    name = f"sizes-kv{bits or 'full'}"
+    msgs = [
+        {"role": "system", "content": SYSTEM + text_with_tokens(MODEL_BF16, tokens - 14, seed=7)}
+    ]
+    cache = {"kv_bits": bits, "kv_group_size": 64 if bits else None}
+    write_definition(project, name, MODEL_BF16, msgs, **cache)
+    ctx.note(f"sizes: building kv_bits={bits or 'none'}")
+    return run_worker(
+        "build",
+        {
+            "project": str(project),
+            "name": name,
+            "bundles": str(project / "bundles"),
+            "check": not ctx.quick,
+        },
+    )
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    """Build the three variants, then time verified mounts of each (interleaved)."""
+    cfg = settings(ctx.quick)
+    built = {bits: build(ctx, cfg["tokens"], bits) for bits in KV_BITS}
+    loads: dict[int | None, list[float]] = {bits: [] for bits in KV_BITS}
+    for rep in range(cfg["reps"]):
+        for bits, b in built.items():
+            ctx.note(f"sizes: mount kv_bits={bits or 'none'} rep {rep + 1}")
+            r = run_worker(
+                "mount", {"variant": "verified", "model": str(MODEL_BF16), "bundle": b["bundle"]}
+            )
+            loads[bits].append(r["seconds"])
+    full = (Path(built[None]["bundle"]) / "cache.safetensors").stat().st_size
+    rows = []
+    for bits, b in built.items():
+        nbytes = (Path(b["bundle"]) / "cache.safetensors").stat().st_size
+        rows.append(
+            {
+                "kv_bits": bits,
+                "tokens": b["tokens"],
+                "dtype": b["dtype"],
+                "cache_bytes": nbytes,
+                "bundle_bytes": dir_bytes(Path(b["bundle"]), "*"),
+                "ratio_to_full": ratio(nbytes, full),
+                "mount_s": stat(loads[bits]).as_dict(),
+                "fidelity": b["fidelity"],
+                "build": b,
+            }
+        )
+    return {"model": str(MODEL_BF16), "tokens": cfg["tokens"], "rows": rows}

@@ -1,0 +1,212 @@
+"""Shared helpers of the benchmark cases: paths, models, prompt text, definitions, subprocesses, stats."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+BENCH = REPO / "bench"
+WORKER = BENCH / "worker.py"
+MODEL_BF16 = REPO / "models" / "bench-qwen3-0.6b"
+MODEL_F32 = REPO / "models" / "bench-qwen3-0.6b-f32"
+QUESTION = (
+    "Using the notes above, which three items matter most today, and why? Answer in one line."
+)
+RESULT_TAG = "BENCH-RESULT "
+
+
+@dataclass
+class Context:
+    """What every case gets: mode, folders, and a log of what ran."""
+
+    quick: bool
+    work: Path
+    log: list[str] = field(default_factory=list)
+
+    def note(self, line: str) -> None:
+        """Print a progress line (to stderr) and keep it for the results."""
+        stamp = time.strftime("%H:%M:%S")
+        print(f"[{stamp}] {line}", file=sys.stderr, flush=True)
+        self.log.append(line)
+
+
+def ensure_models() -> dict[str, Path]:
+    """Generate the bench models (bf16 as shipped, float32 variant) when missing."""
+    from pipeline.testmodel import generate_model
+
+    return {
+        "bfloat16": generate_model(MODEL_BF16, "bench"),
+        "float32": generate_model(MODEL_F32, "bench", dtype="float32"),
+    }
+
+
+def dir_bytes(path: Path, pattern: str = "*.safetensors") -> int:
+    """Bytes of the files matching pattern in a folder."""
+    return sum(p.stat().st_size for p in Path(path).glob(pattern) if p.is_file())
+
+
+# --- Prompt text of a given token length -----------------------------------------------------
+
+
+def prose(words: int, seed: int = 0) -> str:
+    """Deterministic English-like notes (the test tokenizer was trained on these words)."""
+    from pipeline.testtokenizer import WORDS
+
+    r = random.Random(seed)
+    lines, count = [], 0
+    while count < words:
+        n = r.randint(6, 16)
+        sentence = " ".join(r.choice(WORDS) for _ in range(n))
+        lines.append(f"- {sentence[0].upper()}{sentence[1:]}.")
+        count += n
+    return "\n".join(lines)
+
+
+def text_with_tokens(model_dir: Path, tokens: int, seed: int = 0) -> str:
+    """Prose whose tokenization is close to (not above) `tokens` tokens."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    count = lambda t: len(tok.encode(t, add_special_tokens=False).ids)  # noqa: E731
+    low, high = 1, tokens * 2
+    while low < high:  # largest word count whose text stays within the budget
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if count(prose(mid, seed)) <= tokens else (low, mid - 1)
+    return prose(low, seed)
+
+
+def write_definition(
+    project: Path, name: str, model_dir: Path, messages: list[dict], **cache: Any
+) -> Path:
+    """prefixes/<name>.toml under project, with inline messages and the model's own template."""
+    from pipeline.fingerprint import model_chat_template, sha256_text
+
+    prefixes = project / "prefixes"
+    prefixes.mkdir(parents=True, exist_ok=True)
+    sha = sha256_text(model_chat_template(model_dir))
+    lines = [
+        f'name = "{name}"',
+        "version = 1",
+        "",
+        "[template]",
+        'source = "model"',
+        f'sha256 = "{sha}"',
+    ]
+    lines += ["", "[prefix]"]
+    for m in messages:
+        lines += [
+            "",
+            "[[prefix.messages]]",
+            f'role = "{m["role"]}"',
+            f"content = {json.dumps(m['content'])}",
+        ]
+    lines += ["", "[[models]]", f'path = "{model_dir}"', "", "[cache]"]
+    lines += [f"{k} = {v}" for k, v in cache.items() if v is not None]
+    path = prefixes / f"{name}.toml"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# --- Subprocesses -------------------------------------------------------------------------
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The environment for a measured subprocess: no preloads of ours, repo on the path."""
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "PREFIX_BUNDLES_OPENBLAS")
+    }
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(extra)
+    return env
+
+
+def run_worker(
+    task: str, args: dict[str, Any], timeout: float = 1800, **env: str
+) -> dict[str, Any]:
+    """Run `bench/worker.py task` in a fresh process; its JSON result plus spawn/wall seconds."""
+    spawn = time.time()
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), task, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=clean_env(**env),
+        cwd=REPO,
+    )
+    wall = time.time() - spawn
+    result = parse_result(proc.stdout)
+    if proc.returncode != 0 or result is None:
+        raise RuntimeError(f"worker {task} failed (exit {proc.returncode}): {proc.stderr[-2000:]}")
+    result["spawn_time"], result["process_seconds"] = spawn, wall
+    return result
+
+
+def parse_result(stdout: str) -> dict[str, Any] | None:
+    """The last BENCH-RESULT line of a worker's output."""
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(RESULT_TAG):
+            return json.loads(line[len(RESULT_TAG) :])
+    return None
+
+
+def timed_command(
+    cmd: list[str], stdin: str | None = None, timeout: float = 1800, **env: str
+) -> tuple[float, str]:
+    """(wall seconds, combined output) of a command in a fresh process; raise on failure."""
+    start = time.perf_counter()
+    proc = subprocess.run(
+        cmd,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=clean_env(**env),
+        cwd=REPO,
+    )
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"{' '.join(cmd[:4])} failed (exit {proc.returncode}): {proc.stderr[-2000:]}"
+        )
+    return wall, proc.stdout + proc.stderr
+
+
+# --- Statistics -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stat:
+    """Median, min, max and count of repeated measurements."""
+
+    median: float
+    low: float
+    high: float
+    n: int
+
+    def cell(self, fmt: str = "{:.3g}") -> str:
+        """'median (min–max)' for a table; just the value when n == 1."""
+        if self.n == 1:
+            return fmt.format(self.median)
+        return f"{fmt.format(self.median)} ({fmt.format(self.low)}–{fmt.format(self.high)})"
+
+    def as_dict(self) -> dict[str, float]:
+        return {"median": self.median, "min": self.low, "max": self.high, "n": self.n}
+
+
+def stat(values: list[float]) -> Stat:
+    """Summary of repeated measurements."""
+    return Stat(statistics.median(values), min(values), max(values), len(values))
+
+
+def ratio(a: float, b: float) -> float:
+    """a / b, guarded against zero."""
+    return a / b if b else float("inf")

@@ -1,0 +1,197 @@
+#!/usr/bin/env python3
+"""`just bench [--quick] [--out DIR]`: benchmarks side by side with mlx_lm -> RESULTS.md, ttft.png."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+sys.path[:0] = [str(BENCH), str(BENCH.parent)]
+
+import case_build  # noqa: E402
+import case_mount  # noqa: E402
+import case_sizes  # noqa: E402
+import case_ttft  # noqa: E402
+import chart  # noqa: E402
+import report  # noqa: E402
+import summary  # noqa: E402
+from common import BENCH as BENCH_DIR  # noqa: E402
+from common import Context, ensure_models, run_worker, stat  # noqa: E402
+
+import pipeline  # noqa: E402  (its BLAS_STATUS names the OpenBLAS that workers load)
+
+CASES = ("build", "ttft", "mount", "sizes", "handout")
+
+
+def setup_arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="bench/run.py", description=__doc__)
+    p.add_argument(
+        "--quick", action="store_true", help="shorter prompts, fewer repetitions (< 5 minutes)"
+    )
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=BENCH_DIR,
+        help="where RESULTS.md and ttft.png go (default: bench/)",
+    )
+    p.add_argument(
+        "--work", type=Path, default=BENCH_DIR / "out", help="scratch folder (default: bench/out/)"
+    )
+    p.add_argument(
+        "--cases", default=",".join(CASES), help=f"comma list of {','.join(CASES)} (default: all)"
+    )
+    return p
+
+
+def timed(ctx: Context, name: str, results: dict[str, Any], fn: Callable[[], Any]) -> Any:
+    """Run one case; keep its duration, and its error instead of stopping the whole run."""
+    start = time.perf_counter()
+    try:
+        results[name] = fn()
+    except Exception as exc:  # a failed case must not lose the others' measurements
+        ctx.note(f"{name} FAILED: {exc}")
+        results.setdefault("errors", {})[name] = "".join(
+            traceback.format_exception_only(exc)
+        ).strip()
+        traceback.print_exc()
+    results.setdefault("durations", {})[name] = time.perf_counter() - start
+    return results.get(name)
+
+
+def handout(quick: bool) -> dict[str, Any] | None:
+    """bench/bench_handout.py, another engineer's hand-out benchmark, in its own process (hook)."""
+    if not (BENCH_DIR / "bench_handout.py").is_file():
+        return None
+    r = run_worker("handout", {"quick": quick})
+    return {"result": r["result"], "markdown": r["markdown"], "seconds": r["process_seconds"]}
+
+
+def prime(ctx: Context) -> dict[str, Path]:
+    """Models present and their weight hashes memoised (a server's steady state; stat-only after)."""
+    from pipeline.fingerprint import model_identity
+
+    models = ensure_models()
+    for path in models.values():
+        model_identity(path)
+    ctx.note(f"models ready: {', '.join(str(p) for p in models.values())}")
+    return {k: str(v) for k, v in models.items()}
+
+
+def calibrate(ctx: Context) -> dict[str, Any]:
+    """Cost of a first touch of fresh memory on this machine (it dominates big loads in VMs)."""
+    got = [run_worker("touch", {"mib": 1024}) for _ in range(1 if ctx.quick else 3)]
+    ctx.note(f"first touch of fresh memory: {[round(g['us_per_page'], 2) for g in got]} us/page")
+    return {"us_per_page": stat([g["us_per_page"] for g in got]).as_dict()}
+
+
+def run_all(ctx: Context, cases: set[str]) -> dict[str, Any]:
+    """Every selected case, in an order that lets later cases reuse earlier bundles."""
+    results: dict[str, Any] = {"quick": ctx.quick, "cases": sorted(cases)}
+    openblas = pipeline.BLAS_STATUS.library
+    results["openblas"] = openblas
+    timed(ctx, "setup", results, lambda: prime(ctx))
+    timed(ctx, "calibration", results, lambda: calibrate(ctx))
+    if "build" in cases:
+        timed(ctx, "build", results, lambda: case_build.run(ctx, openblas))
+    bundles: list[dict[str, Any]] = []
+    if cases & {"ttft", "mount"}:
+        bundles = timed(ctx, "ttft_bundles", results, lambda: case_ttft.build_bundles(ctx)) or []
+    if "ttft" in cases and bundles:
+        timed(ctx, "ttft", results, lambda: case_ttft.run(ctx, bundles))
+    if "mount" in cases and bundles:
+        timed(ctx, "mount", results, lambda: case_mount.run(ctx, bundles[-1]))
+    if "sizes" in cases:
+        timed(ctx, "sizes", results, lambda: case_sizes.run(ctx))
+    results["memory"] = summary.memory(bundles, results.get("sizes"), results.get("mount"))
+    if "handout" in cases:
+        timed(ctx, "handout", results, lambda: handout(ctx.quick))
+    results["targets"] = summary.targets(results, ctx.quick)
+    return results
+
+
+def markdown(results: dict[str, Any], total: float) -> str:
+    """The whole RESULTS.md."""
+    mode = (
+        "QUICK (`--quick`: shorter prompts and prefixes, fewer repetitions)"
+        if results["quick"]
+        else "FULL"
+    )
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Generated by `python bench/run.py{' --quick' if results['quick'] else ''}` on "
+        f"{time.strftime('%Y-%m-%d %H:%M')}; mode: **{mode}**; total {total / 60:.1f} min.",
+        "Every figure below comes from this one run: medians over repetitions, min–max in brackets, "
+        "n = repetitions, ratios of medians taken side by side. Bench model: Qwen3-0.6B shapes, random "
+        "weights (`pipeline.testmodel`), as shipped in bfloat16 plus a float32 variant; the dtype is "
+        "named in every section.",
+        "",
+    ]
+    info = report.machine(results["openblas"])
+    if results.get("calibration"):
+        us = report.cell(results["calibration"]["us_per_page"], "{:.2f}")
+        n = results["calibration"]["us_per_page"]["n"]
+        info["first touch of fresh memory"] = (
+            f"{us} µs per 4 KiB page (1 GiB, fresh process, n={n})"
+        )
+    lines += report.table(["machine", ""], [[k, v] for k, v in info.items()])
+    lines += report.targets_section(results["targets"])
+    sections = [
+        ("build", lambda r: report.build_section(r)),
+        ("ttft", lambda r: report.ttft_section(r, results.get("ttft_bundles") or [])),
+        ("mount", report.mount_section),
+        ("sizes", report.sizes_section),
+    ]
+    for key, render in sections:
+        if results.get(key):
+            lines += render(results[key])
+    if results["memory"]["rows"]:
+        lines += report.memory_section(results["memory"])
+    if "handout" in results.get("cases", []):
+        lines += report.handout_section(results.get("handout"))
+    for name, err in results.get("errors", {}).items():
+        lines += [f"**Case {name} failed:** `{err}`", ""]
+    durations = ", ".join(f"{k} {v:.0f}s" for k, v in results.get("durations", {}).items())
+    lines += [f"Case durations: {durations}.", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = setup_arg_parser().parse_args(argv)
+    cases = {c.strip() for c in args.cases.split(",") if c.strip()}
+    unknown = cases - set(CASES)
+    if unknown:
+        print(
+            f"error: unknown case(s) {', '.join(sorted(unknown))}; choose from {', '.join(CASES)}",
+            file=sys.stderr,
+        )
+        return 2
+    shutil.rmtree(args.work, ignore_errors=True)
+    args.work.mkdir(parents=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    ctx = Context(args.quick, args.work.resolve())
+    ctx.note(pipeline.BLAS_STATUS.notice)
+    start = time.perf_counter()
+    results = run_all(ctx, cases)
+    total = time.perf_counter() - start
+    results["total_seconds"] = total
+    (args.work / "results.json").write_text(
+        json.dumps(results, indent=2, sort_keys=True, default=str) + "\n"
+    )
+    (args.out / "RESULTS.md").write_text(markdown(results, total))
+    if results.get("ttft"):
+        chart.draw(results["ttft"], args.out / "ttft.png", args.quick)
+    ctx.note(f"wrote {args.out / 'RESULTS.md'} in {total / 60:.1f} min")
+    return 1 if results.get("errors") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
