@@ -99,7 +99,12 @@ def sha256_file_memo(path: Path) -> str:
     digest = sha256_file(Path(real))
     with _memo_lock:
         table = _load_memo(memo)
-        table = {k: v for k, v in table.items() if not k.startswith(real + "|")}
+        # forget this file's older states and files that are gone, so the memo stays small
+        table = {
+            k: v
+            for k, v in table.items()
+            if not k.startswith(real + "|") and os.path.exists(k.split("|", 1)[0])
+        }
         table[key] = digest
         _store_memo(memo, table)
     return digest
