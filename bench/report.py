@@ -10,9 +10,11 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+from case_mount import VARIANTS
 from common import REPO
 
 GB = 1e9
+MACHINE_KEYS = ("cpu", "cores", "memory", "os", "python", "mlx", "mlx-lm", "pipeline", "openblas")
 
 
 def machine(openblas: str | None) -> dict[str, str]:
@@ -228,7 +230,7 @@ def mount_section(r: dict[str, Any]) -> list[str]:
         [k, v["what"], cell(v["seconds"]), v["seconds"]["n"], f"{v['gb_per_s']:.2f}"]
         + [f"{v['faults']:,.0f}" if "faults" in v else "–"]
         + [f"{v['rss_over_bundle']:.2f}×" if "rss_over_bundle" in v else "–"]
-        for k, v in r["rows"].items()
+        for k, v in ((k, r["rows"][k]) for k in VARIANTS if k in r["rows"])
     ]
     header = ["variant", "what", "seconds", "n", "GB/s", "page faults"]
     lines += table(header + ["peak RSS above baseline / bytes"], rows)
