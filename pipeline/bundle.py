@@ -203,19 +203,28 @@ def _allowed_cache_classes() -> dict[str, type]:
 
 
 def load_cache(bundle: Path, expected_sha256: str) -> tuple[list[Any], list[int]]:
-    """Load cache.safetensors in one pass over the file, checking its sha256 on the bytes read."""
+    """Load cache.safetensors in one pass, checking its sha256 on the bytes as they are read.
+
+    A file this machine already hashed in full, unchanged since by path, size, mtime and inode,
+    is trusted without re-hashing (as the weights fingerprint is); `verify` always hashes.
+    """
+    from pipeline.fingerprint import memo_lookup, memo_store, stat_key
     from pipeline.verified_read import FormatError, read_verified
 
     path = Path(bundle) / CACHE_FILE
     if not path.is_file():
         raise BundleError(str(bundle), f"{CACHE_FILE} is missing; rebuild the bundle", CACHE_FILE)
+    key = stat_key(path)
+    known = memo_lookup(key) == expected_sha256
     try:
-        arrays, metadata, found = read_verified(path)
+        arrays, metadata, found = read_verified(path, hash_bytes=not known)
     except (FormatError, OSError) as exc:
         raise BundleError(
             str(bundle), f"{CACHE_FILE} is not a readable safetensors file ({exc})", CACHE_FILE
         ) from None
-    check_digest(Path(bundle), CACHE_FILE, expected_sha256, found)
+    if not known:
+        check_digest(Path(bundle), CACHE_FILE, expected_sha256, found)
+        memo_store(key, found)
     return _rebuild(Path(bundle), arrays, metadata)
 
 

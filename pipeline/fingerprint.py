@@ -86,17 +86,23 @@ def _store_memo(memo: Path, table: dict) -> None:
         pass
 
 
-def sha256_file_memo(path: Path) -> str:
-    """sha256 of a large file, memoised by its stat so unchanged files are not re-read."""
+def stat_key(path: Path) -> str:
+    """Identity of a file's current contents as the filesystem reports it (path, size, mtime, inode)."""
     real = os.path.realpath(path)
     st = os.stat(real)
-    key = f"{real}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
-    memo = _memo_path()
+    return f"{real}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}"
+
+
+def memo_lookup(key: str) -> str | None:
+    """The sha256 recorded for a stat key, if any."""
     with _memo_lock:
-        table = _load_memo(memo)
-        if key in table:
-            return table[key]
-    digest = sha256_file(Path(real))
+        return _load_memo(_memo_path()).get(key)
+
+
+def memo_store(key: str, digest: str) -> None:
+    """Record a file's sha256 under its stat key (replacing that file's older states)."""
+    real = key.split("|", 1)[0]
+    memo = _memo_path()
     with _memo_lock:
         table = _load_memo(memo)
         # forget this file's older states and files that are gone, so the memo stays small
@@ -107,6 +113,15 @@ def sha256_file_memo(path: Path) -> str:
         }
         table[key] = digest
         _store_memo(memo, table)
+
+
+def sha256_file_memo(path: Path) -> str:
+    """sha256 of a large file, memoised by its stat so unchanged files are not re-read."""
+    key = stat_key(path)
+    digest = memo_lookup(key)
+    if digest is None:
+        digest = sha256_file(Path(key.split("|", 1)[0]))
+        memo_store(key, digest)
     return digest
 
 

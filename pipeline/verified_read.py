@@ -72,13 +72,23 @@ def _prod(shape: list[int]) -> int:
     return n
 
 
+class _NoDigest:
+    def update(self, data: Any) -> None:
+        pass
+
+
 def _hasher(digest: Any, chunks: queue.Queue) -> None:
     while (chunk := chunks.get()) is not None:
         digest.update(chunk)
 
 
-def read_verified(path: Path) -> tuple[dict[str, mx.array], dict[str, str], str]:
-    """(arrays, metadata, sha256 of the file) from one front-to-back read of a safetensors file."""
+def read_verified(
+    path: Path, hash_bytes: bool = True
+) -> tuple[dict[str, mx.array], dict[str, str], str | None]:
+    """(arrays, metadata, sha256 of the file) from one front-to-back read of a safetensors file.
+
+    With hash_bytes=False the file is read the same way but not hashed (digest None).
+    """
     with open(path, "rb", buffering=0) as fh:
         size = fh.seek(0, 2)
         fh.seek(0)
@@ -94,7 +104,7 @@ def read_verified(path: Path) -> tuple[dict[str, mx.array], dict[str, str], str]
         except ValueError as exc:
             raise FormatError(f"header is not JSON ({exc})") from None
         spans = _plan(header, 8 + n, size)
-        digest = hashlib.sha256(prefix + header_bytes)
+        digest = hashlib.sha256(prefix + header_bytes) if hash_bytes else _NoDigest()
         chunks: queue.Queue = queue.Queue(maxsize=8)
         worker = threading.Thread(target=_hasher, args=(digest, chunks), daemon=True)
         worker.start()
@@ -107,7 +117,7 @@ def read_verified(path: Path) -> tuple[dict[str, mx.array], dict[str, str], str]
             chunks.put(None)
             worker.join()
     metadata = header.get("__metadata__") or {}
-    return arrays, metadata, digest.hexdigest()
+    return arrays, metadata, digest.hexdigest() if hash_bytes else None
 
 
 def _read_tensor(

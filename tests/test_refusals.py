@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -141,3 +142,30 @@ def test_server_template_override_is_compared(
     )
     err = capsys.readouterr().err
     assert "chat template mismatch" in err and "could never be hit" in err
+
+
+def test_mount_hashes_once_per_file_state_and_verify_always(
+    tmp_path: Path, shop_bundle: Path, tiny_model: Path, monkeypatch
+):
+    from pipeline.fingerprint import memo_lookup, stat_key
+    from pipeline.runtime import verify
+
+    monkeypatch.setenv("PREFIX_BUNDLES_CACHE_DIR", str(tmp_path / "memo"))
+    bundle = tmp_path / "b"
+    shutil.copytree(shop_bundle, bundle)
+    cache_file = bundle / CACHE_FILE
+    assert memo_lookup(stat_key(cache_file)) is None
+    mount(tiny_model, bundle)  # first sight: full sha256, then remembered
+    expected = (bundle / SUMS_FILE).read_text().split()[0]
+    assert memo_lookup(stat_key(cache_file)) == expected
+    mount(tiny_model, bundle)  # same file state: no re-hash needed
+
+    data = bytearray(cache_file.read_bytes())
+    data[-5] ^= 0x01
+    stat = cache_file.stat()
+    cache_file.write_bytes(bytes(data))
+    with pytest.raises(BundleError, match="cache.safetensors sha256 mismatch"):
+        mount(tiny_model, bundle)  # a write changes mtime: hashed again, refused
+    os.utime(cache_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    with pytest.raises(BundleError, match="cache.safetensors sha256 mismatch"):
+        verify(bundle, tiny_model)  # deploy-time verify never trusts the memo
