@@ -25,7 +25,7 @@ RSS_VARIANTS = ("verified", "unchecked", "python_read")
 
 
 def reps(quick: bool) -> int:
-    return 2 if quick else 5
+    return 2 if quick else 4
 
 
 def one(variant: str, bundle: Path, nbytes: int) -> dict[str, Any]:

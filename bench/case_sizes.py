@@ -25,7 +25,7 @@ KV_BITS = (None, 8, 4)
 
 
 def settings(quick: bool) -> dict[str, int]:
-    return {"tokens": 128, "reps": 1} if quick else {"tokens": 1024, "reps": 3}
+    return {"tokens": 128, "reps": 1} if quick else {"tokens": 512, "reps": 3}
 
 
 def build(ctx: Context, tokens: int, bits: int | None) -> dict[str, Any]:

@@ -28,7 +28,7 @@ TEMPLATE_TOKENS = 16  # tokens the template and SYSTEM add around the notes (mea
 
 def lengths(quick: bool) -> list[int]:
     """Prefix lengths in tokens."""
-    return [128, 384] if quick else [32, 128, 512, 1024, 2048, 4096]
+    return [128, 384] if quick else [128, 512, 1024, 2048, 4096]
 
 
 def cold_reps(length: int, quick: bool) -> int:

@@ -277,7 +277,7 @@ def memory_section(m: dict[str, Any]) -> list[str]:
     lines = [
         "## 5. Memory",
         "",
-        "Peak RSS (ru_maxrss) above the baseline taken after imports, fresh processes.",
+        "Peak RSS above the baseline taken after imports (peak reset there via /proc/self/clear_refs, so import transients cannot hide a step), fresh processes.",
         "",
     ]
     rows = []

@@ -1,6 +1,6 @@
 """One measured thing in a fresh process: `python bench/worker.py TASK '<json args>'`.
 
-Prints one `BENCH-RESULT {json}` line. Peak memory is ru_maxrss above a baseline taken after
+Prints one `BENCH-RESULT {json}` line. Peak memory is the RSS peak above a baseline taken after
 the imports the task needs, so the figures count only what the measured step added.
 """
 
@@ -24,6 +24,18 @@ def max_rss() -> int:
     return peak if sys.platform == "darwin" else peak * 1024
 
 
+def reset_peak() -> int:
+    """Reset the peak to the current RSS (Linux clear_refs) and return it: the baseline.
+
+    Without the reset a transient during imports can sit above everything the step adds.
+    """
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass  # not Linux: the baseline is the peak so far
+    return max_rss()
+
+
 def minor_faults() -> int:
     """Minor page faults so far: each is a first touch of a fresh 4 KiB page."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -39,7 +51,7 @@ def task_build(args: dict[str, Any]) -> dict[str, Any]:
     from pipeline.definition import load_definition
     from pipeline.targets import targets
 
-    baseline = max_rss()
+    baseline = reset_peak()
     project = Path(args["project"])
     definition = load_definition(project / "prefixes" / f"{args['name']}.toml", project)
     (target,) = targets(definition, project)
@@ -174,7 +186,7 @@ def task_mount(args: dict[str, Any]) -> dict[str, Any]:
 
     import pipeline.runtime  # noqa: F401
 
-    baseline, faults = max_rss(), minor_faults()
+    baseline, faults = reset_peak(), minor_faults()
     start = time.perf_counter()
     held = MOUNT_VARIANTS[args["variant"]](args)
     seconds = time.perf_counter() - args.get("_start", start)
