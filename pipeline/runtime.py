@@ -40,6 +40,14 @@ __all__ = [
 
 # mlx-lm releases whose prompt-cache layout (save_prompt_cache / from_state) we have tested.
 SUPPORTED_MLX_LM = ((0, 30), (0, 33))
+SUPPORTED_RANGE = ">=0.30,<0.33"  # the same range, as pip writes it (pyproject pins it too)
+
+
+def mlx_lm_supported(version: str) -> bool:
+    """Whether an mlx-lm version string falls in SUPPORTED_MLX_LM."""
+    parts = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
+    low, high = SUPPORTED_MLX_LM
+    return low <= parts < high
 
 
 @dataclass(frozen=True)
@@ -153,13 +161,11 @@ def check_runtime(bundle: Path, manifest: Manifest) -> None:
         ("installed mlx-lm", installed),
         ("bundle's mlx-lm", manifest.builder.mlx_lm),
     ):
-        parts = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
-        low, high = SUPPORTED_MLX_LM
-        if not low <= parts < high:
+        if not mlx_lm_supported(version):
             raise BundleError(
                 str(bundle),
-                f"{label} {version} is outside the supported range "
-                f">={'.'.join(map(str, low))},<{'.'.join(map(str, high))}; install a supported mlx-lm",
+                f"{label} {version} is outside the supported range {SUPPORTED_RANGE}; "
+                "install a supported mlx-lm",
                 "builder.mlx_lm",
             )
 

@@ -14,7 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.errors import PipelineError
-from pipeline.runtime import SUPPORTED_MLX_LM, MountResult, PromptCacheManager, mount
+from pipeline.runtime import (
+    SUPPORTED_RANGE,
+    MountResult,
+    PromptCacheManager,
+    mlx_lm_supported,
+    mount,
+)
 
 log = logging.getLogger("prefix-bundles")
 BUNDLE_KEY = "bundles"
@@ -24,12 +30,10 @@ def check_mlx_lm() -> str:
     """The installed mlx-lm version, or a PipelineError when serve does not support it."""
     from mlx_lm import __version__ as version
 
-    parts = tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
-    low, high = SUPPORTED_MLX_LM
-    if not low <= parts < high:
+    if not mlx_lm_supported(version):
         raise PipelineError(
-            f"serve supports mlx-lm >={low[0]}.{low[1]},<{high[0]}.{high[1]}; found {version}: "
-            f"install one with \"pip install 'mlx-lm>={low[0]}.{low[1]},<{high[0]}.{high[1]}'\""
+            f"serve supports mlx-lm {SUPPORTED_RANGE}; found {version}: "
+            f"install one with \"pip install 'mlx-lm{SUPPORTED_RANGE}'\""
         )
     return version
 
