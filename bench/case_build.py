@@ -136,7 +136,7 @@ def same_process_ab(ctx: Context, text: str, pairs: int) -> dict[str, Any]:
     ctx.note(f"build throughput: same-process A/B, {pairs} pairs")
     r = run_worker("prefill_ab", {"model": str(MODEL_F32), "text": text, "pairs": pairs})
     out = {k: stat(r[k]).as_dict() for k in ("ours", "theirs", "theirs_chunk")}
-    out["tokens"] = r["tokens"]
+    out["tokens"], out["raw"] = r["tokens"], {k: r[k] for k in ("ours", "theirs", "theirs_chunk")}
     out["ratio"] = ratio(out["ours"]["median"], out["theirs"]["median"])
     return out
 
