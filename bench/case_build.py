@@ -52,7 +52,8 @@ def run_ours(ctx: Context, model: Path, text: str, tag: str) -> dict[str, Any]:
         "check": False,
     }
     r = run_worker("build", args)
-    return {"tokens": r["tokens"], "tok_s": r["prefill_tok_s"], "wall": r["process_seconds"]}
+    out = {"tokens": r["tokens"], "tok_s": r["prefill_tok_s"], "wall": r["process_seconds"]}
+    return out | {"step": r["step"]}
 
 
 def run_cache_prompt(ctx: Context, model: Path, text: str, openblas: str | None) -> dict[str, Any]:
@@ -126,6 +127,8 @@ def summarize(row: dict[str, Any], got: list[dict[str, Any]]) -> dict[str, Any]:
         "tok_s": stat([g["tok_s"] for g in got]).as_dict(),
         "wall_s": stat([g["wall"] for g in got]).as_dict(),
     }
+    if "step" in got[0]:
+        out["step"] = got[0]["step"]
     if "chunk_tok_s" in got[0]:
         out["chunk_tok_s"] = stat([g["chunk_tok_s"] for g in got]).as_dict()
     return out

@@ -21,7 +21,7 @@ def memory(
             _build_row(b, f"build {b['tokens']} tokens, bfloat16 model, kv_bits={x['kv_bits']}")
         )
     if mount:
-        for variant in ("verified", "unchecked", "python_read"):
+        for variant in ("verified", "verified_first", "unchecked", "python_read"):
             v = mount["rows"][variant]
             rows.append(
                 {
@@ -57,20 +57,25 @@ def targets(results: dict[str, Any], quick: bool) -> list[dict[str, Any]]:
         at = f"{m['tokens']}-token bundle" + (
             " (quick; target is for 4k)" if m["length"] < 4096 else ""
         )
-        out.append(
-            _row(
-                "verified mount ≤ 1.15× unchecked load_prompt_cache",
-                f"{m['verified_over_unchecked']:.2f}× ({at})",
-                m["verified_over_unchecked"] <= 1.15,
+        for key, when in (
+            ("verified", "restart (memo hit)"),
+            ("first", "first mount after deploy"),
+        ):
+            over_unchecked, over_cat = m[f"{key}_over_unchecked"], m[f"{key}_over_cat"]
+            out.append(
+                _row(
+                    f"verified mount ≤ 1.15× unchecked load_prompt_cache — {when}",
+                    f"{over_unchecked:.2f}× ({at})",
+                    over_unchecked <= 1.15,
+                )
             )
-        )
-        out.append(
-            _row(
-                "verified mount ≤ 2× raw read (cat)",
-                f"{m['verified_over_cat']:.2f}× ({at})",
-                m["verified_over_cat"] <= 2.0,
+            out.append(
+                _row(
+                    f"verified mount ≤ 2× raw read (cat) — {when}",
+                    f"{over_cat:.2f}× ({at})",
+                    over_cat <= 2.0,
+                )
             )
-        )
     b = results.get("build")
     if b:
         same, ab, default = b["ratio_same_blas"], b["ab"]["ratio"], b["ratio_default"]
@@ -117,8 +122,12 @@ def targets(results: dict[str, Any], quick: bool) -> list[dict[str, Any]]:
             )
         )
     if m:
-        v = m["rows"]["verified"]["rss_over_bundle"]
+        restart, first = (m["rows"][k]["rss_over_bundle"] for k in ("verified", "verified_first"))
         out.append(
-            _row("mount peak memory ≤ 1.2× bundle bytes above baseline", f"{v:.2f}×", v <= 1.2)
+            _row(
+                "mount peak memory ≤ 1.2× bundle bytes above baseline",
+                f"{restart:.2f}× (restart), {first:.2f}× (first mount)",
+                max(restart, first) <= 1.2,
+            )
         )
     return out
