@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 
 import pipeline  # noqa: F401  (loads OpenBLAS before mlx)
-from pipeline.prompt_cache import PromptCacheManager
+from pipeline.runtime.prompt_cache import PromptCacheManager
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache

@@ -47,7 +47,7 @@ def messages_for(length: int) -> list[dict[str, str]]:
 
 
 def build_bundles(ctx: Context) -> list[dict[str, Any]]:
-    """Build one bundle per length with pipeline.builder.build, each in a fresh process."""
+    """Build one bundle per length with pipeline.build.builder.build, each in a fresh process."""
     project = ctx.work / "ttft"
     built = []
     for length in lengths(ctx.quick):

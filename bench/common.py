@@ -41,7 +41,7 @@ class Context:
 
 def ensure_models() -> dict[str, Path]:
     """Generate the bench models (bf16 as shipped, float32 variant) when missing."""
-    from pipeline.testmodel import generate_model
+    from pipeline.testmodels.model import generate_model
 
     return {
         "bfloat16": generate_model(MODEL_BF16, "bench"),
@@ -59,7 +59,7 @@ def dir_bytes(path: Path, pattern: str = "*.safetensors") -> int:
 
 def prose(words: int, seed: int = 0) -> str:
     """Deterministic English-like notes (the test tokenizer was trained on these words)."""
-    from pipeline.testtokenizer import WORDS
+    from pipeline.testmodels.tokenizer import WORDS
 
     r = random.Random(seed)
     lines, count = [], 0
@@ -88,7 +88,7 @@ def write_definition(
     project: Path, name: str, model_dir: Path, messages: list[dict], **cache: Any
 ) -> Path:
     """prefixes/<name>.toml under project, with inline messages and the model's own template."""
-    from pipeline.fingerprint import model_chat_template, sha256_text
+    from pipeline.format.fingerprint import model_chat_template, sha256_text
 
     prefixes = project / "prefixes"
     prefixes.mkdir(parents=True, exist_ok=True)

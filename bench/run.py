@@ -82,7 +82,7 @@ def handout(quick: bool) -> dict[str, Any] | None:
 
 def prime(ctx: Context) -> dict[str, Path]:
     """Models present and their weight hashes memoised (a server's steady state; stat-only after)."""
-    from pipeline.fingerprint import model_identity
+    from pipeline.format.fingerprint import model_identity
 
     models = ensure_models()
     for path in models.values():
@@ -137,7 +137,7 @@ def markdown(results: dict[str, Any], total: float) -> str:
         f"{results.get('finished_at', '?')}; mode: **{mode}**; total {total / 60:.1f} min.",
         "Every figure below comes from this one run: medians over repetitions, min–max in brackets, "
         "n = repetitions, ratios of medians taken side by side. Bench model: Qwen3-0.6B shapes, random "
-        "weights (`pipeline.testmodel`), as shipped in bfloat16 plus a float32 variant; the dtype is "
+        "weights (`pipeline.testmodels.model`), as shipped in bfloat16 plus a float32 variant; the dtype is "
         "named in every section.",
         "",
     ]

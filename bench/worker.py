@@ -46,10 +46,10 @@ def emit(result: dict[str, Any]) -> None:
 
 
 def task_build(args: dict[str, Any]) -> dict[str, Any]:
-    """Our builder as a library call: pipeline.builder.build on one definition."""
-    from pipeline.builder import build
-    from pipeline.definition import load_definition
-    from pipeline.targets import targets
+    """Our builder as a library call: pipeline.build.builder.build on one definition."""
+    from pipeline.build.builder import build
+    from pipeline.build.definition import load_definition
+    from pipeline.build.targets import targets
 
     baseline = reset_peak()
     project = Path(args["project"])
@@ -126,7 +126,7 @@ def _mount_first(args: dict[str, Any]) -> Any:
     import os
     import tempfile
 
-    from pipeline.fingerprint import _memo_path, stat_key
+    from pipeline.format.fingerprint import _memo_path, stat_key
 
     path = Path(args["bundle"]) / "cache.safetensors"
     memo = _memo_path()
@@ -166,8 +166,8 @@ def _read_prefaulted(args: dict[str, Any]) -> Any:
 
 def _mount_phases(args: dict[str, Any]) -> Any:
     """mount_one's steps, timed one by one (same calls, same order)."""
-    from pipeline.bundle import load_cache, parse_sums, read_manifest
-    from pipeline.runtime import check_identity, check_runtime, identity_for
+    from pipeline.format.layout import load_cache, parse_sums, read_manifest
+    from pipeline.runtime.mount import check_identity, check_runtime, identity_for
 
     bundle, phases = Path(args["bundle"]), {}
     start = time.perf_counter()
@@ -184,7 +184,7 @@ def _mount_phases(args: dict[str, Any]) -> Any:
 
 
 def _sha256(args: dict[str, Any]) -> Any:
-    from pipeline.fingerprint import sha256_file
+    from pipeline.format.fingerprint import sha256_file
 
     return sha256_file(Path(args["bundle"]) / "cache.safetensors")
 
@@ -223,8 +223,8 @@ def task_prefill_ab(args: dict[str, Any]) -> dict[str, Any]:
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
-    from pipeline.definition import CacheSpec
-    from pipeline.prefill import encode, load_model, prefill
+    from pipeline.build.definition import CacheSpec
+    from pipeline.build.prefill import encode, load_model, prefill
 
     step = CacheSpec().prefill_step_size  # the builder's default chunk
     loaded = load_model(Path(args["model"]))

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline.errors import PipelineError
+from pipeline.format.errors import PipelineError
 
 DEMO_MODEL = Path("models/demo-tiny")
 
@@ -39,7 +39,7 @@ def _progress(label: str):
 
 
 def _load_definitions(prefix_dir: Path, names: list[str]):
-    from pipeline.definition import find_definitions, load_definition
+    from pipeline.build.definition import find_definitions, load_definition
 
     paths = find_definitions(prefix_dir)
     if names:
@@ -59,36 +59,58 @@ def _load_definitions(prefix_dir: Path, names: list[str]):
 
 def cmd_build(args: argparse.Namespace) -> int:
     from pipeline import BLAS_STATUS
-    from pipeline.builder import build
-    from pipeline.bundle import clean_staging
-    from pipeline.targets import targets
+    from pipeline.build.builder import build
+    from pipeline.build.targets import targets
+    from pipeline.build.versioning import check_locked, locked_entry
+    from pipeline.build.writer import clean_staging
+    from pipeline.format.layout import model_folder
+    from pipeline.format.lockfile import lock_path, read_lock, write_lock
 
     definitions = _load_definitions(args.prefixes, args.prefix)
+    lock_file = lock_path(args.prefixes)
+    lock = read_lock(lock_file)
     print(BLAS_STATUS.notice, file=sys.stderr)
     clean_staging(args.bundles)
     for definition in definitions:
+        built: dict[str, str] = {}
         for target in targets(definition, args.prefixes.resolve().parent, args.model):
             label = f"{definition.name}@{definition.version} -> {target.slug}"
             result = build(
-                target, args.bundles, force=args.force, check=args.check, progress=_progress(label)
+                target,
+                args.bundles,
+                force=args.force,
+                check=args.check,
+                progress=_progress(label),
+                lock=lock,
             )
             m = result.manifest
-            if result.up_to_date:
-                print(f"{label}: up to date ({result.bundle})")
-                continue
-            r = result.report
-            fid = m.fidelity
-            check = (
-                f", fidelity max|dlogit| {fid.max_abs_logit_diff:.3g} greedy_match {fid.greedy_match}"
-                if fid.checked
-                else ""
-            )
-            print(
-                f"{label}: {m.tokens.count} tokens (stable {m.tokens.stable_tokens}/{m.tokens.rendered_tokens}), "
-                f"{r['prefill_seconds']:.2f}s ({r['tokens_per_second']:,.0f} tok/s), "
-                f"peak {r['peak_memory_bytes'] / 2**20:,.0f} MiB{check} -> {result.bundle}"
-            )
+            built[model_folder(m.model.slug, m.model.fingerprint)] = m.model.fingerprint
+            _print_built(label, result)
+        if args.locked:
+            check_locked(definition, lock, built)
+        else:
+            entries = {**lock.prefixes, definition.name: locked_entry(definition, lock, built)}
+            lock = lock.model_copy(update={"prefixes": entries})
+            write_lock(lock_file, lock)  # after each definition: a later failure keeps this one
     return 0
+
+
+def _print_built(label: str, result) -> None:
+    m = result.manifest
+    if result.up_to_date:
+        print(f"{label}: up to date ({result.bundle})")
+        return
+    r, fid = result.report, m.fidelity
+    check = (
+        f", fidelity max|dlogit| {fid.max_abs_logit_diff:.3g} greedy_match {fid.greedy_match}"
+        if fid.checked
+        else ""
+    )
+    print(
+        f"{label}: {m.tokens.count} tokens (stable {m.tokens.stable_tokens}/{m.tokens.rendered_tokens}), "
+        f"{r['prefill_seconds']:.2f}s ({r['tokens_per_second']:,.0f} tok/s), "
+        f"peak {r['peak_memory_bytes'] / 2**20:,.0f} MiB{check} -> {result.bundle}"
+    )
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -109,81 +131,81 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def _read_template(path: Path | None) -> str | None:
     if path is None:
         return None
+    from pipeline.format.files import FileProblem, read_text
+
     try:
-        return Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise PipelineError(f"--chat-template {path}: cannot be read ({exc.strerror})") from None
+        return read_text(Path(path), 16 << 20)
+    except FileProblem as exc:
+        raise PipelineError(f"--chat-template {path}: {exc}; pass a template file") from None
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from pipeline.bundle import REPORT_FILE, read_manifest
+    from pipeline.runtime.validate import read_manifest
 
     bundle = Path(args.bundle)
-    manifest = read_manifest(bundle)
+    manifest = read_manifest(bundle, None)  # shown even when invalid; validity is decided below
+    refusal = _validity(bundle, manifest, args)
     if args.json:
-        print(json.dumps(manifest.model_dump(mode="json"), indent=2, sort_keys=True))
-        return 0 if _explain_validity(bundle, manifest, args, quiet=True) else 1
+        data = manifest.model_dump(mode="json")
+        data["validity"] = {
+            "valid": refusal is None,
+            "for_model": str(args.model) if args.model else None,
+            "refusal": None
+            if refusal is None
+            else {"field": refusal.field, "reason": refusal.reason},
+        }
+        print(json.dumps(data, indent=2, sort_keys=True))
+        return 0 if refusal is None else 1
     _print_manifest(bundle, manifest.model_dump(mode="json"))
-    report = bundle / REPORT_FILE
-    if report.is_file():
-        print(f"  build report: {json.loads(report.read_text())}")
     sizes = {p.name: p.stat().st_size for p in sorted(bundle.iterdir()) if p.is_file()}
     print("  files: " + ", ".join(f"{k} {v:,} B" for k, v in sizes.items()))
-    return 0 if _explain_validity(bundle, manifest, args) else 1
+    _print_checks(manifest, args, refusal)
+    return 0 if refusal is None else 1
 
 
-def _explain_validity(
-    bundle: Path, manifest, args: argparse.Namespace, quiet: bool = False
-) -> bool:
-    """Print each check and its outcome; True when all pass."""
-    from pipeline.bundle import verify_files
-    from pipeline.runtime import check_runtime, identity_checks, identity_for
+def _validity(bundle: Path, manifest, args: argparse.Namespace):
+    """The validator's verdict: None when valid, else the BundleError (for the model, if given)."""
+    from pipeline.format.errors import BundleError
+    from pipeline.runtime.mount import identity_for
+    from pipeline.runtime.validate import recorded_identity, validate
 
-    lines: list[tuple[str, bool, str]] = []
+    identity = (
+        identity_for(args.model, _read_template(args.chat_template))
+        if args.model
+        else recorded_identity(manifest)
+    )
     try:
-        verify_files(bundle)
-        lines.append(("checksums", True, "SHA256SUMS matches cache.safetensors and manifest.json"))
-        check_runtime(bundle, manifest)
-        lines.append(
-            ("mlx-lm", True, f"bundle built with {manifest.builder.mlx_lm}, supported here")
-        )
-    except PipelineError as exc:
-        lines.append((getattr(exc, "field", None) or "bundle", False, str(exc)))
-    if args.model:
-        identity = identity_for(args.model, _read_template(args.chat_template))
-        for c in identity_checks(manifest, identity):
-            detail = f"{(c.found or 'none')[:16]}.. matches" if c.ok else str(c.error(bundle))
-            lines.append((c.what, c.ok, detail))
+        validate(bundle, identity)
+    except BundleError as exc:
+        return exc
+    return None
+
+
+def _print_checks(manifest, args: argparse.Namespace, refusal) -> None:
+    from pipeline.runtime.validate import CHECKS
+
+    target = (
+        f" for model {args.model}"
+        if args.model
+        else " (integrity only; pass --model DIR to check fingerprints)"
+    )
+    print(f"checks{target}:")
+    if refusal is not None:
+        print(f"  FAIL {refusal.field or 'bundle':<21} {refusal.reason}")
+    else:
+        for name, detail in CHECKS:
+            print(f"  ok   {name:<21} {detail}")
     t, f = manifest.tokens, manifest.fidelity
-    lines.append(
-        (
-            "stability",
-            True,
-            f"{t.stable_tokens}/{t.rendered_tokens} rendered tokens are a prefix of every probe turn",
-        )
+    print(
+        f"  info stability              {t.stable_tokens}/{t.rendered_tokens} rendered tokens are a prefix of every probe turn"
     )
     if f.checked:
-        lines.append(
-            (
-                "fidelity",
-                True,
-                f"max |logit diff| {f.max_abs_logit_diff:.3g} <= {f.threshold:g}, greedy match {f.greedy_match}",
-            )
-        )
-    ok = all(passed for _, passed, _ in lines)
-    if not quiet:
         print(
-            "checks"
-            + (
-                f" for model {args.model}:"
-                if args.model
-                else " (pass --model DIR to check fingerprints):"
-            )
+            f"  info fidelity               max |logit diff| {f.max_abs_logit_diff:.3g} <= {f.threshold:g}, greedy match {f.greedy_match} (at build)"
         )
-        for name, passed, detail in lines:
-            print(f"  {'ok  ' if passed else 'FAIL'} {name:<21} {detail}")
-        print(f"valid{' for ' + str(args.model) if args.model else ''}: {'yes' if ok else 'no'}")
-    return ok
+    print(
+        f"valid{' for ' + str(args.model) if args.model else ''}: {'yes' if refusal is None else 'no'}"
+    )
 
 
 def _print_manifest(bundle: Path, data: dict) -> None:
@@ -197,34 +219,42 @@ def _print_manifest(bundle: Path, data: dict) -> None:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from pipeline.bundle import verify_files
-    from pipeline.definition import model_slug
-    from pipeline.targets import bundle_path
+    from pipeline.build.definition import find_definitions, load_definition
+    from pipeline.format.errors import BundleError
+    from pipeline.runtime.validate import read_manifest, recorded_identity, validate
 
-    for definition in _load_definitions(args.prefixes, []):
-        for spec in definition.spec.models:
-            path = bundle_path(args.bundles, definition, model_slug(spec))
+    broken = 0
+    root = Path(args.prefixes).resolve().parent
+    for path in find_definitions(args.prefixes):
+        try:
+            definition = load_definition(path, root)
+        except PipelineError as exc:
+            print(f"{path.stem}  broken definition: {exc}")
+            broken += 1
+            continue
+        folder = Path(args.bundles) / definition.name / str(definition.version)
+        bundles = sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+        if not bundles:
+            print(f"{definition.name}@{definition.version}  missing  {folder}")
+        for bundle in bundles:
             try:
-                state = (
-                    f"built ({verify_files(path).tokens.count} tokens)"
-                    if path.is_dir()
-                    else "missing"
-                )
-            except PipelineError as exc:
-                state = f"broken: {exc}"
-            print(f"{definition.name}@{definition.version}  {model_slug(spec):<24} {state}  {path}")
-    return 0
+                manifest = validate(bundle, recorded_identity(read_manifest(bundle, None))).manifest
+                state = f"built ({manifest.tokens.count} tokens)"
+            except BundleError as exc:
+                state, broken = f"broken: {exc.reason}", broken + 1
+            print(f"{definition.name}@{definition.version}  {bundle.name:<36} {state}  {bundle}")
+    return 1 if broken else 0
 
 
 def cmd_demo_model(args: argparse.Namespace) -> int:
-    from pipeline.testmodel import generate_model
+    from pipeline.testmodels.model import generate_model
 
     print(generate_model(args.out, args.size, seed=args.seed))
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from pipeline.demo import run_demo
+    from pipeline.build.demo import run_demo
 
     rows = run_demo(args.prefixes, args.bundles, DEMO_MODEL, progress=_progress)
     header = f"{'prefix':<22}{'tokens':>8}{'bytes':>13}{'prefill s':>11}{'mount ms':>10}  status"
@@ -262,6 +292,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--force", action="store_true", help="rebuild even when the bundle is up to date"
     )
     b.add_argument(
+        "--locked",
+        action="store_true",
+        help="CI: refuse any definition or model that differs from prefixes.lock; never write it",
+    )
+    b.add_argument(
         "--check",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -285,7 +320,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     i.add_argument("bundle", type=Path)
     i.add_argument("--model", type=Path, help="also check validity for this model folder")
     i.add_argument("--chat-template", type=Path)
-    i.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    i.add_argument("--json", action="store_true", help="print the manifest and validity as JSON")
     i.set_defaults(func=cmd_inspect)
 
     sub.add_parser("list", help="definitions and their bundles, built or missing").set_defaults(
@@ -308,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: one-line 'error: ...' and exit 1 on failure, 2 on usage errors."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
-        from pipeline.serve import main as serve_main
+        from pipeline.runtime.serve import main as serve_main
 
         return serve_main(argv[1:])
     args = setup_arg_parser().parse_args(argv)
@@ -316,6 +351,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except PipelineError as exc:
         _err(str(exc))
+        return 1
+    except OSError as exc:  # a last line of defence: every OS error is one line, never a traceback
+        _err(f"{exc.filename or 'I/O'}: {exc.strerror or exc}")
         return 1
     except KeyboardInterrupt:
         _err("interrupted; no partial bundle was left in place")

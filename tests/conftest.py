@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 import pipeline  # noqa: F401  (first: loads OpenBLAS before anything imports mlx)
-from pipeline.testmodel import generate_model
+from pipeline.testmodels.model import generate_model
 
-# --- Generated test models (pipeline.testmodel) -------------------------------------------------
+# --- Generated test models (pipeline.testmodels.model) -------------------------------------------------
 
 
 @pytest.fixture(scope="session")
@@ -48,7 +48,7 @@ SYSTEM = (
 
 def model_template_sha(model_dir: Path) -> str:
     """sha256 of the chat template a model folder ships."""
-    from pipeline.fingerprint import model_chat_template, sha256_text
+    from pipeline.format.fingerprint import model_chat_template, sha256_text
 
     return sha256_text(model_chat_template(model_dir))
 
@@ -83,9 +83,9 @@ def project(tmp_path: Path, tiny_model: Path) -> Path:
 
 def build_bundle(project_root: Path, name: str = "shop", **kwargs) -> Path:
     """Build one definition of a test project; return the bundle folder."""
-    from pipeline.builder import build
-    from pipeline.definition import load_definition
-    from pipeline.targets import targets
+    from pipeline.build.builder import build
+    from pipeline.build.definition import load_definition
+    from pipeline.build.targets import targets
 
     definition = load_definition(project_root / "prefixes" / f"{name}.toml", project_root)
     (target,) = targets(definition, project_root)

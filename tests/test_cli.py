@@ -7,8 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pipeline.bundle import MANIFEST_FILE
 from pipeline.cli import main
+from pipeline.format.layout import MANIFEST_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,7 +81,7 @@ def test_inspect_explains_why_a_bundle_is_invalid(
 
 
 def test_demo_builds_verifies_and_mounts_every_definition(project: Path, tiny_model: Path):
-    from pipeline.demo import run_demo
+    from pipeline.build.demo import run_demo
 
     rows = run_demo(project / "prefixes", project / "bundles", tiny_model)
     assert [(r["prefix"], r["status"]) for r in rows] == [("shop", "built")]

@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import BLAS_STATUS
-from pipeline.cli import main
-from pipeline.definition import (
+from pipeline.build.definition import (
     NAME_PATTERN,
     ModelSpec,
     find_definitions,
@@ -19,8 +18,9 @@ from pipeline.definition import (
     model_slug,
     slugify,
 )
-from pipeline.errors import DefinitionError
-from pipeline.fingerprint import model_chat_template
+from pipeline.cli import main
+from pipeline.format.errors import DefinitionError
+from pipeline.format.fingerprint import model_chat_template
 
 REPO = Path(__file__).resolve().parent.parent
 PREFIXES = REPO / "prefixes"

@@ -7,7 +7,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from pipeline.bundle import MANIFEST_FILE
+from pipeline.format.layout import MANIFEST_FILE
 
 from conftest import SYSTEM, TOOLS
 

@@ -7,7 +7,7 @@ import os
 import shutil
 from pathlib import Path
 
-from pipeline.fingerprint import model_fingerprint, model_identity, tokenizer_fingerprint
+from pipeline.format.fingerprint import model_fingerprint, model_identity, tokenizer_fingerprint
 
 
 def test_weights_edited_in_place_change_the_fingerprint(

@@ -8,8 +8,8 @@ import threading
 from pathlib import Path
 
 import pipeline  # noqa: F401
-from pipeline.errors import PipelineError
-from pipeline.prompt_cache import CacheHit, PromptCacheManager, _arrays
+from pipeline.format.errors import PipelineError
+from pipeline.runtime.prompt_cache import CacheHit, PromptCacheManager, _arrays
 
 import mlx.core as mx
 import numpy as np
@@ -441,8 +441,8 @@ def test_pin_refuses_a_cache_longer_than_its_tokens(model):
 
 def test_module_stays_thin():
     code = (
-        "import sys, pipeline.prompt_cache; "
-        "bad = {'jinja2', 'transformers', 'mlx_lm', 'pipeline.builder'} & set(sys.modules); "
+        "import sys, pipeline.runtime.prompt_cache; "
+        "bad = {'jinja2', 'transformers', 'mlx_lm', 'pipeline.build.builder'} & set(sys.modules); "
         "sys.exit(sorted(bad) or 0)"
     )
     root = Path(__file__).resolve().parents[1]

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.bundle import CACHE_FILE, MANIFEST_FILE, SUMS_FILE
 from pipeline.cli import main
-from pipeline.errors import BundleError
+from pipeline.format.errors import BundleError
+from pipeline.format.layout import CACHE_FILE, MANIFEST_FILE, SUMS_FILE
 from pipeline.runtime import PromptCacheManager, mount
 
 
@@ -107,7 +107,7 @@ def test_verify_cli_refuses_with_one_line(damaged, request, capsys):
 def test_mismatch_message_shows_expected_and_found(
     tmp_path: Path, shop_bundle: Path, tiny_model_other_weights: Path
 ):
-    from pipeline.fingerprint import model_fingerprint
+    from pipeline.format.fingerprint import model_fingerprint
 
     expected = json.loads((shop_bundle / MANIFEST_FILE).read_text())["model"]["fingerprint"]
     found = model_fingerprint(tiny_model_other_weights)
@@ -147,7 +147,7 @@ def test_server_template_override_is_compared(
 def test_mount_hashes_once_per_file_state_and_verify_always(
     tmp_path: Path, shop_bundle: Path, tiny_model: Path, monkeypatch
 ):
-    from pipeline.fingerprint import memo_lookup, stat_key
+    from pipeline.format.fingerprint import memo_lookup, stat_key
     from pipeline.runtime import verify
 
     monkeypatch.setenv("PREFIX_BUNDLES_CACHE_DIR", str(tmp_path / "memo"))

@@ -11,7 +11,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-from pipeline.bundle import MANIFEST_FILE
+from pipeline.format.layout import MANIFEST_FILE
 
 from conftest import SYSTEM, TOOLS
 

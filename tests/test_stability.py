@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 from mlx_lm import load
 
-from pipeline.bundle import MANIFEST_FILE
-from pipeline.errors import TemplateError
-from pipeline.fingerprint import sha256_text
+from pipeline.build.stability import common_prefix_length, stable_prefix
+from pipeline.build.template import render
+from pipeline.format.errors import TemplateError
+from pipeline.format.fingerprint import sha256_text
+from pipeline.format.layout import MANIFEST_FILE
 from pipeline.runtime import PromptCacheManager, mount
-from pipeline.stability import common_prefix_length, stable_prefix
-from pipeline.template import render
 
 from conftest import build_bundle
 

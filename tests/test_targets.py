@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.definition import ModelSpec
-from pipeline.errors import ModelError, PipelineError
-from pipeline.targets import resolve_model
+from pipeline.build.definition import ModelSpec
+from pipeline.build.targets import resolve_model
+from pipeline.format.errors import ModelError, PipelineError
 
 from conftest import build_bundle, write_definition
 
@@ -50,7 +50,7 @@ def test_fingerprint_pin_refuses_other_weights(tmp_path: Path, tiny_model_other_
 def test_serve_refuses_an_unsupported_mlx_lm(monkeypatch):
     import mlx_lm
 
-    from pipeline.serve import check_mlx_lm
+    from pipeline.runtime.serve import check_mlx_lm
 
     monkeypatch.setattr(mlx_lm, "__version__", "0.40.1")
     with pytest.raises(PipelineError) as info:

@@ -1,4 +1,4 @@
-"""pipeline.template renders byte-identical to transformers' apply_chat_template(tokenize=False)."""
+"""pipeline.build.template renders byte-identical to transformers' apply_chat_template(tokenize=False)."""
 
 import dataclasses
 import datetime
@@ -9,8 +9,8 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from pipeline.errors import TemplateError
-from pipeline.template import check_pin, render, template_sha256, uses_date
+from pipeline.build.template import check_pin, render, template_sha256, uses_date
+from pipeline.format.errors import TemplateError
 
 transformers = pytest.importorskip("transformers", minversion="5.0")
 chat_template_utils = pytest.importorskip("transformers.utils.chat_template_utils")

@@ -16,8 +16,8 @@ from mlx_lm.generate import generate_step
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer
 
-from pipeline.errors import ModelError
-from pipeline.testmodel import FILES, generate_model, main, model_config, tensor_shapes
+from pipeline.format.errors import ModelError
+from pipeline.testmodels.model import FILES, generate_model, main, model_config, tensor_shapes
 
 TEXTS = [
     "Hello, world!",
@@ -71,7 +71,16 @@ def _digests(folder: Path) -> dict[str, str]:
 
 def test_regeneration_in_another_process_is_byte_identical(tiny_model: Path, tmp_path: Path):
     out = tmp_path / "again"
-    cmd = [sys.executable, "-m", "pipeline.testmodel", "--size", "tiny", "--seed", "0", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pipeline.testmodels.model",
+        "--size",
+        "tiny",
+        "--seed",
+        "0",
+        str(out),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, check=True)
     assert result.stdout == f"{out}\n"
     assert sorted(_digests(out)) == sorted([*FILES, "generator.json"])

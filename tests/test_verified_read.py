@@ -10,7 +10,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from pipeline.verified_read import FormatError, read_verified
+from pipeline.format.safetensors_read import FormatError, read_verified
 
 
 @pytest.fixture

@@ -7,10 +7,10 @@ from typing import Any
 
 import mlx.core as mx
 
-from pipeline.definition import PrefixDefinition
-from pipeline.errors import BuildError
-from pipeline.manifest import FidelityInfo
-from pipeline.prefill import LoadedModel
+from pipeline.build.definition import PrefixDefinition
+from pipeline.build.prefill import LoadedModel
+from pipeline.format.errors import BuildError
+from pipeline.format.manifest import FidelityInfo
 
 # Default bounds on the max |logit difference| (see README "Fidelity"): exact for full precision.
 DEFAULT_THRESHOLDS = {None: 0.0, 8: 0.5, 4: 2.0}

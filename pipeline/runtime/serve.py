@@ -13,14 +13,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline.errors import PipelineError
-from pipeline.runtime import (
-    SUPPORTED_RANGE,
-    MountResult,
-    PromptCacheManager,
-    mlx_lm_supported,
-    mount,
-)
+from pipeline.format.errors import PipelineError
+from pipeline.format.lockfile import locked_versions
+from pipeline.runtime.compat import SUPPORTED_RANGE, installed_mlx_lm, mlx_lm_supported
+from pipeline.runtime.mount import MountResult, mount
+from pipeline.runtime.prompt_cache import PromptCacheManager
 
 log = logging.getLogger("prefix-bundles")
 BUNDLE_KEY = "bundles"
@@ -28,8 +25,7 @@ BUNDLE_KEY = "bundles"
 
 def check_mlx_lm() -> str:
     """The installed mlx-lm version, or a PipelineError when serve does not support it."""
-    from mlx_lm import __version__ as version
-
+    version = installed_mlx_lm()
     if not mlx_lm_supported(version):
         raise PipelineError(
             f"serve supports mlx-lm {SUPPORTED_RANGE}; found {version}: "
@@ -69,10 +65,13 @@ def log_mounts(result: MountResult) -> None:
         )
     for r in result.refused:
         log.warning("refused %s: %s", r.path, r.reason)
+    for path in result.older:
+        log.info("not mounted: older version %s", path)
     log.info(
-        "%d bundle(s) mounted, %d refused, in %.1f ms",
+        "%d bundle(s) mounted, %d refused, %d older version(s) not mounted, in %.1f ms",
         len(result.bundles),
         len(result.refused),
+        len(result.older),
         result.seconds * 1000,
     )
 
@@ -88,7 +87,19 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--bundles", type=Path, required=True, help="folder holding bundles (searched recursively)"
     )
     p.add_argument(
-        "--strict", action="store_true", help="exit instead of skipping a refused bundle"
+        "--strict",
+        action="store_true",
+        help="exit non-zero when any bundle is refused or none is mounted",
+    )
+    p.add_argument(
+        "--verify-full",
+        action="store_true",
+        help="hash every cache file in full, even one this user already verified unchanged",
+    )
+    p.add_argument(
+        "--lockfile",
+        type=Path,
+        help="mount the versions this prefixes.lock names instead of the newest",
     )
     return p
 
@@ -121,11 +132,15 @@ def main(argv: list[str]) -> int:
             chat_template=_passed_option(rest, "--chat-template"),
             manager=manager,
             model_key=BUNDLE_KEY,
+            verify_full=args.verify_full,
+            versions=locked_versions(args.lockfile) if args.lockfile else None,
         )
+        log_mounts(result)
+        if args.strict and not result.bundles:
+            raise PipelineError(f"--strict: no bundle for {args.model} was found in {args.bundles}")
     except PipelineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    log_mounts(result)
 
     import mlx_lm.server as server
 

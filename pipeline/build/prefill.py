@@ -14,7 +14,8 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import load as mlx_load
 
-from pipeline.errors import BuildError, ModelError
+from pipeline.format.errors import BuildError, ModelError
+from pipeline.format.fingerprint import ModelShape
 
 Progress = Callable[[int, int, float], None]  # (tokens done, total, seconds elapsed)
 
@@ -84,6 +85,8 @@ def prefill(
         raise BuildError("nothing to prefill: the rendered prefix has no tokens")
     cache = make_prompt_cache(loaded.model)
     mx.reset_peak_memory()
+    if progress:
+        progress(0, len(tokens), 0.0)  # announce the size before the first chunk runs
     start = time.perf_counter()
     for done in range(0, len(tokens), step):
         chunk = mx.array(tokens[done : done + step])[None]
@@ -94,6 +97,23 @@ def prefill(
     seconds = time.perf_counter() - start
     stats = PrefillStats(seconds, len(tokens) / max(seconds, 1e-9), mx.get_peak_memory())
     return cache, stats
+
+
+def check_context(definition: Any, tokens: int, shape: ModelShape) -> None:
+    """Refuse a prefix longer than the model's context before any prefill is spent on it."""
+    limit = shape.max_positions
+    if limit is not None and tokens > limit:
+        raise BuildError(
+            f"{definition.path}: the prefix is {tokens:,} tokens but the model's context is "
+            f"{limit:,} (max_position_embeddings); shorten the included documents or split the prefix"
+        )
+
+
+def estimate_bytes(tokens: int, shape: ModelShape, dtype: mx.Dtype, kv_bits: int | None) -> int:
+    """About how many bytes the bundle's cache file will take (keys and values of every layer)."""
+    per_value = (kv_bits / 8 + 4 / 64) if kv_bits else dtype.size  # quantized: packed + scales
+    width = (shape.kv_heads or 8) * (shape.head_dim or 128)
+    return int(2 * max(shape.layers, 1) * tokens * width * per_value) + (1 << 20)
 
 
 def finalize_cache(

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.errors import BuildError, TemplateError
+from pipeline.format.errors import BuildError, TemplateError
 
 # First characters that commonly change tokenization at a boundary.
 USER_PROBES = (
@@ -23,6 +23,7 @@ USER_PROBES = (
     "日本語とcafé",
 )
 ASSISTANT_PROBE = "Sure."
+MIN_STABLE_TOKENS = 8
 
 Renderer = Callable[[list[dict[str, str]]], str]
 Encoder = Callable[[str], list[int]]
@@ -77,5 +78,11 @@ def stable_prefix(
             f"no token boundary is shared by the prefix and its continuations: the prefix "
             f"renders as {text[-60:]!r} at its end but a continuation begins "
             f"{render(probe_conversations(messages)[0])[:60]!r}; make the prefix end at a turn boundary"
+        )
+    if stable < MIN_STABLE_TOKENS:
+        raise BuildError(
+            f"only {stable} token(s) of the prefix are stable before any continuation (at least "
+            f"{MIN_STABLE_TOKENS} are needed for a useful bundle); the template or tokenizer "
+            "rewrites the prefix when a turn follows it: make the prefix end at a turn boundary"
         )
     return StableCut(base[:stable], len(base), checked, first_probe[stable:])

@@ -7,15 +7,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.builder import build
-from pipeline.bundle import REPORT_FILE
-from pipeline.definition import find_definitions, load_definition
-from pipeline.errors import PipelineError
-from pipeline.manifest import Manifest
-from pipeline.prefill import Progress
+from pipeline.build.builder import build
+from pipeline.build.definition import find_definitions, load_definition
+from pipeline.build.prefill import Progress
+from pipeline.build.targets import targets
+from pipeline.format.errors import PipelineError
+from pipeline.format.layout import REPORT_FILE
+from pipeline.format.manifest import Manifest
 from pipeline.runtime import PromptCacheManager, mount, verify
-from pipeline.targets import targets
-from pipeline.testmodel import generate_model
+from pipeline.testmodels.model import generate_model
 
 
 def run_demo(

@@ -3,22 +3,48 @@
 from __future__ import annotations
 
 import platform
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from filelock import Timeout as LockTimeout
+from mlx_lm.models.cache import load_prompt_cache
+
 from pipeline import BLAS_STATUS, __version__
-from pipeline.bundle import CACHE_FILE, load_cache, verify_files, write_bundle
-from pipeline.errors import BundleError, ModelError
-from pipeline.fidelity import check_fidelity
-from pipeline.fingerprint import (
+from pipeline.build.fidelity import check_fidelity
+from pipeline.build.prefill import (
+    Progress,
+    cache_nbytes,
+    check_context,
+    dtype_name,
+    encode,
+    estimate_bytes,
+    finalize_cache,
+    load_model,
+    prefill,
+)
+from pipeline.build.render import Rendered, check_rendered, render_prefix
+from pipeline.build.stability import StableCut, stable_prefix
+from pipeline.build.targets import Target
+from pipeline.build.versioning import check_version
+from pipeline.build.writer import (
+    free_bytes,
+    new_staging_folder,
+    publish,
+    target_lock,
+    write_files,
+)
+from pipeline.format.errors import BuildError, BundleError, ModelError
+from pipeline.format.fingerprint import (
     ModelIdentity,
     canonical_json,
     model_identity,
     sha256_bytes,
-    sha256_file,
 )
-from pipeline.manifest import (
+from pipeline.format.layout import CACHE_FILE, bundle_path
+from pipeline.format.lockfile import Lockfile
+from pipeline.format.manifest import (
     FORMAT_VERSION,
     BuilderInfo,
     CacheInfo,
@@ -29,18 +55,7 @@ from pipeline.manifest import (
     TextInfo,
     TokenInfo,
 )
-from pipeline.prefill import (
-    Progress,
-    cache_nbytes,
-    dtype_name,
-    encode,
-    finalize_cache,
-    load_model,
-    prefill,
-)
-from pipeline.render import Rendered, render_prefix
-from pipeline.stability import StableCut, stable_prefix
-from pipeline.targets import Target, bundle_path
+from pipeline.runtime.validate import validate
 
 
 @dataclass(frozen=True)
@@ -76,12 +91,12 @@ def build_key(
     )
 
 
-def existing_manifest(bundle: Path) -> Manifest | None:
-    """The manifest of a complete, intact bundle already at `bundle`, else None."""
+def existing_manifest(bundle: Path, identity: ModelIdentity) -> Manifest | None:
+    """The manifest of a bundle already at `bundle` that the validator accepts, else None."""
     if not bundle.is_dir():
         return None
     try:
-        return verify_files(bundle)
+        return validate(bundle, identity).manifest
     except BundleError:
         return None
 
@@ -98,7 +113,7 @@ def builder_info() -> BuilderInfo:
     import mlx.core as mx
     from mlx_lm import __version__ as mlx_lm_version
 
-    from pipeline.prefill import device_label
+    from pipeline.build.prefill import device_label
 
     on_cpu = mx.default_device().type == mx.DeviceType.cpu
     return BuilderInfo(
@@ -118,6 +133,7 @@ def build(
     force: bool = False,
     check: bool = False,
     progress: Progress | None = None,
+    lock: Lockfile | None = None,
 ) -> BuildResult:
     """Build one bundle (or report it up to date); the folder appears complete or not at all."""
     d = target.definition
@@ -128,19 +144,65 @@ def build(
             f"definition's models.fingerprint {target.expected_fingerprint[:12]}..; "
             "update the pin if the new weights are intended"
         )
+    check_version(d, bundles_root, lock or Lockfile())
     rendered = render_prefix(d, target.model_dir)
+    check_rendered(d, rendered.text)
     builder = builder_info()
     key = build_key(target, identity, rendered, builder)
-    dest = bundle_path(bundles_root, d, target.slug)
-    current = None if force else existing_manifest(dest)
+    dest = bundle_path(bundles_root, d.name, d.version, target.slug, identity.model)
+    current = None if force else existing_manifest(dest, identity)
     if current is not None and current.build_key == key:
         return BuildResult(dest, current, {}, up_to_date=True)
-    loaded = load_model(target.model_dir)
-    encode_text = lambda text: encode(loaded.tokenizer, text)  # noqa: E731
-    rerender = lambda msgs: render_prefix(d, target.model_dir, messages=msgs).text  # noqa: E731
-    cut = stable_prefix(rendered.text, d.messages, rerender, encode_text)
-    cache, stats = prefill(loaded, cut.tokens, d.spec.cache.prefill_step_size, progress)
-    opts = d.spec.cache
+    job = Job(target, identity, rendered, builder, key, dest, check, progress)
+    try:
+        with target_lock(bundles_root, dest):
+            return _build_locked(job, bundles_root)
+    except LockTimeout:
+        raise BuildError(
+            f"another build is writing {dest} right now; wait for it to finish (its bundle is kept)"
+        ) from None
+    except OSError as exc:
+        raise BuildError(f"cannot write {exc.filename or bundles_root}: {exc.strerror}") from None
+
+
+@dataclass(frozen=True)
+class Job:
+    """One bundle to build, with everything established before the model is loaded."""
+
+    target: Target
+    identity: ModelIdentity
+    rendered: Rendered
+    builder: BuilderInfo
+    key: str
+    dest: Path
+    check: bool
+    progress: Progress | None
+
+
+def _build_locked(job: Job, bundles_root: Path) -> BuildResult:
+    d = job.target.definition
+    tmp = new_staging_folder(bundles_root)  # proves the bundles folder is writable, before prefill
+    try:
+        loaded = load_model(job.target.model_dir)
+        encode_text = lambda text: encode(loaded.tokenizer, text)  # noqa: E731
+        rerender = lambda msgs: render_prefix(d, job.target.model_dir, messages=msgs).text  # noqa: E731
+        cut = stable_prefix(job.rendered.text, d.messages, rerender, encode_text)
+        check_context(d, len(cut.tokens), job.identity.shape)
+        needed = estimate_bytes(
+            len(cut.tokens), job.identity.shape, loaded.serving_dtype, d.spec.cache.kv_bits
+        )
+        check_room(bundles_root, needed)
+        cache, stats = prefill(loaded, cut.tokens, d.spec.cache.prefill_step_size, job.progress)
+        manifest, report = _write(job, loaded, cut, cache, stats, tmp, needed)
+        validate(tmp, job.identity)  # the builder never ships what the one validator refuses
+        publish(tmp, job.dest)
+        return BuildResult(job.dest, manifest, report, up_to_date=False)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write(job: Job, loaded, cut: StableCut, cache, stats, tmp: Path, needed: int):
+    d, opts = job.target.definition, job.target.definition.spec.cache
     reference = finalize_cache(cache, loaded.serving_dtype, None, opts.kv_group_size)
     final = (
         finalize_cache(cache, loaded.serving_dtype, opts.kv_bits, opts.kv_group_size)
@@ -149,15 +211,16 @@ def build(
     )
     del cache
 
-    def finish(staged: Path) -> Manifest:
+    def finish(staged: Path, file_sha256: str, file_bytes: int) -> Manifest:
         fidelity = FidelityInfo(checked=False)
-        if check:
-            written, _ = load_cache(staged, sha256_file(staged / CACHE_FILE))
+        if job.check:
+            written = load_prompt_cache(str(staged / CACHE_FILE))
             fidelity = check_fidelity(loaded, reference, written, d.spec, cut.probe_tokens)
         facts = BuildFacts(
-            identity, rendered, cut, final, dtype_name(loaded.serving_dtype), builder, key
-        )
-        return make_manifest(target, facts, fidelity)
+            job.identity, job.rendered, cut, final, dtype_name(loaded.serving_dtype),
+            job.builder, job.key, file_sha256, file_bytes,
+        )  # fmt: skip
+        return make_manifest(job.target, facts, fidelity)
 
     report = {
         "prefill_seconds": round(stats.seconds, 4),
@@ -167,9 +230,24 @@ def build(
         "blas": BLAS_STATUS.notice,
     }
     # "model" and "tokenizer_config" let `mlx_lm.generate --prompt-cache-file` read the file too
-    metadata = {"model": target.model_ref, "tokenizer_config": "{}"}
-    manifest = write_bundle(dest, final, cut.tokens, finish, report, metadata)
-    return BuildResult(dest, manifest, report, up_to_date=False)
+    metadata = {"model": job.target.model_ref, "tokenizer_config": "{}"}
+    try:
+        manifest = write_files(tmp, final, cut.tokens, finish, report, metadata)
+    except OSError as exc:
+        raise BuildError(
+            f"cannot write {job.dest}: {exc.strerror} (needs about {needed / 1e6:,.0f} MB)"
+        ) from None
+    return manifest, report
+
+
+def check_room(bundles_root: Path, needed: int) -> None:
+    """Refuse before the prefill when the bundles folder's filesystem cannot hold the bundle."""
+    free = free_bytes(bundles_root)
+    if free < needed * 1.05 + (1 << 20):
+        raise BuildError(
+            f"cannot write {bundles_root}: No space left on device (needs about "
+            f"{needed / 1e6:,.0f} MB, {free / 1e6:,.0f} MB free); free some space or pass --bundles"
+        )
 
 
 @dataclass(frozen=True)
@@ -183,6 +261,8 @@ class BuildFacts:
     dtype: str
     builder: BuilderInfo
     key: str
+    file_sha256: str
+    file_bytes: int
 
 
 def make_manifest(target: Target, facts: BuildFacts, fidelity: FidelityInfo) -> Manifest:
@@ -212,6 +292,8 @@ def make_manifest(target: Target, facts: BuildFacts, fidelity: FidelityInfo) -> 
             kv_group_size=opts.kv_group_size,
             prefill_step_size=opts.prefill_step_size,
             nbytes=cache_nbytes(facts.cache),
+            file_sha256=facts.file_sha256,
+            file_bytes=facts.file_bytes,
         ),
         builder=facts.builder,
         fidelity=fidelity,

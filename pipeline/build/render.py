@@ -7,10 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.definition import LoadedDefinition
-from pipeline.errors import TemplateError
-from pipeline.fingerprint import model_chat_template
-from pipeline.template import check_pin, render, template_sha256, uses_date
+from pipeline.build.definition import LoadedDefinition
+from pipeline.build.template import check_pin, render, template_sha256, uses_date
+from pipeline.format.errors import TemplateError
+from pipeline.format.fingerprint import model_chat_template
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "pad_token", "unk_token")
 
@@ -42,10 +42,7 @@ def template_text(definition: LoadedDefinition, model_dir: Path) -> tuple[str, s
     """(template text, source label) for the definition's pin, checked against its sha256."""
     pin = definition.spec.template
     if pin.source == "file":
-        path = definition.path.parent / pin.file
-        if not path.is_file():
-            raise TemplateError(f"{definition.path}: template.file: '{pin.file}' not found")
-        text, source = path.read_text(encoding="utf-8"), f"file:{pin.file}"
+        text, source = definition.template_file_text or "", f"file:{pin.file}"
     else:
         text, source = model_chat_template(model_dir), "model"
         if text is None:
@@ -54,6 +51,30 @@ def template_text(definition: LoadedDefinition, model_dir: Path) -> tuple[str, s
             )
     check_pin(text, pin.sha256, f"{definition.path} template ({source})")
     return text, source
+
+
+def check_rendered(definition: LoadedDefinition, text: str) -> None:
+    """Refuse a render that lost part of the prefix (a folded or dropped turn, ignored tools)."""
+    for i, message in enumerate(definition.messages):
+        if message["content"].strip() not in text:
+            role = message["role"]
+            raise TemplateError(
+                f"{definition.path}: prefix.messages.{i}: the {role} content does not appear in "
+                f"the rendered prefix (the template folds or drops a {role} turn when nothing "
+                f"follows it); add a user turn to the prefix or use a template that renders {role} turns"
+            )
+    for tool in definition.tools or []:
+        if tool["function"]["name"] not in text:
+            raise TemplateError(
+                f"{definition.path}: prefix.tools_file: tool {tool['function']['name']!r} does not "
+                "appear in the rendered prefix; the pinned template ignores tools: use one that renders them"
+            )
+    for i, doc in enumerate(definition.documents or []):
+        if doc["text"].strip() not in text:
+            raise TemplateError(
+                f"{definition.path}: prefix.documents.{i}: the document does not appear in the "
+                "rendered prefix; the pinned template ignores documents: use one that renders them"
+            )
 
 
 def render_prefix(definition: LoadedDefinition, model_dir: Path, **overrides: Any) -> Rendered:

@@ -13,8 +13,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pipeline.errors import DefinitionError
-from pipeline.fingerprint import canonical_json
+from pipeline.format.errors import DefinitionError
+from pipeline.format.files import FileProblem, read_text
+from pipeline.format.fingerprint import canonical_json
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -22,6 +23,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$"
+MAX_INCLUDE_BYTES = 256 << 20
 
 
 class Strict(BaseModel):
@@ -120,6 +122,26 @@ class PrefixDefinition(Strict):
     check: CheckSpec = CheckSpec()
 
 
+class FunctionSpec(BaseModel):
+    """An OpenAI function tool's function: what chat templates render."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolSpec(BaseModel):
+    """One entry of tools_file: {"type": "function", "function": {...}} as OpenAI defines it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
 class LoadedDefinition(BaseModel):
     """A validated definition with its included files read and its content hash."""
 
@@ -130,6 +152,7 @@ class LoadedDefinition(BaseModel):
     messages: list[dict[str, str]]
     tools: list[dict[str, Any]] | None
     documents: list[dict[str, str]] | None
+    template_file_text: str | None  # the pinned template when template.source = "file"
     content_sha256: str
 
     @property
@@ -197,6 +220,11 @@ def _resolve(spec: PrefixDefinition, path: Path, root: Path) -> LoadedDefinition
         }
         for i, m in enumerate(spec.prefix.messages)
     ]
+    for i, message in enumerate(messages):
+        if not message["content"].strip():
+            raise DefinitionError(
+                f"{path}: prefix.messages.{i}: content is empty; write the message text or remove the message"
+            )
     tools = None
     if spec.prefix.tools_file:
         tools = _parse_tools(read(spec.prefix.tools_file, "prefix.tools_file"), path)
@@ -212,12 +240,16 @@ def _resolve(spec: PrefixDefinition, path: Path, root: Path) -> LoadedDefinition
         "template_date": spec.template.date.isoformat() if spec.template.date else None,
     }
     digest = hashlib.sha256(canonical_json(content)).hexdigest()
+    template_text = None
+    if spec.template.file is not None:
+        template_text = read(spec.template.file, "template.file")
     return LoadedDefinition(
         spec=spec,
         path=path,
         messages=messages,
         tools=tools,
         documents=documents,
+        template_file_text=template_text,
         content_sha256=digest,
     )
 
@@ -230,25 +262,33 @@ def _read_included(rel: str, base: Path, root: Path, path: Path, field: str) -> 
             "move the file under it"
         )
     try:
-        return target.read_text(encoding="utf-8")
-    except (FileNotFoundError, IsADirectoryError):
+        return read_text(target, MAX_INCLUDE_BYTES)
+    except FileProblem as exc:
         raise DefinitionError(
-            f"{path}: {field}: included file '{rel}' not found in {base}; "
-            "paths are relative to the definition's folder"
+            f"{path}: {field}: included file '{rel}' {exc}; paths are relative to the "
+            "definition's folder and must name regular UTF-8 text files"
         ) from None
-    except OSError as exc:
-        raise DefinitionError(f"{path}: {field}: '{rel}' cannot be read ({exc.strerror})") from None
-    except UnicodeDecodeError:
-        raise DefinitionError(f"{path}: {field}: '{rel}' is not UTF-8 text") from None
 
 
 def _parse_tools(text: str, path: Path) -> list[dict[str, Any]]:
     try:
         tools = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise DefinitionError(f"{path}: prefix.tools_file: not valid JSON ({exc})") from None
-    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-        raise DefinitionError(f"{path}: prefix.tools_file: must hold a JSON list of tool objects")
+    if not isinstance(tools, list) or not tools:
+        raise DefinitionError(
+            f"{path}: prefix.tools_file: must hold a non-empty JSON list of tools"
+        )
+    for i, tool in enumerate(tools):
+        try:
+            ToolSpec.model_validate(tool)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            where = ".".join(str(p) for p in err["loc"]) or "(the entry)"
+            raise DefinitionError(
+                f"{path}: prefix.tools_file: tool {i}: {where}: {err['msg']}; write OpenAI function "
+                'tools: {"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}'
+            ) from None
     return tools
 
 

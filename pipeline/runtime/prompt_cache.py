@@ -12,7 +12,7 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from pipeline.errors import PipelineError
+from pipeline.format.errors import PipelineError
 
 # Duck-typed on purpose: importing anything under mlx_lm runs mlx_lm/__init__.py, which
 # imports transformers and jinja2 (~0.75 s); the runtime must stay thin.

@@ -23,8 +23,8 @@ import jinja2.nodes
 import jinja2.sandbox
 import jinja2.utils
 
-from pipeline.errors import TemplateError
-from pipeline.fingerprint import sha256_text
+from pipeline.format.errors import TemplateError
+from pipeline.format.fingerprint import sha256_text
 
 # Names a message's reasoning may come under; transformers copies it to the first and `thinking`.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")

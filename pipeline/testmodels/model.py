@@ -13,8 +13,15 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.errors import ModelError
-from pipeline.testtokenizer import EOS, MARKUP, PAD, SPECIAL, tokenizer_config, train_tokenizer
+from pipeline.format.errors import ModelError
+from pipeline.testmodels.tokenizer import (
+    EOS,
+    MARKUP,
+    PAD,
+    SPECIAL,
+    tokenizer_config,
+    train_tokenizer,
+)
 
 SIZES = ("tiny", "bench")  # keys of SPECS
 DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2)}  # safetensors
@@ -252,8 +259,10 @@ def generate_model(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Command line: python -m pipeline.testmodel [--size S] [--seed N] [--dtype D] OUT_DIR."""
-    parser = argparse.ArgumentParser(prog="python -m pipeline.testmodel", description=__doc__)
+    """Command line: python -m pipeline.testmodels.model [--size S] [--seed N] [--dtype D] OUT_DIR."""
+    parser = argparse.ArgumentParser(
+        prog="python -m pipeline.testmodels.model", description=__doc__
+    )
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--size", choices=SIZES, default="tiny")
     parser.add_argument("--seed", type=int, default=0)

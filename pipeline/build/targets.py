@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.definition import LoadedDefinition, ModelSpec, model_slug, slugify
-from pipeline.errors import ModelError
+from pipeline.build.definition import LoadedDefinition, ModelSpec, model_slug, slugify
+from pipeline.format.errors import ModelError
 
 HUB_PATTERNS = [
     "*.json",
@@ -71,8 +71,3 @@ def targets(
         )
         for spec in definition.spec.models
     ]
-
-
-def bundle_path(bundles_root: Path, definition: LoadedDefinition, slug: str) -> Path:
-    """bundles/<name>/<version>/<model-slug>."""
-    return Path(bundles_root) / definition.name / str(definition.version) / slug

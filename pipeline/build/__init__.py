@@ -1,0 +1,1 @@
+"""The build side: prefix definition -> pinned render -> stability cut -> MLX prefill -> bundle."""

@@ -1,0 +1,82 @@
+"""Version discipline: the same prefix version never names two contents, and CI builds what is locked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pipeline.build.definition import LoadedDefinition
+from pipeline.format.errors import BuildError, BundleError
+from pipeline.format.layout import MANIFEST_FILE
+from pipeline.format.lockfile import LockedPrefix, LockError, Lockfile
+
+
+def built_contents(bundles_root: Path, name: str, version: int) -> dict[Path, str]:
+    """{bundle folder: content_sha256} of every bundle already built for this version."""
+    from pipeline.runtime.validate import read_manifest
+
+    folder = Path(bundles_root) / name / str(version)
+    found = {}
+    for bundle in sorted(folder.iterdir()) if folder.is_dir() else []:
+        if not (bundle / MANIFEST_FILE).is_file():
+            continue
+        try:
+            found[bundle] = read_manifest(bundle, None).prefix.content_sha256
+        except BundleError:
+            continue  # a broken bundle proves nothing; it is rebuilt or reported by verify
+    return found
+
+
+def check_version(d: LoadedDefinition, bundles_root: Path, lock: Lockfile) -> None:
+    """Refuse a content change without a version bump, against built bundles and the lockfile."""
+    bump = f"bump version (now {d.version}) in {d.path}"
+    locked = lock.prefixes.get(d.name)
+    if locked is not None and d.version < locked.version:
+        raise BuildError(
+            f"{d.path}: version {d.version} is older than the locked version {locked.version}; {bump}"
+        )
+    if (
+        locked is not None
+        and locked.version == d.version
+        and locked.content_sha256 != d.content_sha256
+    ):
+        raise BuildError(
+            f"{d.path}: content changed since version {d.version} was locked in prefixes.lock "
+            f"({locked.content_sha256[:12]}.. locked, {d.content_sha256[:12]}.. now); {bump}"
+        )
+    for bundle, content in built_contents(bundles_root, d.name, d.version).items():
+        if content != d.content_sha256:
+            raise BuildError(
+                f"{d.path}: content changed since version {d.version} was built ({bundle}); {bump}"
+            )
+
+
+def check_locked(d: LoadedDefinition, lock: Lockfile, models: dict[str, str]) -> None:
+    """For `build --locked`: the definition and its models are exactly as the lockfile says."""
+    entry = lock.prefixes.get(d.name)
+    fix = "run 'python build.py build' and commit prefixes.lock"
+    if entry is None:
+        raise LockError(f"{d.path}: not in prefixes.lock; {fix}")
+    now = LockedPrefix(
+        version=d.version,
+        content_sha256=d.content_sha256,
+        template_sha256=d.spec.template.sha256,
+        models={**entry.models, **models},
+    )
+    for field in ("version", "content_sha256", "template_sha256", "models"):
+        was, is_ = getattr(entry, field), getattr(now, field)
+        if was != is_:
+            raise LockError(
+                f"{d.path}: {field} differs from prefixes.lock ({was} locked, {is_} now); {fix}"
+            )
+
+
+def locked_entry(d: LoadedDefinition, lock: Lockfile, models: dict[str, str]) -> LockedPrefix:
+    """The lockfile entry after building d for `models` ({model folder: fingerprint})."""
+    entry = lock.prefixes.get(d.name)
+    kept = entry.models if entry is not None and entry.version == d.version else {}
+    return LockedPrefix(
+        version=d.version,
+        content_sha256=d.content_sha256,
+        template_sha256=d.spec.template.sha256,
+        models={**kept, **models},
+    )

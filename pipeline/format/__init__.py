@@ -1,0 +1,1 @@
+"""What the build side and the runtime side agree on: bundle layout, manifest schema, fingerprints, errors."""

@@ -1,0 +1,82 @@
+"""prefixes/prefixes.lock: what each definition was last built as (version, content, template, models).
+
+Written by `build`, checked by `build --locked` (CI), readable by `serve --lockfile` to mount exactly
+the locked versions. A content change under the same version is refused against it, so version
+discipline holds even where the old bundles are not on this machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pipeline.format.errors import PipelineError
+from pipeline.format.files import FileProblem, read_regular
+
+LOCK_NAME = "prefixes.lock"
+Hex64 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+class LockError(PipelineError):
+    """The lockfile is unreadable, malformed, or does not match the definitions."""
+
+
+class LockedPrefix(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    version: Annotated[int, Field(ge=1)]
+    content_sha256: Hex64
+    template_sha256: Hex64
+    models: dict[str, Hex64]  # model folder (slug-fingerprint prefix) -> full model fingerprint
+
+
+class Lockfile(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    lock_version: int = 1
+    prefixes: dict[str, LockedPrefix] = Field(default_factory=dict)
+
+
+def lock_path(prefix_dir: Path) -> Path:
+    return Path(prefix_dir) / LOCK_NAME
+
+
+def read_lock(path: Path) -> Lockfile:
+    """The lockfile, or an empty one when it does not exist yet."""
+    path = Path(path)
+    if not path.exists():
+        return Lockfile()
+    try:
+        return Lockfile.model_validate_json(read_regular(path, 16 << 20))
+    except FileProblem as exc:
+        raise LockError(f"{path}: {exc}") from None
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        raise LockError(
+            f"{path}: {where}: {err['msg']}; restore it from version control or delete it and rebuild"
+        ) from None
+
+
+def write_lock(path: Path, lock: Lockfile) -> None:
+    """Write the lockfile atomically (sorted keys, trailing newline)."""
+    path = Path(path)
+    text = json.dumps(lock.model_dump(mode="json"), sort_keys=True, indent=2) + "\n"
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise LockError(f"cannot write {path}: {exc.strerror}") from None
+
+
+def locked_versions(path: Path) -> dict[str, int]:
+    """{prefix name: locked version}, for mounting exactly what the lockfile names."""
+    if not Path(path).is_file():
+        raise LockError(f"{path}: lockfile not found; pass the prefixes.lock your build wrote")
+    return {name: entry.version for name, entry in read_lock(path).prefixes.items()}

@@ -1,0 +1,100 @@
+"""Manifest schema v1: everything a bundle's validity depends on, as a strict, frozen record.
+
+Strict on purpose: the runtime parses manifests it did not write (copied, edited, forged), so every
+field has the type and range a builder can produce, and nothing else is accepted.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+FORMAT_VERSION = 1
+MAX_MANIFEST_BYTES = 1 << 20
+
+Hex64 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+Count = Annotated[int, Field(ge=1, le=1 << 40)]
+Short = Annotated[str, Field(max_length=4096)]
+CacheClass = Literal["KVCache", "QuantizedKVCache", "RotatingKVCache", "ArraysCache"]
+KVDtype = Literal["float32", "float16", "bfloat16"]
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class PrefixInfo(Record):
+    name: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]
+    version: Count
+    content_sha256: Hex64
+
+
+class TextInfo(Record):
+    sha256: Hex64
+    chars: Annotated[int, Field(ge=0)]
+    preview: Annotated[str, Field(max_length=1024)]  # first and last characters of the prefix
+
+
+class TokenInfo(Record):
+    count: Count  # tokens stored in the bundle (the stable prefix)
+    ids_sha256: Hex64
+    rendered_tokens: Count  # tokens of the rendered prefix before the stability cut
+    stable_tokens: Count
+
+
+class ModelInfo(Record):
+    slug: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]
+    fingerprint: Hex64
+    tokenizer_fingerprint: Hex64
+    template_sha256: Hex64
+    template_source: Short  # "model" or "file:<name>"
+
+
+class CacheInfo(Record):
+    classes: Annotated[list[CacheClass], Field(min_length=1, max_length=4096)]
+    dtype: KVDtype
+    kv_bits: Literal[4, 8] | None
+    kv_group_size: Literal[32, 64, 128]
+    prefill_step_size: Annotated[int, Field(ge=1)]
+    nbytes: Annotated[int, Field(ge=0)]  # bytes of the cache arrays
+    file_sha256: Hex64  # of cache.safetensors: regenerating SHA256SUMS alone never passes
+    file_bytes: Annotated[int, Field(ge=8)]
+
+
+class BuilderInfo(Record):
+    pipeline: Short
+    mlx: Short
+    mlx_lm: Short
+    platform: Short
+    device: Short
+    compute_dtype: Short
+
+
+class FidelityInfo(Record):
+    checked: bool
+    max_abs_logit_diff: float | None = None
+    threshold: float | None = None
+    greedy_tokens: int | None = None
+    greedy_match: bool | None = None
+    probe: Short | None = None
+
+
+class Manifest(Record):
+    """Everything a bundle's validity depends on; deterministic for identical inputs."""
+
+    format_version: Literal[1]
+    prefix: PrefixInfo
+    text: TextInfo
+    tokens: TokenInfo
+    model: ModelInfo
+    cache: CacheInfo
+    builder: BuilderInfo
+    fidelity: FidelityInfo
+    build_key: Hex64
+
+
+def manifest_bytes(manifest: Manifest) -> bytes:
+    """Canonical manifest bytes: sorted keys, two-space indent, trailing newline."""
+    return (json.dumps(manifest.model_dump(mode="json"), sort_keys=True, indent=2) + "\n").encode()

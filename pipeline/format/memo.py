@@ -1,0 +1,95 @@
+"""sha256 memo: a file hashed in full once is not re-hashed while its stat says it is unchanged.
+
+What it trusts: that a file whose path, size, mtime_ns, ctime_ns, inode and device are all as when it
+was hashed still holds the same bytes. ctime cannot be set back by a user (only by changing the
+clock as root), so an in-place edit with a restored mtime is re-hashed. The memo lives in
+~/.cache/mlx-prefix-bundles (PREFIX_BUNDLES_CACHE_DIR or XDG_CACHE_HOME move it), 0700 folder,
+0600 file; a memo file or folder that is not owned by this user or is open to others is ignored.
+Used for model weights (fingerprints) and by `mount` on a restart; `verify` always hashes in full.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import threading
+from pathlib import Path
+
+_lock = threading.Lock()
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+MAX_MEMO_BYTES = 16 << 20
+
+
+def memo_path() -> Path:
+    """Where the memo file lives."""
+    base = os.environ.get("PREFIX_BUNDLES_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "mlx-prefix-bundles"
+    )
+    return Path(base) / "sha256-memo.json"
+
+
+def stat_key(path: Path) -> str:
+    """Identity of a file's current contents as the filesystem reports it."""
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    return f"{real}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}|{st.st_dev}"
+
+
+def _private(path: Path, want_dir: bool) -> bool:
+    """Owned by this user, of the right kind, and not readable or writable by anyone else."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    kind_ok = stat.S_ISDIR(st.st_mode) if want_dir else stat.S_ISREG(st.st_mode)
+    return kind_ok and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+
+
+def _load(memo: Path) -> dict[str, str]:
+    if not (_private(memo.parent, want_dir=True) and _private(memo, want_dir=False)):
+        return {}
+    try:
+        table = json.loads(memo.read_bytes()[:MAX_MEMO_BYTES])
+    except (OSError, ValueError, RecursionError):
+        return {}
+    if not isinstance(table, dict):
+        return {}
+    return {k: v for k, v in table.items() if isinstance(v, str) and _HEX64.match(v)}
+
+
+def _store(memo: Path, table: dict[str, str]) -> None:
+    try:  # best effort: a read-only home only costs a re-hash next time
+        memo.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if os.lstat(memo.parent).st_uid == os.geteuid():
+            os.chmod(memo.parent, 0o700)
+        if not _private(memo.parent, want_dir=True):
+            return
+        tmp = memo.with_name(f".{memo.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(table, fh, sort_keys=True)
+        os.replace(tmp, memo)
+    except OSError:
+        pass
+
+
+def lookup(key: str) -> str | None:
+    """The sha256 recorded for a stat key, if any."""
+    with _lock:
+        return _load(memo_path()).get(key)
+
+
+def store(key: str, digest: str) -> None:
+    """Record a file's sha256 under its stat key (forgetting that file's older states)."""
+    real = key.split("|", 1)[0]
+    memo = memo_path()
+    with _lock:
+        table = {
+            k: v
+            for k, v in _load(memo).items()
+            if not k.startswith(real + "|") and os.path.exists(k.split("|", 1)[0])
+        }
+        table[key] = digest
+        _store(memo, table)

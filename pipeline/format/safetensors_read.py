@@ -1,0 +1,172 @@
+"""Read a safetensors file: its header through the safetensors library, its data in one pass.
+
+The header is parsed and checked by the `safetensors` library (length, JSON, dtypes, offsets that
+tile the data exactly, nothing past the end). The data pass reads the file front to back, straight
+into fresh MLX arrays when asked (no second copy), while a worker thread feeds the same memory to
+sha256 (hashlib releases the GIL), so a verified load costs about max(read, hash). The pass also
+re-reads the header bytes and requires them unchanged, so a file swapped in between is caught.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import queue
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+CHUNK = 4 << 20
+DTYPE_SIZES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "U64": 8, "I32": 4, "U32": 4,
+    "I16": 2, "U16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+}  # fmt: skip
+SMALL = 8  # tensors of at most this many bytes are kept as raw bytes (scalars)
+
+
+class FormatError(ValueError):
+    """The file is not a safetensors layout this reader accepts."""
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    dtype: str  # safetensors code: "F32", "BF16", "U32", ...
+    shape: tuple[int, ...]
+    start: int  # absolute file offsets
+    end: int
+
+
+@dataclass(frozen=True)
+class Header:
+    raw: bytes  # the 8-byte length and the JSON header, as in the file
+    tensors: tuple[Tensor, ...]  # in file order
+    metadata: dict[str, str]
+
+    def by_name(self) -> dict[str, Tensor]:
+        return {t.name: t for t in self.tensors}
+
+
+def read_header(path: Path) -> Header:
+    """Parse and check the header (FormatError when the library refuses it)."""
+    from safetensors import SafetensorError, safe_open
+
+    with open(path, "rb") as fh:
+        prefix = fh.read(8)
+        if len(prefix) != 8:
+            raise FormatError("file is shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", prefix)
+        raw = prefix + fh.read(min(n, 100 << 20))
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            names = list(f.offset_keys())
+            layout = [(name, f.get_slice(name)) for name in names]
+            tensors_info = [(name, s.get_dtype(), tuple(s.get_shape())) for name, s in layout]
+            metadata = dict(f.metadata() or {})
+    except SafetensorError as exc:
+        raise FormatError(str(exc)) from None
+    tensors, position = [], len(raw)
+    for name, dtype, shape in tensors_info:
+        if dtype not in DTYPE_SIZES:
+            raise FormatError(f"tensor {name!r} has unsupported dtype {dtype!r}")
+        size = DTYPE_SIZES[dtype] * _prod(shape)
+        tensors.append(Tensor(name, dtype, shape, position, position + size))
+        position += size
+    return Header(raw, tuple(tensors), metadata)
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@dataclass
+class DataRead:
+    digest: str | None  # sha256 of the whole file, when asked
+    arrays: dict[str, Any]  # MLX arrays by tensor name, when asked to load
+    small: dict[str, bytes]  # raw bytes of every tensor of at most SMALL bytes
+
+
+class _NoDigest:
+    def update(self, data: Any) -> None:
+        pass
+
+    def hexdigest(self) -> None:
+        return None
+
+
+def _hasher(digest: Any, chunks: queue.Queue) -> None:
+    while (chunk := chunks.get()) is not None:
+        digest.update(chunk)
+
+
+def read_data(path: Path, header: Header, *, hash_bytes: bool, load: bool) -> DataRead:
+    """One front-to-back pass over the file: hash it, load the tensors, keep the scalars."""
+    digest = hashlib.sha256() if hash_bytes else _NoDigest()
+    chunks: queue.Queue = queue.Queue(maxsize=8)
+    worker = threading.Thread(target=_hasher, args=(digest, chunks), daemon=True)
+    worker.start()
+    result = DataRead(None, {}, {})
+    try:
+        with open(path, "rb", buffering=0) as fh:
+            raw = _read_exact(fh, len(header.raw))
+            if raw != header.raw:
+                raise FormatError("header changed while the file was being read")
+            chunks.put(raw)
+            for t in header.tensors:
+                target = _new_array(t) if load else None
+                view = memoryview(target).cast("B") if target is not None else None
+                data = _read_into(fh, t.end - t.start, view, chunks)
+                if target is not None:
+                    result.arrays[t.name] = target
+                if t.end - t.start <= SMALL:
+                    result.small[t.name] = data
+            if fh.read(1):
+                raise FormatError("file has bytes past its last tensor")
+    finally:
+        chunks.put(None)
+        worker.join()
+    result.digest = digest.hexdigest()
+    return result
+
+
+def _read_exact(fh: Any, n: int) -> bytes:
+    data = fh.read(n)
+    if len(data) != n:
+        raise FormatError("file ended early")
+    return data
+
+
+def _new_array(t: Tensor) -> Any:
+    import mlx.core as mx
+
+    dtypes = {
+        "F32": mx.float32, "F16": mx.float16, "BF16": mx.bfloat16, "U32": mx.uint32,
+        "I32": mx.int32, "I64": mx.int64, "U64": mx.uint64, "U16": mx.uint16, "I16": mx.int16,
+        "U8": mx.uint8, "I8": mx.int8, "BOOL": mx.bool_,
+    }  # fmt: skip
+    if t.dtype not in dtypes:
+        raise FormatError(f"tensor {t.name!r}: dtype {t.dtype} cannot be loaded into MLX")
+    array = mx.zeros(t.shape, dtype=dtypes[t.dtype])
+    mx.eval(array)
+    return array
+
+
+def _read_into(fh: Any, nbytes: int, view: memoryview | None, chunks: queue.Queue) -> bytes:
+    """Read nbytes (into view when given); return them when they are few (scalars)."""
+    kept = b""
+    for offset in range(0, nbytes, CHUNK):
+        size = min(CHUNK, nbytes - offset)
+        if view is not None:
+            part = view[offset : offset + size]
+            if fh.readinto(part) != size:
+                raise FormatError("file ended inside a tensor")
+        else:
+            part = _read_exact(fh, size)
+        chunks.put(part)
+        if nbytes <= SMALL:
+            kept = bytes(part)
+    return kept

@@ -1,0 +1,362 @@
+"""The one validator: whether a bundle is exactly right for a served model, or why not.
+
+`verify`, `inspect`, `mount` and `serve` all call `validate`; none has checks of its own. Every
+check runs before any tensor is handed out, and any failure, expected or not, is one BundleError
+naming the bundle and the first problem.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from pipeline.format import memo
+from pipeline.format.cache_layout import (
+    Expected,
+    LayoutError,
+    check_header,
+    check_scalars,
+    expected_layout,
+)
+from pipeline.format.errors import BundleError
+from pipeline.format.files import FileProblem, kind_of, read_regular
+from pipeline.format.fingerprint import ModelIdentity, ModelShape, canonical_json, sha256_bytes
+from pipeline.format.layout import (
+    ALLOWED_FILES,
+    CACHE_FILE,
+    CHECKSUMMED,
+    MANIFEST_FILE,
+    MAX_SUMS_BYTES,
+    REPORT_FILE,
+    SUMS_FILE,
+)
+from pipeline.format.manifest import FORMAT_VERSION, MAX_MANIFEST_BYTES, Manifest
+from pipeline.format.safetensors_read import FormatError, Header, read_data, read_header
+from pipeline.runtime.compat import SUPPORTED_RANGE, installed_mlx_lm, mlx_lm_supported
+
+SUMS_LINE = re.compile(r"^([0-9a-f]{64}) [ *](\S+)$")
+
+
+@dataclass(frozen=True)
+class Validated:
+    """A bundle proven right for the served model; `cache` is set when it was loaded."""
+
+    path: Path
+    manifest: Manifest
+    tokens: list[int]
+    cache: list[Any] | None
+
+
+def validate(
+    bundle: Path, identity: ModelIdentity, *, load: bool = False, trust_memo: bool = False
+) -> Validated:
+    """Check everything about a bundle for a model; load its cache when asked. BundleError if not.
+
+    trust_memo lets a file this user already hashed in full, unchanged since by its stat, skip the
+    re-hash (mount's restart path); verify passes False and always hashes in full.
+    """
+    bundle = Path(bundle)
+    try:
+        return _validate(bundle, identity, load, trust_memo)
+    except BundleError:
+        raise
+    except LayoutError as exc:
+        raise BundleError(str(bundle), f"{exc}; rebuild the bundle", exc.field) from None
+    except Exception as exc:  # anything else is still a refusal, never a crash of the caller
+        detail = " ".join(str(exc).split())[:200]
+        raise BundleError(
+            str(bundle),
+            f"cannot be validated ({exc.__class__.__name__}: {detail}); rebuild or re-copy it",
+        ) from None
+
+
+def _validate(bundle: Path, identity: ModelIdentity, load: bool, trust_memo: bool) -> Validated:
+    _check_folder(bundle)
+    sums = read_sums(bundle)
+    manifest = read_manifest(bundle, sums[MANIFEST_FILE])
+    check_runtime(bundle, manifest)
+    check_identity(bundle, manifest, identity)
+    header, expected = _check_cache_header(bundle, manifest, sums[CACHE_FILE], identity.shape)
+    tokens = _check_tokens(bundle, header, manifest, identity.shape)
+    data = _read_cache(bundle, header, manifest, load, trust_memo)
+    check_scalars(_scalar_values(header, data.small, expected), expected)
+    cache = _rebuild(header, data.arrays, expected, manifest) if load else None
+    return Validated(bundle, manifest, tokens, cache)
+
+
+def recorded_identity(manifest: Manifest) -> ModelIdentity:
+    """The identity a bundle says it was built for: checks its integrity without a model folder."""
+    m = manifest.model
+    shape = ModelShape(len(manifest.cache.classes), None, None, None, None, None)
+    return ModelIdentity(m.fingerprint, m.tokenizer_fingerprint, m.template_sha256, shape)
+
+
+# What `validate` establishes, in order (inspect prints these for a bundle that passes).
+CHECKS = (
+    (
+        "files",
+        "the folder holds exactly SHA256SUMS, manifest.json, cache.safetensors (+ build-report.json), all regular files",
+    ),
+    (
+        "checksums",
+        "SHA256SUMS lists both files; manifest.json matches it and parses into the strict schema",
+    ),
+    ("mlx-lm", "the bundle's and the installed mlx-lm are in the supported range"),
+    ("identity", "model weights/config, tokenizer and chat template fingerprints match"),
+    ("cache file", "size and sha256 as the manifest records them (and as SHA256SUMS lists)"),
+    (
+        "layout",
+        "every tensor's dtype and shape, layer count, scalars and metadata as the manifest and model require",
+    ),
+    ("tokens", "token ids are in the vocabulary and hash to the manifest's ids_sha256"),
+)
+
+
+def refuse(bundle: Path, message: str, field: str | None = None) -> BundleError:
+    return BundleError(str(bundle), message, field)
+
+
+def _check_folder(bundle: Path) -> None:
+    """The folder holds exactly the bundle's files, each a regular file (no links, no FIFOs)."""
+    try:
+        st = os.stat(bundle)
+    except OSError as exc:
+        raise refuse(bundle, f"not a bundle folder ({exc.strerror})") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise refuse(bundle, f"not a bundle folder (it is {kind_of(st.st_mode)})")
+    present = {}
+    for entry in os.scandir(bundle):
+        if entry.name not in ALLOWED_FILES:
+            allowed = ", ".join(sorted(ALLOWED_FILES))
+            raise refuse(
+                bundle,
+                f"unexpected {entry.name!r} in the bundle folder (a bundle holds only {allowed}); "
+                "remove it or re-copy the bundle",
+                entry.name,
+            )
+        mode = entry.stat(follow_symlinks=False).st_mode
+        if not stat.S_ISREG(mode):
+            raise refuse(bundle, f"{entry.name} is {kind_of(mode)}, not a regular file", entry.name)
+        present[entry.name] = mode
+    for name in (SUMS_FILE, *CHECKSUMMED):
+        if name not in present:
+            raise refuse(bundle, f"{name} is missing; rebuild or re-copy the bundle", name)
+
+
+def read_sums(bundle: Path) -> dict[str, str]:
+    """SHA256SUMS as {file: hex}: exactly one `sha256sum` line per checksummed file."""
+    try:
+        text = read_regular(bundle / SUMS_FILE, MAX_SUMS_BYTES).decode("ascii")
+    except FileProblem as exc:
+        raise refuse(bundle, f"{SUMS_FILE} {exc}", SUMS_FILE) from None
+    except UnicodeDecodeError:
+        raise refuse(
+            bundle, f"{SUMS_FILE} is not ASCII text; re-copy the bundle", SUMS_FILE
+        ) from None
+    sums: dict[str, str] = {}
+    for line in text.splitlines():
+        match = SUMS_LINE.match(line)
+        if not match or match[2] not in CHECKSUMMED or match[2] in sums:
+            raise refuse(bundle, f"{SUMS_FILE} has a malformed line {line[:80]!r}", SUMS_FILE)
+        sums[match[2]] = match[1]
+    missing = [n for n in CHECKSUMMED if n not in sums]
+    if missing:
+        raise refuse(bundle, f"{SUMS_FILE} does not list {', '.join(missing)}", SUMS_FILE)
+    return sums
+
+
+def digest_mismatch(bundle: Path, name: str, expected: str, found: str) -> BundleError:
+    return refuse(
+        bundle,
+        f"{name} sha256 mismatch (expected {expected[:12]}.., found {found[:12]}..); "
+        "the file is corrupt or was edited: rebuild it or copy it again",
+        name,
+    )
+
+
+def read_manifest(bundle: Path, expected_sha256: str | None) -> Manifest:
+    """manifest.json, its sha256 checked when given, parsed into the strict schema."""
+    try:
+        data = read_regular(bundle / MANIFEST_FILE, MAX_MANIFEST_BYTES)
+    except FileProblem as exc:
+        raise refuse(bundle, f"{MANIFEST_FILE} {exc}", MANIFEST_FILE) from None
+    if expected_sha256 is not None and sha256_bytes(data) != expected_sha256:
+        raise digest_mismatch(bundle, MANIFEST_FILE, expected_sha256, sha256_bytes(data))
+    try:
+        return Manifest.model_validate_json(data)
+    except ValidationError as exc:
+        raise _manifest_error(bundle, exc) from None
+
+
+def _manifest_error(bundle: Path, exc: ValidationError) -> BundleError:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    if where == "format_version":
+        return refuse(
+            bundle,
+            f"format_version {err.get('input')!r} is not supported (this loader reads "
+            f"{FORMAT_VERSION}); rebuild with this version",
+            "format_version",
+        )
+    return refuse(
+        bundle, f"{MANIFEST_FILE} is invalid at {where}: {err['msg']}; rebuild the bundle", where
+    )
+
+
+def check_runtime(bundle: Path, manifest: Manifest) -> None:
+    """Refuse a bundle this installation cannot load faithfully."""
+    for label, version in (
+        ("installed mlx-lm", installed_mlx_lm()),
+        ("bundle's mlx-lm", manifest.builder.mlx_lm),
+    ):
+        if not mlx_lm_supported(version):
+            raise refuse(
+                bundle,
+                f"{label} {version} is outside the supported range {SUPPORTED_RANGE}; "
+                "install a supported mlx-lm",
+                "builder.mlx_lm",
+            )
+
+
+@dataclass(frozen=True)
+class IdentityCheck:
+    """One fingerprint comparison between a bundle and the served model."""
+
+    field: str
+    what: str
+    expected: str | None  # what the bundle was built for
+    found: str | None  # what the served model has
+    fix: str
+
+    @property
+    def ok(self) -> bool:
+        return self.expected == self.found
+
+    def error(self, bundle: Path) -> BundleError:
+        exp, got = (self.expected or "none")[:16], (self.found or "none")[:16]
+        message = f"{self.what} mismatch (bundle expects {exp}.., model has {got}..); {self.fix}"
+        return refuse(bundle, message, self.field)
+
+
+def identity_checks(manifest: Manifest, identity: ModelIdentity) -> list[IdentityCheck]:
+    """The comparisons that decide whether a bundle fits the served model, in refusal order."""
+    m = manifest.model
+    rebuild = f"rebuild it with 'python build.py build {manifest.prefix.name} --model <this model>'"
+    never_hit = (
+        "the server renders prompts with another template, so this bundle could never be hit; "
+        f"serve with the bundle's template (--chat-template) or {rebuild}"
+    )
+    return [
+        IdentityCheck("model.fingerprint", "model weights/config", m.fingerprint, identity.model, rebuild),
+        IdentityCheck("model.tokenizer_fingerprint", "tokenizer", m.tokenizer_fingerprint, identity.tokenizer, rebuild),
+        IdentityCheck("model.template_sha256", "chat template", m.template_sha256, identity.template, never_hit),
+    ]  # fmt: skip
+
+
+def check_identity(bundle: Path, manifest: Manifest, identity: ModelIdentity) -> None:
+    """Refuse a bundle whose weights, tokenizer or template differ from the served model."""
+    for check in identity_checks(manifest, identity):
+        if not check.ok:
+            raise check.error(bundle)
+
+
+def _check_cache_header(
+    bundle: Path, manifest: Manifest, listed_sha256: str, shape: ModelShape
+) -> tuple[Header, Expected]:
+    """Size and digest as the manifest records them, then the header exactly as expected."""
+    c = manifest.cache
+    if listed_sha256 != c.file_sha256:
+        raise refuse(
+            bundle,
+            f"{SUMS_FILE} lists {CACHE_FILE} as {listed_sha256[:12]}.. but the manifest records "
+            f"{c.file_sha256[:12]}..; the bundle was altered: rebuild or re-copy it",
+            "cache.file_sha256",
+        )
+    size = os.stat(bundle / CACHE_FILE).st_size
+    if size != c.file_bytes:
+        raise refuse(
+            bundle,
+            f"{CACHE_FILE} is {size:,} bytes but the manifest records {c.file_bytes:,} "
+            "(truncated or replaced); rebuild or re-copy it",
+            "cache.file_bytes",
+        )
+    try:
+        header = read_header(bundle / CACHE_FILE)
+    except FormatError as exc:
+        raise refuse(
+            bundle, f"{CACHE_FILE} is not a valid safetensors file ({exc})", CACHE_FILE
+        ) from None
+    expected = expected_layout(manifest, shape, header)
+    check_header(header, expected, manifest)
+    return header, expected
+
+
+def _check_tokens(bundle: Path, header: Header, manifest: Manifest, shape: ModelShape) -> list[int]:
+    """The token ids in the file: canonical JSON ints in the vocabulary, as the manifest hashes them."""
+    raw = header.metadata["0.token_ids"]
+    tokens = json.loads(raw)
+    vocab = shape.vocab_size or (1 << 31)
+    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab for t in tokens):
+        raise refuse(
+            bundle, f"token ids are not a list of ids below the vocabulary size {vocab}", "tokens"
+        )
+    if (
+        canonical_json(tokens) != raw.encode()
+        or sha256_bytes(raw.encode()) != manifest.tokens.ids_sha256
+    ):
+        raise refuse(
+            bundle, "token ids in cache.safetensors do not match the manifest", "tokens.ids_sha256"
+        )
+    if len(tokens) != manifest.tokens.count:
+        raise refuse(
+            bundle,
+            f"{len(tokens)} token ids in cache.safetensors, the manifest records {manifest.tokens.count}",
+            "tokens.count",
+        )
+    return tokens
+
+
+def _read_cache(bundle: Path, header: Header, manifest: Manifest, load: bool, trust_memo: bool):
+    """One pass over the cache file: hashed in full unless the memo vouches for this file state."""
+    path = bundle / CACHE_FILE
+    key = memo.stat_key(path)
+    known = trust_memo and memo.lookup(key) == manifest.cache.file_sha256
+    try:
+        data = read_data(path, header, hash_bytes=not known, load=load)
+    except FormatError as exc:
+        raise refuse(bundle, f"{CACHE_FILE} cannot be read ({exc})", CACHE_FILE) from None
+    if not known:
+        if data.digest != manifest.cache.file_sha256:
+            raise digest_mismatch(bundle, CACHE_FILE, manifest.cache.file_sha256, data.digest)
+        memo.store(key, data.digest)
+    return data
+
+
+def _scalar_values(header: Header, small: dict[str, bytes], expected: Expected) -> dict[str, int]:
+    return {name: struct.unpack("<i", small[name])[0] for name in expected.values}
+
+
+def _rebuild(header: Header, arrays: dict, expected: Expected, manifest: Manifest) -> list[Any]:
+    """Cache objects from the checked arrays, classes from the allow-list (as load_prompt_cache)."""
+    from mlx.utils import tree_unflatten
+
+    from pipeline.runtime.compat import cache_classes
+
+    values = dict(arrays)
+    kinds = dict(expected.scalars)
+    for name, kind in kinds.items():
+        values[name] = values[name].item() if kind == "scalar" else None
+    states = tree_unflatten(list(values.items()))
+    allowed = cache_classes()
+    return [allowed[c].from_state(s) for c, s in zip(manifest.cache.classes, states, strict=True)]
+
+
+__all__ = ["REPORT_FILE", "Validated", "validate"]

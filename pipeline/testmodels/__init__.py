@@ -1,0 +1,1 @@
+"""Deterministic real-format model folders the project generates itself (no hub needed)."""
