@@ -182,30 +182,32 @@ def _validity(bundle: Path, manifest, args: argparse.Namespace):
 
 
 def _print_checks(manifest, args: argparse.Namespace, refusal) -> None:
-    from pipeline.runtime.validate import CHECKS
+    """The validator's stages in order: ok up to the one that refused, which says why."""
+    from pipeline.runtime.mount import identity_for
+    from pipeline.runtime.validate import CHECKS, identity_checks
 
-    target = (
-        f" for model {args.model}"
-        if args.model
-        else " (integrity only; pass --model DIR to check fingerprints)"
-    )
+    target = f" for model {args.model}" if args.model else " (integrity only; pass --model DIR to check fingerprints)"
     print(f"checks{target}:")
-    if refusal is not None:
-        print(f"  FAIL {refusal.field or 'bundle':<21} {refusal.reason}")
-    else:
-        for name, detail in CHECKS:
+    failed = refusal.check if refusal is not None else None
+    reached = True
+    for name, detail in CHECKS:
+        if name == "identity" and args.model and reached:
+            identity = identity_for(args.model, _read_template(args.chat_template))
+            for c in identity_checks(manifest, identity):
+                line = f"{(c.found or 'none')[:16]}.. matches" if c.ok else c.error(Path("")).reason
+                print(f"  {'ok  ' if c.ok else 'FAIL'} {c.what:<21} {line}")
+        elif name == failed:
+            print(f"  FAIL {name:<21} {refusal.reason}")
+        elif reached:
             print(f"  ok   {name:<21} {detail}")
+        else:
+            print(f"  --   {name:<21} not reached")
+        reached = reached and name != failed
     t, f = manifest.tokens, manifest.fidelity
-    print(
-        f"  info stability              {t.stable_tokens}/{t.rendered_tokens} rendered tokens are a prefix of every probe turn"
-    )
+    print(f"  info stability              {t.stable_tokens}/{t.rendered_tokens} rendered tokens are a prefix of every probe turn")
     if f.checked:
-        print(
-            f"  info fidelity               max |logit diff| {f.max_abs_logit_diff:.3g} <= {f.threshold:g}, greedy match {f.greedy_match} (at build)"
-        )
-    print(
-        f"valid{' for ' + str(args.model) if args.model else ''}: {'yes' if refusal is None else 'no'}"
-    )
+        print(f"  info fidelity               max |logit diff| {f.max_abs_logit_diff:.3g} <= {f.threshold:g}, greedy match {f.greedy_match} (at build)")
+    print(f"valid{' for ' + str(args.model) if args.model else ''}: {'yes' if refusal is None else 'no'}")
 
 
 def _print_manifest(bundle: Path, data: dict) -> None:

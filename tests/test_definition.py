@@ -201,8 +201,8 @@ INVALID = [
         "included file missing",
         from_files("x/s.md", "x/gone.md"),
         {"x/s.md": "Be brief."},
-        "prefix.messages.0.content_files: included file 'x/gone.md' not found in {base}; "
-        "paths are relative to the definition's folder",
+        "prefix.messages.0.content_files: included file 'x/gone.md' does not exist; "
+        "paths are relative to the definition's folder and must name regular UTF-8 text files",
     ),
     (
         "included file outside the folder",
@@ -220,12 +220,14 @@ INVALID = [
     (
         "tools not a list",
         *with_tools('{"type": "function", "function": {"name": "f"}}'),
-        "prefix.tools_file: must hold a JSON list of tool objects",
+        "prefix.tools_file: must hold a non-empty JSON list of tools",
     ),
     (
         "tools list of strings",
         *with_tools('["lookup_customer"]'),
-        "prefix.tools_file: must hold a JSON list of tool objects",
+        "prefix.tools_file: tool 0: (the entry): Input should be a valid dictionary or instance "
+        "of ToolSpec; write OpenAI function tools: "
+        '{"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}',
     ),
     (
         "sha256 not 64 hex",
@@ -415,13 +417,13 @@ def test_cli_build_unknown_name_lists_the_known_ones(tmp_path: Path, capsys) -> 
     assert lines == [f"error: no definition named gamma in {prefixes}/ (have: alpha, beta)"]
 
 
-def test_cli_list_bad_definition_is_one_error_line(tmp_path: Path, capsys) -> None:
+def test_cli_list_reports_a_bad_definition_as_broken(tmp_path: Path, capsys) -> None:
     path = write_definition(tmp_path, VALID.replace("version = 1", "version = 0"), {})
     code = main(["--prefixes", str(path.parent), "--bundles", str(tmp_path / "bundles"), "list"])
     out, err = capsys.readouterr()
-    assert (code, out) == (1, "")
-    assert err == (
-        f"error: {path}: version: Input should be greater than or equal to 1 (got 0){V}\n"
+    assert (code, err) == (1, "")
+    assert out == (
+        f"x  broken definition: {path}: version: Input should be greater than or equal to 1 (got 0){V}\n"
     )
 
 

@@ -147,25 +147,46 @@ def test_server_template_override_is_compared(
 def test_mount_hashes_once_per_file_state_and_verify_always(
     tmp_path: Path, shop_bundle: Path, tiny_model: Path, monkeypatch
 ):
-    from pipeline.format.fingerprint import memo_lookup, stat_key
+    from pipeline.format import memo
     from pipeline.runtime import verify
 
     monkeypatch.setenv("PREFIX_BUNDLES_CACHE_DIR", str(tmp_path / "memo"))
     bundle = tmp_path / "b"
     shutil.copytree(shop_bundle, bundle)
     cache_file = bundle / CACHE_FILE
-    assert memo_lookup(stat_key(cache_file)) is None
+    assert memo.lookup(memo.stat_key(cache_file)) is None
     mount(tiny_model, bundle)  # first sight: full sha256, then remembered
     expected = (bundle / SUMS_FILE).read_text().split()[0]
-    assert memo_lookup(stat_key(cache_file)) == expected
+    assert memo.lookup(memo.stat_key(cache_file)) == expected
+    assert oct(memo.memo_path().stat().st_mode & 0o777) == "0o600"
+    assert oct(memo.memo_path().parent.stat().st_mode & 0o777) == "0o700"
     mount(tiny_model, bundle)  # same file state: no re-hash needed
 
     data = bytearray(cache_file.read_bytes())
     data[-5] ^= 0x01
     stat = cache_file.stat()
-    cache_file.write_bytes(bytes(data))
-    with pytest.raises(BundleError, match="cache.safetensors sha256 mismatch"):
-        mount(tiny_model, bundle)  # a write changes mtime: hashed again, refused
+    with open(cache_file, "r+b") as fh:  # edited in place: same inode, mtime restored below
+        fh.write(bytes(data))
     os.utime(cache_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     with pytest.raises(BundleError, match="cache.safetensors sha256 mismatch"):
+        mount(tiny_model, bundle)  # ctime moved: hashed again, refused
+    with pytest.raises(BundleError, match="cache.safetensors sha256 mismatch"):
         verify(bundle, tiny_model)  # deploy-time verify never trusts the memo
+
+
+def test_a_forged_memo_entry_is_ignored_when_the_memo_is_not_private(
+    tmp_path: Path, shop_bundle: Path, tiny_model: Path, monkeypatch
+):
+    from pipeline.format import memo
+
+    monkeypatch.setenv("PREFIX_BUNDLES_CACHE_DIR", str(tmp_path / "memo"))
+    bundle = tmp_path / "b"
+    shutil.copytree(shop_bundle, bundle)
+    flip_byte(bundle, tiny_model)
+    expected = json.loads((bundle / MANIFEST_FILE).read_text())["cache"]["file_sha256"]
+    memo.store(memo.stat_key(bundle / CACHE_FILE), expected)  # a forged "already verified"
+    os.chmod(memo.memo_path(), 0o644)  # open to others: the memo is not trusted at all
+    with pytest.raises(BundleError, match="sha256 mismatch"):
+        mount(tiny_model, bundle)
+    with pytest.raises(BundleError, match="sha256 mismatch"):
+        mount(tiny_model, bundle, verify_full=True)

@@ -10,7 +10,7 @@ from mlx_lm import load
 
 from pipeline.build.stability import common_prefix_length, stable_prefix
 from pipeline.build.template import render
-from pipeline.format.errors import TemplateError
+from pipeline.format.errors import BuildError, TemplateError
 from pipeline.format.fingerprint import sha256_text
 from pipeline.format.layout import MANIFEST_FILE
 from pipeline.runtime import PromptCacheManager, mount
@@ -82,7 +82,13 @@ def test_date_dependent_template_is_refused_unless_pinned(tmp_path: Path, tiny_m
 
 def test_stable_prefix_on_plain_lists():
     assert common_prefix_length([1, 2, 3], [1, 2, 4]) == 2
+    prefix, probe = list(range(1, 11)), [*range(1, 10), 99]
     cut = stable_prefix(
-        "ab", [], render=lambda conv: "x", encode=lambda text: {"ab": [1, 2], "x": [1, 3]}[text]
+        "ab", [], render=lambda conv: "x", encode=lambda text: {"ab": prefix, "x": probe}[text]
     )
-    assert cut.tokens == [1] and cut.rendered_tokens == 2 and cut.probe_tokens == [3]
+    assert cut.tokens == prefix[:9] and cut.rendered_tokens == 10 and cut.probe_tokens == [99]
+
+
+def test_too_few_stable_tokens_are_refused():
+    with pytest.raises(BuildError, match="only 1 token"):
+        stable_prefix("ab", [], lambda conv: "x", lambda t: {"ab": [1, 2], "x": [1, 3]}[t])

@@ -48,11 +48,10 @@ def test_fingerprint_pin_refuses_other_weights(tmp_path: Path, tiny_model_other_
 
 
 def test_serve_refuses_an_unsupported_mlx_lm(monkeypatch):
-    import mlx_lm
-
+    from pipeline.runtime import serve
     from pipeline.runtime.serve import check_mlx_lm
 
-    monkeypatch.setattr(mlx_lm, "__version__", "0.40.1")
+    monkeypatch.setattr(serve, "installed_mlx_lm", lambda: "0.40.1")
     with pytest.raises(PipelineError) as info:
         check_mlx_lm()
     assert str(info.value) == (

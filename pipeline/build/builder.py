@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import shutil
 from dataclasses import dataclass
@@ -146,6 +147,8 @@ def build(
         )
     check_version(d, bundles_root, lock or Lockfile())
     rendered = render_prefix(d, target.model_dir)
+    # the bundle is for a server that renders with the pinned template (the model's or a file)
+    identity = dataclasses.replace(identity, template=rendered.template_sha256)
     check_rendered(d, rendered.text)
     builder = builder_info()
     key = build_key(target, identity, rendered, builder)

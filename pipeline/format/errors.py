@@ -29,3 +29,4 @@ class BundleError(PipelineError):
         self.bundle = bundle
         self.field = field
         self.reason = message
+        self.check: str | None = None  # which validator stage refused it (set by validate)

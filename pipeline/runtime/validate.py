@@ -64,29 +64,42 @@ def validate(
     re-hash (mount's restart path); verify passes False and always hashes in full.
     """
     bundle = Path(bundle)
+    stage = ["files"]
     try:
-        return _validate(bundle, identity, load, trust_memo)
-    except BundleError:
+        return _validate(bundle, identity, load, trust_memo, stage)
+    except BundleError as exc:
+        exc.check = stage[0]
         raise
     except LayoutError as exc:
-        raise BundleError(str(bundle), f"{exc}; rebuild the bundle", exc.field) from None
+        error = BundleError(str(bundle), f"{exc}; rebuild the bundle", exc.field)
     except Exception as exc:  # anything else is still a refusal, never a crash of the caller
         detail = " ".join(str(exc).split())[:200]
-        raise BundleError(
+        error = BundleError(
             str(bundle),
             f"cannot be validated ({exc.__class__.__name__}: {detail}); rebuild or re-copy it",
-        ) from None
+        )
+    error.check = stage[0]
+    raise error
 
 
-def _validate(bundle: Path, identity: ModelIdentity, load: bool, trust_memo: bool) -> Validated:
+def _validate(
+    bundle: Path, identity: ModelIdentity, load: bool, trust_memo: bool, stage: list[str]
+) -> Validated:
     _check_folder(bundle)
+    stage[0] = "checksums"
     sums = read_sums(bundle)
     manifest = read_manifest(bundle, sums[MANIFEST_FILE])
+    stage[0] = "mlx-lm"
     check_runtime(bundle, manifest)
+    stage[0] = "identity"
     check_identity(bundle, manifest, identity)
+    stage[0] = "layout"
     header, expected = _check_cache_header(bundle, manifest, sums[CACHE_FILE], identity.shape)
+    stage[0] = "tokens"
     tokens = _check_tokens(bundle, header, manifest, identity.shape)
+    stage[0] = "cache file"
     data = _read_cache(bundle, header, manifest, load, trust_memo)
+    stage[0] = "layout"
     check_scalars(_scalar_values(header, data.small, expected), expected)
     cache = _rebuild(header, data.arrays, expected, manifest) if load else None
     return Validated(bundle, manifest, tokens, cache)

@@ -1,0 +1,92 @@
+"""The single-pass reader: same arrays as mx.load, the file's sha256, and refusal of odd layouts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+from pipeline.format.safetensors_read import FormatError, read_data, read_header
+
+
+@pytest.fixture
+def tensors_file(tmp_path: Path) -> Path:
+    path = tmp_path / "t.safetensors"
+    arrays = {
+        "b": mx.arange(3000).astype(mx.bfloat16).reshape(10, 300),
+        "a": mx.ones((7, 3), dtype=mx.float32),
+        "q": mx.array([1, 2, 3], dtype=mx.uint32),
+        "s": mx.array(5),
+        "empty": mx.array([]),
+    }
+    mx.save_safetensors(str(path), arrays, {"note": "x"})
+    return path
+
+
+def read_all(path: Path, load: bool = True):
+    header = read_header(path)
+    return header, read_data(path, header, hash_bytes=True, load=load)
+
+
+def test_reads_what_mx_load_reads_and_hashes_the_file(tensors_file: Path):
+    header, data = read_all(tensors_file)
+    expected, expected_meta = mx.load(str(tensors_file), return_metadata=True)
+    assert header.metadata == expected_meta == {"note": "x"}
+    assert sorted(data.arrays) == sorted(expected)
+    for name, value in expected.items():
+        assert data.arrays[name].dtype == value.dtype and data.arrays[name].shape == value.shape
+        assert mx.array_equal(data.arrays[name], value).item()
+    assert data.digest == hashlib.sha256(tensors_file.read_bytes()).hexdigest()
+    assert struct.unpack("<i", data.small["s"])[0] == 5
+
+
+def test_hash_only_pass_keeps_scalars_and_loads_nothing(tensors_file: Path):
+    _, data = read_all(tensors_file, load=False)
+    assert data.arrays == {} and struct.unpack("<i", data.small["s"])[0] == 5
+    assert data.digest == hashlib.sha256(tensors_file.read_bytes()).hexdigest()
+
+
+def test_a_changed_byte_changes_the_digest(tensors_file: Path):
+    before = read_all(tensors_file)[1].digest
+    data = bytearray(tensors_file.read_bytes())
+    data[-20] ^= 0xFF
+    tensors_file.write_bytes(bytes(data))
+    assert read_all(tensors_file)[1].digest != before
+
+
+def test_truncated_file_is_refused(tensors_file: Path):
+    tensors_file.write_bytes(tensors_file.read_bytes()[:-10])
+    with pytest.raises(FormatError, match="file not fully covered"):
+        read_header(tensors_file)
+
+
+def test_file_changed_after_the_header_was_read_is_refused(tensors_file: Path):
+    header = read_header(tensors_file)
+    raw = bytearray(tensors_file.read_bytes())
+    raw[10] = ord(" ") if raw[10] != ord(" ") else ord("\t")
+    tensors_file.write_bytes(bytes(raw))
+    with pytest.raises(FormatError, match="header changed"):
+        read_data(tensors_file, header, hash_bytes=True, load=False)
+
+
+def test_overlapping_tensors_are_refused(tmp_path: Path):
+    header = {
+        "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+        "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+    }
+    raw = json.dumps(header).encode()
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(12))
+    with pytest.raises(FormatError):
+        read_header(path)
+
+
+def test_not_safetensors_is_refused(tmp_path: Path):
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(b"\xff" * 20)
+    with pytest.raises(FormatError):
+        read_header(path)
