@@ -98,3 +98,15 @@ def shop_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> P
     root = tmp_path_factory.mktemp("shop-project")
     write_definition(root, tiny_model)
     return build_bundle(root, check=True)
+
+
+# --- Fuzz corpus summary (tests/test_fuzz.py) ----------------------------------------------------
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Print the fuzz corpus counts (cases, refused, accepted with identical output)."""
+    import sys
+
+    fuzz = sys.modules.get("test_fuzz")
+    if fuzz is not None and fuzz.SUMMARY:
+        terminalreporter.write_line(f"fuzz corpus: {fuzz.SUMMARY}")

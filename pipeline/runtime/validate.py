@@ -37,12 +37,14 @@ from pipeline.format.layout import (
     MAX_SUMS_BYTES,
     REPORT_FILE,
     SUMS_FILE,
+    model_folder,
 )
 from pipeline.format.manifest import FORMAT_VERSION, MAX_MANIFEST_BYTES, Manifest
 from pipeline.format.safetensors_read import FormatError, Header, read_data, read_header
 from pipeline.runtime.compat import SUPPORTED_RANGE, installed_mlx_lm, mlx_lm_supported
 
 SUMS_LINE = re.compile(r"^([0-9a-f]{64}) [ *](\S+)$")
+LAYOUT_FOLDER = re.compile(r"^[a-z0-9][a-z0-9._-]*-[0-9a-f]{12}$")
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,8 @@ def _validate(
     stage[0] = "checksums"
     sums = read_sums(bundle)
     manifest = read_manifest(bundle, sums[MANIFEST_FILE])
+    stage[0] = "location"
+    check_location(bundle, manifest)
     stage[0] = "mlx-lm"
     check_runtime(bundle, manifest)
     stage[0] = "identity"
@@ -122,6 +126,7 @@ CHECKS = (
         "checksums",
         "SHA256SUMS lists both files; manifest.json matches it and parses into the strict schema",
     ),
+    ("location", "a folder in the <name>/<version>/<slug>-<fp> layout is where its manifest says"),
     ("mlx-lm", "the bundle's and the installed mlx-lm are in the supported range"),
     ("identity", "model weights/config, tokenizer and chat template fingerprints match"),
     ("cache file", "size and sha256 as the manifest records them (and as SHA256SUMS lists)"),
@@ -222,6 +227,27 @@ def _manifest_error(bundle: Path, exc: ValidationError) -> BundleError:
     return refuse(
         bundle, f"{MANIFEST_FILE} is invalid at {where}: {err['msg']}; rebuild the bundle", where
     )
+
+
+def check_location(bundle: Path, manifest: Manifest) -> None:
+    """A bundle kept in the layout <name>/<version>/<slug>-<fp12> must sit where its manifest says.
+
+    A renamed or misplaced folder would otherwise pass for another version or model. A bundle
+    copied anywhere else (no such layout) is judged by its contents alone.
+    """
+    path = Path(os.path.abspath(bundle))
+    if not (LAYOUT_FOLDER.match(path.name) and path.parent.name.isdigit()):
+        return
+    m = manifest
+    want = (m.prefix.name, str(m.prefix.version), model_folder(m.model.slug, m.model.fingerprint))
+    found = (path.parent.parent.name, path.parent.name, path.name)
+    if want != found:
+        raise refuse(
+            bundle,
+            f"the folder is {'/'.join(found)} but the manifest is for {'/'.join(want)} (a renamed "
+            f"or misplaced bundle); move it back to <bundles>/{'/'.join(want)} or rebuild it",
+            "location",
+        )
 
 
 def check_runtime(bundle: Path, manifest: Manifest) -> None:
