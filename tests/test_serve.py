@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import subprocess
 import sys
@@ -117,3 +118,25 @@ def test_refused_bundle_is_logged_and_skipped(
     log = (tmp_path / "s.log").read_text()
     assert "refused" in log and "model weights/config mismatch" in log
     assert cached(response) == 0
+
+
+def test_serve_mounts_the_newest_version_and_survives_a_broken_bundle(
+    tiny_model: Path, tmp_path: Path
+):
+    from conftest import build_bundle, write_definition
+
+    path = write_definition(tmp_path, tiny_model)
+    build_bundle(tmp_path)
+    path.write_text(path.read_text().replace("version = 1", "version = 2"))
+    v2 = build_bundle(tmp_path)
+    broken = tmp_path / "bundles" / "zz" / "1" / v2.name
+    shutil.copytree(v2, broken)
+    (broken / "cache.safetensors").write_bytes(b"\xff" * 64)  # a header no parser accepts
+    prefix_tokens = json.loads((v2 / MANIFEST_FILE).read_text())["tokens"]["count"]
+    with server(tiny_model, tmp_path / "bundles", tmp_path / "s.log") as port:
+        response = chat(port, "Where is my order 12345?")
+    log = (tmp_path / "s.log").read_text()
+    assert "mounted shop@2" in log and "mounted shop@1" not in log
+    assert "not mounted: older version" in log and f"refused {broken}" in log
+    assert "1 bundle(s) mounted, 1 refused, 1 older version(s) not mounted" in log
+    assert cached(response) >= prefix_tokens - 1

@@ -1,0 +1,185 @@
+"""Mount and serve on every path: newest version only, strict startup, symlinks, misplaced folders."""
+
+from __future__ import annotations
+
+import ast
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.format.errors import BundleError
+from pipeline.format.layout import CACHE_FILE, MANIFEST_FILE
+from pipeline.runtime import PromptCacheManager, mount, verify
+from pipeline.runtime.serve import main as serve_main
+
+from conftest import build_bundle, write_definition
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def two_versions(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> Path:
+    """A project with shop@1 and shop@2 built into one bundles folder; returns the project root."""
+    root = tmp_path_factory.mktemp("versions")
+    path = write_definition(root, tiny_model)
+    build_bundle(root)
+    text = path.read_text().replace("version = 1", "version = 2").replace("Be brief", "Be short")
+    path.write_text(text)
+    build_bundle(root)
+    return root
+
+
+def copy_bundles(project: Path, dest: Path) -> Path:
+    shutil.copytree(project / "bundles", dest, ignore=shutil.ignore_patterns(".staging"))
+    return dest
+
+
+def test_mount_takes_the_newest_version_and_reports_the_older(
+    two_versions: Path, tiny_model: Path, tmp_path: Path
+):
+    bundles = copy_bundles(two_versions, tmp_path / "bundles")
+    result = mount(tiny_model, bundles, manager=PromptCacheManager())
+    assert [b.name for b in result.bundles] == ["shop@2"]
+    assert [p.parent.name for p in result.older] == ["1"] and result.refused == []
+
+    pinned = mount(tiny_model, bundles, versions={"shop": 1})
+    assert [b.name for b in pinned.bundles] == ["shop@1"]
+
+
+def test_a_bundle_that_crashes_a_parser_is_skipped_not_fatal(
+    two_versions: Path, tiny_model: Path, tmp_path: Path
+):
+    bundles = copy_bundles(two_versions, tmp_path / "bundles")
+    (v1,) = (bundles / "shop" / "1").iterdir()
+    broken = bundles / "other" / "1" / v1.name
+    shutil.copytree(v1, broken)
+    raw = (broken / CACHE_FILE).read_bytes()
+    (broken / CACHE_FILE).write_bytes(struct.pack("<Q", 1 << 62) + raw[8:])
+    result = mount(tiny_model, bundles, skip_refused=True)
+    assert [b.name for b in result.bundles] == ["shop@2"]
+    assert [r.path for r in result.refused] == [broken]
+    with pytest.raises(BundleError):
+        mount(tiny_model, bundles)
+
+
+def test_a_renamed_version_folder_is_refused_everywhere(
+    two_versions: Path, tiny_model: Path, tmp_path: Path
+):
+    bundles = copy_bundles(two_versions, tmp_path / "bundles")
+    (v1,) = (bundles / "shop" / "1").iterdir()
+    renamed = bundles / "shop" / "3" / v1.name
+    renamed.parent.mkdir()
+    v1.rename(renamed)  # a careless deploy: the old bundle now looks like the newest version
+    with pytest.raises(BundleError) as info:
+        verify(renamed, tiny_model)
+    assert info.value.field == "location" and "shop/3/" in str(info.value)
+    result = mount(tiny_model, bundles, skip_refused=True)
+    assert result.bundles == [] and [r.field for r in result.refused] == ["location"]
+
+
+def test_symlinked_bundle_folders_are_followed_only_inside_the_root(
+    two_versions: Path, tiny_model: Path, tmp_path: Path
+):
+    outside = copy_bundles(two_versions, tmp_path / "elsewhere")
+    bundles = tmp_path / "bundles"
+    (bundles / "shop").mkdir(parents=True)
+    (bundles / "shop" / "2").symlink_to(outside / "shop" / "2")  # target outside the root
+    result = mount(tiny_model, bundles, skip_refused=True)
+    assert result.bundles == []
+    assert len(result.refused) == 1 and "outside the bundles root" in result.refused[0].reason
+
+    inside = tmp_path / "bundles" / "store"
+    shutil.copytree(outside / "shop" / "2", inside / "shop-2")
+    (bundles / "shop" / "2").unlink()
+    (bundles / "shop" / "2").symlink_to(inside / "shop-2")
+    result = mount(tiny_model, bundles, skip_refused=True)
+    assert {b.name for b in result.bundles} == {"shop@2"} and result.refused == []
+
+
+def test_serve_strict_refuses_a_missing_or_empty_bundles_folder(
+    tiny_model: Path, tmp_path: Path, capsys
+):
+    assert (
+        serve_main(["--model", str(tiny_model), "--bundles", str(tmp_path / "nope"), "--strict"])
+        == 1
+    )
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith("error: bundle ") and "does not exist" in err[0]
+    (tmp_path / "empty").mkdir()
+    assert (
+        serve_main(["--model", str(tiny_model), "--bundles", str(tmp_path / "empty"), "--strict"])
+        == 1
+    )
+    assert "no bundle for" in capsys.readouterr().err
+
+
+def test_serve_strict_refuses_when_any_bundle_is_refused(
+    shop_bundle: Path, tiny_model_other_weights: Path, capsys
+):
+    code = serve_main(
+        [
+            "--model",
+            str(tiny_model_other_weights),
+            "--bundles",
+            str(shop_bundle.parents[2]),
+            "--strict",
+        ]
+    )
+    assert code == 1 and "model weights/config mismatch" in capsys.readouterr().err
+
+
+def test_verify_full_rehashes_what_the_memo_knows(
+    shop_bundle: Path, tiny_model: Path, tmp_path: Path, monkeypatch
+):
+    from pipeline.format import memo
+
+    monkeypatch.setenv("PREFIX_BUNDLES_CACHE_DIR", str(tmp_path / "memo"))
+    bundle = shutil.copytree(shop_bundle, tmp_path / "b")
+    mount(tiny_model, bundle)
+    calls = []
+    real = memo.lookup
+    monkeypatch.setattr(memo, "lookup", lambda key: calls.append(key) or real(key))
+    mount(tiny_model, bundle, verify_full=True)
+    assert not any(CACHE_FILE in key for key in calls)  # the cache file's memo was not consulted
+
+
+def test_manifest_records_the_cache_file_digest_and_size(shop_bundle: Path):
+    from pipeline.format.fingerprint import sha256_file
+
+    cache = json.loads((shop_bundle / MANIFEST_FILE).read_text())["cache"]
+    assert cache["file_sha256"] == sha256_file(shop_bundle / CACHE_FILE)
+    assert cache["file_bytes"] == (shop_bundle / CACHE_FILE).stat().st_size
+
+
+def imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+@pytest.mark.parametrize("side", ["runtime", "format"])
+def test_runtime_and_format_never_import_the_build_side(side: str):
+    for path in sorted((ROOT / "pipeline" / side).glob("*.py")):
+        bad = {m for m in imported_modules(path) if m.startswith(("pipeline.build", "jinja2"))}
+        assert not bad, f"{path.name} imports {bad}"
+        if side == "format":
+            assert not {m for m in imported_modules(path) if m.startswith("pipeline.runtime")}
+
+
+def test_importing_the_runtime_loads_no_build_module():
+    code = (
+        "import sys, pipeline.runtime, pipeline.runtime.serve, pipeline.runtime.validate; "
+        "print([m for m in sys.modules if m.startswith(('pipeline.build', 'jinja2', 'transformers'))])"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
