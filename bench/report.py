@@ -216,7 +216,7 @@ def ttft_section(r: dict[str, Any], builds: list[dict[str, Any]]) -> list[str]:
     return lines + table(header, rows)
 
 
-PHASES = ("sums_manifest", "fingerprints", "load_cache")  # mount_one's order
+PHASES = ("fingerprints", "validate_and_load")  # mount_one's order
 
 
 def mount_section(r: dict[str, Any]) -> list[str]:

@@ -122,19 +122,17 @@ def _mount_verified(args: dict[str, Any]) -> Any:
 
 def _mount_first(args: dict[str, Any]) -> Any:
     """The first mount after a deploy: the verify-once memo has no entry for this file yet."""
-    import json
     import os
     import tempfile
 
-    from pipeline.format.fingerprint import _memo_path, stat_key
+    from pipeline.format import memo
 
     path = Path(args["bundle"]) / "cache.safetensors"
-    memo = _memo_path()
-    table = json.loads(memo.read_text()) if memo.is_file() else {}
-    table.pop(stat_key(path), None)  # keep the weights' entries: a server has those already
-    folder = tempfile.mkdtemp(prefix="bench-memo-")
-    Path(folder, memo.name).write_text(json.dumps(table))
-    os.environ["PREFIX_BUNDLES_CACHE_DIR"] = folder
+    entries = memo.table()
+    entries.pop(memo.stat_key(path), None)  # keep the weights' entries: a server has those already
+    os.environ["PREFIX_BUNDLES_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-memo-")
+    for key, digest in entries.items():
+        memo.store(key, digest)
     args["_start"] = time.perf_counter()
     return _mount_verified(args)
 
@@ -165,20 +163,16 @@ def _read_prefaulted(args: dict[str, Any]) -> Any:
 
 
 def _mount_phases(args: dict[str, Any]) -> Any:
-    """mount_one's steps, timed one by one (same calls, same order)."""
-    from pipeline.format.layout import load_cache, parse_sums, read_manifest
-    from pipeline.runtime.mount import check_identity, check_runtime, identity_for
+    """mount_one's two parts, timed one by one: the model's fingerprints, then validate + load."""
+    from pipeline.runtime.mount import identity_for
+    from pipeline.runtime.validate import validate
 
     bundle, phases = Path(args["bundle"]), {}
     start = time.perf_counter()
-    sums = parse_sums(bundle)
-    manifest = read_manifest(bundle, sums)
-    check_runtime(bundle, manifest)
-    phases["sums_manifest"] = time.perf_counter() - start
-    check_identity(bundle, manifest, identity_for(Path(args["model"])))
-    phases["fingerprints"] = time.perf_counter() - start - sum(phases.values())
-    held = load_cache(bundle, sums["cache.safetensors"])
-    phases["load_cache"] = time.perf_counter() - start - sum(phases.values())
+    identity = identity_for(Path(args["model"]))
+    phases["fingerprints"] = time.perf_counter() - start
+    held = validate(bundle, identity, load=True, trust_memo=True)
+    phases["validate_and_load"] = time.perf_counter() - start - sum(phases.values())
     args["_phases"] = phases
     return held
 

@@ -75,6 +75,12 @@ def _store(memo: Path, table: dict[str, str]) -> None:
         pass
 
 
+def table() -> dict[str, str]:
+    """Every trusted entry {stat key: sha256} (empty when the memo is missing or not private)."""
+    with _lock:
+        return _load(memo_path())
+
+
 def lookup(key: str) -> str | None:
     """The sha256 recorded for a stat key, if any."""
     with _lock:
