@@ -97,13 +97,14 @@ def _validate(
     check_runtime(bundle, manifest)
     stage[0] = "identity"
     check_identity(bundle, manifest, identity)
+    stage[0] = "cache file"
+    _check_cache_record(bundle, manifest, sums[CACHE_FILE])
     stage[0] = "layout"
-    header, expected = _check_cache_header(bundle, manifest, sums[CACHE_FILE], identity.shape)
+    header, expected = _check_cache_header(bundle, manifest, identity.shape)
     stage[0] = "tokens"
     tokens = _check_tokens(bundle, header, manifest, identity.shape)
-    stage[0] = "cache file"
+    stage[0] = "data"
     data = _read_cache(bundle, header, manifest, load, trust_memo)
-    stage[0] = "layout"
     check_scalars(_scalar_values(header, data.small, expected), expected)
     cache = _rebuild(header, data.arrays, expected, manifest) if load else None
     return Validated(bundle, manifest, tokens, cache)
@@ -118,24 +119,16 @@ def recorded_identity(manifest: Manifest) -> ModelIdentity:
 
 # What `validate` establishes, in order (inspect prints these for a bundle that passes).
 CHECKS = (
-    (
-        "files",
-        "the folder holds exactly SHA256SUMS, manifest.json, cache.safetensors (+ build-report.json), all regular files",
-    ),
-    (
-        "checksums",
-        "SHA256SUMS lists both files; manifest.json matches it and parses into the strict schema",
-    ),
+    ("files", "only SHA256SUMS, manifest.json, cache.safetensors (+ build-report.json), all regular files"),
+    ("checksums", "SHA256SUMS lists both files; manifest.json matches it and fits the strict schema"),
     ("location", "a folder in the <name>/<version>/<slug>-<fp> layout is where its manifest says"),
     ("mlx-lm", "the bundle's and the installed mlx-lm are in the supported range"),
     ("identity", "model weights/config, tokenizer and chat template fingerprints match"),
-    ("cache file", "size and sha256 as the manifest records them (and as SHA256SUMS lists)"),
-    (
-        "layout",
-        "every tensor's dtype and shape, layer count, scalars and metadata as the manifest and model require",
-    ),
+    ("cache file", "SHA256SUMS and the manifest agree on its sha256; its size is as recorded"),
+    ("layout", "every tensor's dtype and shape, layer count and metadata as manifest and model require"),
     ("tokens", "token ids are in the vocabulary and hash to the manifest's ids_sha256"),
-)
+    ("data", "every byte hashes to the recorded sha256; offsets and quantization scalars as required"),
+)  # fmt: skip
 
 
 def refuse(bundle: Path, message: str, field: str | None = None) -> BundleError:
@@ -307,10 +300,8 @@ def check_identity(bundle: Path, manifest: Manifest, identity: ModelIdentity) ->
             raise check.error(bundle)
 
 
-def _check_cache_header(
-    bundle: Path, manifest: Manifest, listed_sha256: str, shape: ModelShape
-) -> tuple[Header, Expected]:
-    """Size and digest as the manifest records them, then the header exactly as expected."""
+def _check_cache_record(bundle: Path, manifest: Manifest, listed_sha256: str) -> None:
+    """SHA256SUMS and the manifest agree on the cache file, and its size is as recorded."""
     c = manifest.cache
     if listed_sha256 != c.file_sha256:
         raise refuse(
@@ -327,6 +318,12 @@ def _check_cache_header(
             "(truncated or replaced); rebuild or re-copy it",
             "cache.file_bytes",
         )
+
+
+def _check_cache_header(
+    bundle: Path, manifest: Manifest, shape: ModelShape
+) -> tuple[Header, Expected]:
+    """The safetensors header, parsed by the library, exactly as the manifest and model require."""
     try:
         header = read_header(bundle / CACHE_FILE)
     except FormatError as exc:
