@@ -18,17 +18,21 @@ def _err(message: str) -> None:
 
 
 def _progress(label: str):
+    """Prefill progress on stderr: the size first, an ETA after the first chunk, then every 0.5 s."""
     tty = sys.stderr.isatty()
-    last = [0.0]
+    last: list[float | None] = [None]  # when the last rate line was printed
 
     def report(done: int, total: int, elapsed: float) -> None:
         now = time.perf_counter()
-        if done < total and now - last[0] < 0.5:
+        if done == 0:  # no rate yet, so no ETA: just the size
+            line = f"{label}: prefill {total} tokens"
+        elif done < total and last[0] is not None and now - last[0] < 0.5:
             return
-        last[0] = now
-        rate = done / max(elapsed, 1e-9)
-        eta = (total - done) / max(rate, 1e-9)
-        line = f"{label}: prefill {done}/{total} tokens, {rate:,.0f} tok/s, ETA {eta:.1f}s"
+        else:
+            rate = done / max(elapsed, 1e-9)
+            eta = (total - done) / max(rate, 1e-9)
+            line = f"{label}: prefill {done}/{total} tokens, {rate:,.0f} tok/s, ETA {eta:.1f}s"
+        last[0] = now if done else None
         print(
             ("\r" + line) if tty else line,
             end="" if tty and done < total else "\n",
@@ -63,6 +67,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     from pipeline.build.targets import targets
     from pipeline.build.versioning import check_locked, locked_entry
     from pipeline.build.writer import clean_staging
+    from pipeline.format.fingerprint import model_fingerprint
     from pipeline.format.layout import model_folder
     from pipeline.format.lockfile import lock_path, read_lock, write_lock
 
@@ -72,8 +77,12 @@ def cmd_build(args: argparse.Namespace) -> int:
     print(BLAS_STATUS.notice, file=sys.stderr)
     clean_staging(args.bundles)
     for definition in definitions:
+        plan = targets(definition, args.prefixes.resolve().parent, args.model)
+        if args.locked:  # before any prefill: CI builds only what prefixes.lock names
+            planned = [(t.slug, model_fingerprint(t.model_dir)) for t in plan]
+            check_locked(definition, lock, {model_folder(sl, fp): fp for sl, fp in planned})
         built: dict[str, str] = {}
-        for target in targets(definition, args.prefixes.resolve().parent, args.model):
+        for target in plan:
             label = f"{definition.name}@{definition.version} -> {target.slug}"
             result = build(
                 target,
@@ -86,9 +95,7 @@ def cmd_build(args: argparse.Namespace) -> int:
             m = result.manifest
             built[model_folder(m.model.slug, m.model.fingerprint)] = m.model.fingerprint
             _print_built(label, result)
-        if args.locked:
-            check_locked(definition, lock, built)
-        else:
+        if not args.locked:
             entries = {**lock.prefixes, definition.name: locked_entry(definition, lock, built)}
             lock = lock.model_copy(update={"prefixes": entries})
             write_lock(lock_file, lock)  # after each definition: a later failure keeps this one
@@ -186,7 +193,11 @@ def _print_checks(manifest, args: argparse.Namespace, refusal) -> None:
     from pipeline.runtime.mount import identity_for
     from pipeline.runtime.validate import CHECKS, identity_checks
 
-    target = f" for model {args.model}" if args.model else " (integrity only; pass --model DIR to check fingerprints)"
+    target = (
+        f" for model {args.model}"
+        if args.model
+        else " (integrity only; pass --model DIR to check fingerprints)"
+    )
     print(f"checks{target}:")
     failed = refusal.check if refusal is not None else None
     reached = True
@@ -204,10 +215,16 @@ def _print_checks(manifest, args: argparse.Namespace, refusal) -> None:
             print(f"  --   {name:<21} not reached")
         reached = reached and name != failed
     t, f = manifest.tokens, manifest.fidelity
-    print(f"  info stability              {t.stable_tokens}/{t.rendered_tokens} rendered tokens are a prefix of every probe turn")
+    print(
+        f"  info stability              {t.stable_tokens}/{t.rendered_tokens} rendered tokens are a prefix of every probe turn"
+    )
     if f.checked:
-        print(f"  info fidelity               max |logit diff| {f.max_abs_logit_diff:.3g} <= {f.threshold:g}, greedy match {f.greedy_match} (at build)")
-    print(f"valid{' for ' + str(args.model) if args.model else ''}: {'yes' if refusal is None else 'no'}")
+        print(
+            f"  info fidelity               max |logit diff| {f.max_abs_logit_diff:.3g} <= {f.threshold:g}, greedy match {f.greedy_match} (at build)"
+        )
+    print(
+        f"valid{' for ' + str(args.model) if args.model else ''}: {'yes' if refusal is None else 'no'}"
+    )
 
 
 def _print_manifest(bundle: Path, data: dict) -> None:

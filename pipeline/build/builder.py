@@ -165,7 +165,10 @@ def build(
             f"another build is writing {dest} right now; wait for it to finish (its bundle is kept)"
         ) from None
     except OSError as exc:
-        raise BuildError(f"cannot write {exc.filename or bundles_root}: {exc.strerror}") from None
+        raise BuildError(
+            f"cannot write {exc.filename or bundles_root}: {exc.strerror}; "
+            "make the bundles folder writable or pass --bundles"
+        ) from None
 
 
 @dataclass(frozen=True)
