@@ -102,7 +102,7 @@ def prefill(
 def check_context(definition: Any, tokens: int, shape: ModelShape) -> None:
     """Refuse a prefix longer than the model's context before any prefill is spent on it."""
     limit = shape.max_positions
-    if limit is not None and tokens > limit:
+    if limit is not None and tokens >= limit:  # a request needs at least one more position
         raise BuildError(
             f"{definition.path}: the prefix is {tokens:,} tokens but the model's context is "
             f"{limit:,} (max_position_embeddings); shorten the included documents or split the prefix"
