@@ -147,7 +147,7 @@ def _read_template(path: Path | None) -> str | None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from pipeline.runtime.validate import read_manifest
+    from pipeline.format.bundle_files import read_manifest
 
     bundle = Path(args.bundle)
     manifest = read_manifest(bundle, None)  # shown even when invalid; validity is decided below
@@ -190,8 +190,9 @@ def _validity(bundle: Path, manifest, args: argparse.Namespace):
 
 def _print_checks(manifest, args: argparse.Namespace, refusal) -> None:
     """The validator's stages in order: ok up to the one that refused, which says why."""
+    from pipeline.runtime.identity import identity_checks
     from pipeline.runtime.mount import identity_for
-    from pipeline.runtime.validate import CHECKS, identity_checks
+    from pipeline.runtime.validate import CHECKS
 
     target = (
         f" for model {args.model}"
@@ -239,8 +240,9 @@ def _print_manifest(bundle: Path, data: dict) -> None:
 
 def cmd_list(args: argparse.Namespace) -> int:
     from pipeline.build.definition import find_definitions, load_definition
+    from pipeline.format.bundle_files import read_manifest
     from pipeline.format.errors import BundleError
-    from pipeline.runtime.validate import read_manifest, recorded_identity, validate
+    from pipeline.runtime.validate import recorded_identity, validate
 
     broken = 0
     root = Path(args.prefixes).resolve().parent

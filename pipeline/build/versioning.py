@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pipeline.build.definition import LoadedDefinition
+from pipeline.format.bundle_files import read_manifest
 from pipeline.format.errors import BuildError, BundleError
 from pipeline.format.layout import MANIFEST_FILE
 from pipeline.format.lockfile import LockedPrefix, LockError, Lockfile
@@ -12,8 +13,6 @@ from pipeline.format.lockfile import LockedPrefix, LockError, Lockfile
 
 def built_contents(bundles_root: Path, name: str, version: int) -> dict[Path, str]:
     """{bundle folder: content_sha256} of every bundle already built for this version."""
-    from pipeline.runtime.validate import read_manifest
-
     folder = Path(bundles_root) / name / str(version)
     found = {}
     for bundle in sorted(folder.iterdir()) if folder.is_dir() else []:

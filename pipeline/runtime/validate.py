@@ -10,15 +10,19 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from pipeline.format import memo
+from pipeline.format.bundle_files import (
+    check_folder,
+    digest_mismatch,
+    read_manifest,
+    read_sums,
+    refuse,
+)
 from pipeline.format.cache_layout import (
     Expected,
     LayoutError,
@@ -27,23 +31,13 @@ from pipeline.format.cache_layout import (
     expected_layout,
 )
 from pipeline.format.errors import BundleError
-from pipeline.format.files import FileProblem, kind_of, read_regular
 from pipeline.format.fingerprint import ModelIdentity, ModelShape, canonical_json, sha256_bytes
-from pipeline.format.layout import (
-    ALLOWED_FILES,
-    CACHE_FILE,
-    CHECKSUMMED,
-    MANIFEST_FILE,
-    MAX_SUMS_BYTES,
-    REPORT_FILE,
-    SUMS_FILE,
-    model_folder,
-)
-from pipeline.format.manifest import FORMAT_VERSION, MAX_MANIFEST_BYTES, Manifest
+from pipeline.format.layout import CACHE_FILE, MANIFEST_FILE, SUMS_FILE, model_folder
+from pipeline.format.manifest import Manifest
 from pipeline.format.safetensors_read import FormatError, Header, read_data, read_header
 from pipeline.runtime.compat import SUPPORTED_RANGE, installed_mlx_lm, mlx_lm_supported
+from pipeline.runtime.identity import check_identity
 
-SUMS_LINE = re.compile(r"^([0-9a-f]{64}) [ *](\S+)$")
 LAYOUT_FOLDER = re.compile(r"^[a-z0-9][a-z0-9._-]*-[0-9a-f]{12}$")
 
 
@@ -87,7 +81,7 @@ def validate(
 def _validate(
     bundle: Path, identity: ModelIdentity, load: bool, trust_memo: bool, stage: list[str]
 ) -> Validated:
-    _check_folder(bundle)
+    check_folder(bundle)
     stage[0] = "checksums"
     sums = read_sums(bundle)
     manifest = read_manifest(bundle, sums[MANIFEST_FILE])
@@ -131,97 +125,6 @@ CHECKS = (
 )  # fmt: skip
 
 
-def refuse(bundle: Path, message: str, field: str | None = None) -> BundleError:
-    return BundleError(str(bundle), message, field)
-
-
-def _check_folder(bundle: Path) -> None:
-    """The folder holds exactly the bundle's files, each a regular file (no links, no FIFOs)."""
-    try:
-        st = os.stat(bundle)
-    except OSError as exc:
-        raise refuse(bundle, f"not a bundle folder ({exc.strerror})") from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise refuse(bundle, f"not a bundle folder (it is {kind_of(st.st_mode)})")
-    present = {}
-    for entry in os.scandir(bundle):
-        if entry.name not in ALLOWED_FILES:
-            allowed = ", ".join(sorted(ALLOWED_FILES))
-            raise refuse(
-                bundle,
-                f"unexpected {entry.name!r} in the bundle folder (a bundle holds only {allowed}); "
-                "remove it or re-copy the bundle",
-                entry.name,
-            )
-        mode = entry.stat(follow_symlinks=False).st_mode
-        if not stat.S_ISREG(mode):
-            raise refuse(bundle, f"{entry.name} is {kind_of(mode)}, not a regular file", entry.name)
-        present[entry.name] = mode
-    for name in (SUMS_FILE, *CHECKSUMMED):
-        if name not in present:
-            raise refuse(bundle, f"{name} is missing; rebuild or re-copy the bundle", name)
-
-
-def read_sums(bundle: Path) -> dict[str, str]:
-    """SHA256SUMS as {file: hex}: exactly one `sha256sum` line per checksummed file."""
-    try:
-        text = read_regular(bundle / SUMS_FILE, MAX_SUMS_BYTES).decode("ascii")
-    except FileProblem as exc:
-        raise refuse(bundle, f"{SUMS_FILE} {exc}", SUMS_FILE) from None
-    except UnicodeDecodeError:
-        raise refuse(
-            bundle, f"{SUMS_FILE} is not ASCII text; re-copy the bundle", SUMS_FILE
-        ) from None
-    sums: dict[str, str] = {}
-    for line in text.splitlines():
-        match = SUMS_LINE.match(line)
-        if not match or match[2] not in CHECKSUMMED or match[2] in sums:
-            raise refuse(bundle, f"{SUMS_FILE} has a malformed line {line[:80]!r}", SUMS_FILE)
-        sums[match[2]] = match[1]
-    missing = [n for n in CHECKSUMMED if n not in sums]
-    if missing:
-        raise refuse(bundle, f"{SUMS_FILE} does not list {', '.join(missing)}", SUMS_FILE)
-    return sums
-
-
-def digest_mismatch(bundle: Path, name: str, expected: str, found: str) -> BundleError:
-    return refuse(
-        bundle,
-        f"{name} sha256 mismatch (expected {expected[:12]}.., found {found[:12]}..); "
-        "the file is corrupt or was edited: rebuild it or copy it again",
-        name,
-    )
-
-
-def read_manifest(bundle: Path, expected_sha256: str | None) -> Manifest:
-    """manifest.json, its sha256 checked when given, parsed into the strict schema."""
-    try:
-        data = read_regular(bundle / MANIFEST_FILE, MAX_MANIFEST_BYTES)
-    except FileProblem as exc:
-        raise refuse(bundle, f"{MANIFEST_FILE} {exc}", MANIFEST_FILE) from None
-    if expected_sha256 is not None and sha256_bytes(data) != expected_sha256:
-        raise digest_mismatch(bundle, MANIFEST_FILE, expected_sha256, sha256_bytes(data))
-    try:
-        return Manifest.model_validate_json(data)
-    except ValidationError as exc:
-        raise _manifest_error(bundle, exc) from None
-
-
-def _manifest_error(bundle: Path, exc: ValidationError) -> BundleError:
-    err = exc.errors()[0]
-    where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-    if where == "format_version":
-        return refuse(
-            bundle,
-            f"format_version {err.get('input')!r} is not supported (this loader reads "
-            f"{FORMAT_VERSION}); rebuild with this version",
-            "format_version",
-        )
-    return refuse(
-        bundle, f"{MANIFEST_FILE} is invalid at {where}: {err['msg']}; rebuild the bundle", where
-    )
-
-
 def check_location(bundle: Path, manifest: Manifest) -> None:
     """A bundle kept in the layout <name>/<version>/<slug>-<fp12> must sit where its manifest says.
 
@@ -256,48 +159,6 @@ def check_runtime(bundle: Path, manifest: Manifest) -> None:
                 "install a supported mlx-lm",
                 "builder.mlx_lm",
             )
-
-
-@dataclass(frozen=True)
-class IdentityCheck:
-    """One fingerprint comparison between a bundle and the served model."""
-
-    field: str
-    what: str
-    expected: str | None  # what the bundle was built for
-    found: str | None  # what the served model has
-    fix: str
-
-    @property
-    def ok(self) -> bool:
-        return self.expected == self.found
-
-    def error(self, bundle: Path) -> BundleError:
-        exp, got = (self.expected or "none")[:16], (self.found or "none")[:16]
-        message = f"{self.what} mismatch (bundle expects {exp}.., model has {got}..); {self.fix}"
-        return refuse(bundle, message, self.field)
-
-
-def identity_checks(manifest: Manifest, identity: ModelIdentity) -> list[IdentityCheck]:
-    """The comparisons that decide whether a bundle fits the served model, in refusal order."""
-    m = manifest.model
-    rebuild = f"rebuild it with 'python build.py build {manifest.prefix.name} --model <this model>'"
-    never_hit = (
-        "the server renders prompts with another template, so this bundle could never be hit; "
-        f"serve with the bundle's template (--chat-template) or {rebuild}"
-    )
-    return [
-        IdentityCheck("model.fingerprint", "model weights/config", m.fingerprint, identity.model, rebuild),
-        IdentityCheck("model.tokenizer_fingerprint", "tokenizer", m.tokenizer_fingerprint, identity.tokenizer, rebuild),
-        IdentityCheck("model.template_sha256", "chat template", m.template_sha256, identity.template, never_hit),
-    ]  # fmt: skip
-
-
-def check_identity(bundle: Path, manifest: Manifest, identity: ModelIdentity) -> None:
-    """Refuse a bundle whose weights, tokenizer or template differ from the served model."""
-    for check in identity_checks(manifest, identity):
-        if not check.ok:
-            raise check.error(bundle)
 
 
 def _check_cache_record(bundle: Path, manifest: Manifest, listed_sha256: str) -> None:
@@ -395,4 +256,4 @@ def _rebuild(header: Header, arrays: dict, expected: Expected, manifest: Manifes
     return [allowed[c].from_state(s) for c, s in zip(manifest.cache.classes, states, strict=True)]
 
 
-__all__ = ["REPORT_FILE", "Validated", "validate"]
+__all__ = ["CHECKS", "Validated", "recorded_identity", "validate"]

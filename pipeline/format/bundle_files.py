@@ -1,0 +1,119 @@
+"""Reading a bundle folder's small files strictly: the folder listing, SHA256SUMS, manifest.json.
+
+Used by the validator (pipeline.runtime.validate), and by the build side to read old manifests.
+Each reader refuses with a BundleError naming the file and the fix; none opens a special file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from pipeline.format.errors import BundleError
+from pipeline.format.files import FileProblem, kind_of, read_regular
+from pipeline.format.fingerprint import sha256_bytes
+from pipeline.format.layout import (
+    ALLOWED_FILES,
+    CHECKSUMMED,
+    MANIFEST_FILE,
+    MAX_SUMS_BYTES,
+    SUMS_FILE,
+)
+from pipeline.format.manifest import FORMAT_VERSION, MAX_MANIFEST_BYTES, Manifest
+
+SUMS_LINE = re.compile(r"^([0-9a-f]{64}) [ *](\S+)$")
+
+
+def refuse(bundle: Path, message: str, field: str | None = None) -> BundleError:
+    return BundleError(str(bundle), message, field)
+
+
+def check_folder(bundle: Path) -> None:
+    """The folder holds exactly the bundle's files, each a regular file (no links, no FIFOs)."""
+    try:
+        st = os.stat(bundle)
+    except OSError as exc:
+        raise refuse(bundle, f"not a bundle folder ({exc.strerror})") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise refuse(bundle, f"not a bundle folder (it is {kind_of(st.st_mode)})")
+    present = {}
+    for entry in os.scandir(bundle):
+        if entry.name not in ALLOWED_FILES:
+            allowed = ", ".join(sorted(ALLOWED_FILES))
+            raise refuse(
+                bundle,
+                f"unexpected {entry.name!r} in the bundle folder (a bundle holds only {allowed}); "
+                "remove it or re-copy the bundle",
+                entry.name,
+            )
+        mode = entry.stat(follow_symlinks=False).st_mode
+        if not stat.S_ISREG(mode):
+            raise refuse(bundle, f"{entry.name} is {kind_of(mode)}, not a regular file", entry.name)
+        present[entry.name] = mode
+    for name in (SUMS_FILE, *CHECKSUMMED):
+        if name not in present:
+            raise refuse(bundle, f"{name} is missing; rebuild or re-copy the bundle", name)
+
+
+def read_sums(bundle: Path) -> dict[str, str]:
+    """SHA256SUMS as {file: hex}: exactly one `sha256sum` line per checksummed file."""
+    try:
+        text = read_regular(bundle / SUMS_FILE, MAX_SUMS_BYTES).decode("ascii")
+    except FileProblem as exc:
+        raise refuse(bundle, f"{SUMS_FILE} {exc}", SUMS_FILE) from None
+    except UnicodeDecodeError:
+        raise refuse(
+            bundle, f"{SUMS_FILE} is not ASCII text; re-copy the bundle", SUMS_FILE
+        ) from None
+    sums: dict[str, str] = {}
+    for line in text.splitlines():
+        match = SUMS_LINE.match(line)
+        if not match or match[2] not in CHECKSUMMED or match[2] in sums:
+            raise refuse(bundle, f"{SUMS_FILE} has a malformed line {line[:80]!r}", SUMS_FILE)
+        sums[match[2]] = match[1]
+    missing = [n for n in CHECKSUMMED if n not in sums]
+    if missing:
+        raise refuse(bundle, f"{SUMS_FILE} does not list {', '.join(missing)}", SUMS_FILE)
+    return sums
+
+
+def digest_mismatch(bundle: Path, name: str, expected: str, found: str) -> BundleError:
+    return refuse(
+        bundle,
+        f"{name} sha256 mismatch (expected {expected[:12]}.., found {found[:12]}..); "
+        "the file is corrupt or was edited: rebuild it or copy it again",
+        name,
+    )
+
+
+def read_manifest(bundle: Path, expected_sha256: str | None) -> Manifest:
+    """manifest.json, its sha256 checked when given, parsed into the strict schema."""
+    try:
+        data = read_regular(bundle / MANIFEST_FILE, MAX_MANIFEST_BYTES)
+    except FileProblem as exc:
+        raise refuse(bundle, f"{MANIFEST_FILE} {exc}", MANIFEST_FILE) from None
+    if expected_sha256 is not None and sha256_bytes(data) != expected_sha256:
+        raise digest_mismatch(bundle, MANIFEST_FILE, expected_sha256, sha256_bytes(data))
+    try:
+        return Manifest.model_validate_json(data)
+    except ValidationError as exc:
+        raise _manifest_error(bundle, exc) from None
+
+
+def _manifest_error(bundle: Path, exc: ValidationError) -> BundleError:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+    if where == "format_version":
+        return refuse(
+            bundle,
+            f"format_version {err.get('input')!r} is not supported (this loader reads "
+            f"{FORMAT_VERSION}); rebuild with this version",
+            "format_version",
+        )
+    return refuse(
+        bundle, f"{MANIFEST_FILE} is invalid at {where}: {err['msg']}; rebuild the bundle", where
+    )
