@@ -183,3 +183,19 @@ def test_importing_the_runtime_loads_no_build_module():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_folder_of_special_files_and_a_broken_symlink_are_reported_not_skipped(
+    shop_bundle: Path, tiny_model: Path, tmp_path: Path
+):
+    import os
+
+    bundles = tmp_path / "bundles"
+    fifo_bundle = bundles / "shop" / "1" / shop_bundle.name
+    fifo_bundle.mkdir(parents=True)
+    os.mkfifo(fifo_bundle / MANIFEST_FILE)
+    (bundles / "gone").symlink_to(tmp_path / "nowhere")
+    result = mount(tiny_model, bundles, skip_refused=True)
+    reasons = sorted(r.reason for r in result.refused)
+    assert result.bundles == [] and len(reasons) == 2
+    assert reasons[0] == "broken symlink; not followed" and "is a FIFO" in reasons[1]

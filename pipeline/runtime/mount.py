@@ -58,7 +58,8 @@ def identity_for(model_dir: Path, chat_template: str | None = None) -> ModelIden
 
 
 def _is_bundle_folder(path: Path) -> bool:
-    return any((path / name).is_file() for name in ALLOWED_FILES)
+    """Any bundle file name present, whatever it is: the validator decides what it is worth."""
+    return any(os.path.lexists(path / name) for name in ALLOWED_FILES)
 
 
 def find_bundles(root: Path) -> tuple[list[Path], list[Refusal]]:
@@ -80,6 +81,9 @@ def find_bundles(root: Path) -> tuple[list[Path], list[Refusal]]:
         folder = stack.pop()
         for entry in sorted(os.scandir(folder), key=lambda e: e.name, reverse=True):
             path = Path(entry.path)
+            if entry.is_symlink() and not path.exists():
+                problems.append(Refusal(path, None, "broken symlink; not followed"))
+                continue
             if entry.name == STAGING_DIR or not entry.is_dir(follow_symlinks=True):
                 continue
             if entry.is_symlink():
