@@ -4,7 +4,7 @@ Each mutation edits a copy of the bundle in place. A seal level then says how mu
 covered its tracks: "raw" (nothing), "sums" (SHA256SUMS recomputed, as `sha256sum` would), or
 "resealed" (also the manifest's record of cache.safetensors' digest and size). Data-value edits are
 not resealed: a mutator who rewrites the manifest's digest of the data itself is indistinguishable
-from a builder (that needs signing, which format v1 does not have), so the corpus claims nothing there.
+from a builder (that needs signing, which the format does not have), so the corpus claims nothing there.
 """
 
 from __future__ import annotations
@@ -436,7 +436,12 @@ def corpus(pristine: Path) -> list[Case]:
         edit_manifest(set_path(("cache", "classes"), lambda v: v[:1])),
         ("sums",),
     )
-    add("manifest-format-2", edit_manifest(set_path(("format_version",), lambda v: 2)), ("sums",))
+    add(
+        "manifest-format-next",
+        edit_manifest(set_path(("format_version",), lambda v: v + 1)),
+        ("sums",),
+    )
+    add("manifest-format-1", edit_manifest(set_path(("format_version",), lambda v: 1)), ("sums",))
     for label, content in {
         "empty": b"", "list": b"[]", "null": b"null", "string": b'"x"', "number": b"1",
         "deep": nested(100_000), "not-utf8": b'{"a": "\xff"}', "bom": b"\xef\xbb\xbf" + (pristine / MANIFEST_FILE).read_bytes(),

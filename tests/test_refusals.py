@@ -12,6 +12,7 @@ import pytest
 
 from pipeline.cli import main
 from pipeline.format.errors import BundleError
+from pipeline.format.fingerprint import sha256_file
 from pipeline.format.layout import CACHE_FILE, MANIFEST_FILE, SUMS_FILE
 from pipeline.runtime import PromptCacheManager, mount
 
@@ -190,3 +191,22 @@ def test_a_forged_memo_entry_is_ignored_when_the_memo_is_not_private(
         mount(tiny_model, bundle)
     with pytest.raises(BundleError, match="sha256 mismatch"):
         mount(tiny_model, bundle, verify_full=True)
+
+
+def test_a_bundle_of_the_previous_format_is_refused_with_the_fix(
+    tmp_path: Path, shop_bundle: Path, tiny_model: Path
+):
+    bundle = shutil.copytree(shop_bundle, tmp_path / "b")
+    raw = json.loads((bundle / MANIFEST_FILE).read_text())
+    raw["format_version"] = 1
+    del raw["cache"]["file_sha256"], raw["cache"]["file_bytes"]  # what format 1 wrote
+    (bundle / MANIFEST_FILE).write_text(json.dumps(raw, sort_keys=True, indent=2) + "\n")
+    (bundle / SUMS_FILE).write_text(
+        "".join(f"{sha256_file(bundle / n)}  {n}\n" for n in (CACHE_FILE, MANIFEST_FILE))
+    )
+    with pytest.raises(BundleError) as info:
+        mount(tiny_model, bundle)
+    assert info.value.field == "format_version"
+    assert info.value.reason == (
+        "format_version 1 is not supported (this loader reads 2); rebuild with this version"
+    )

@@ -1,4 +1,4 @@
-"""Bundle format v1 on disk: the folder layout, its file names and the SHA256SUMS text.
+"""Bundle format v2 on disk: the folder layout, its file names and the SHA256SUMS text.
 
 bundles/<name>/<version>/<model-slug>-<fingerprint[:12]>/
     cache.safetensors  manifest.json  SHA256SUMS  [build-report.json]

@@ -11,7 +11,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: cache file digest and size in the manifest, fingerprinted model folders
 MAX_MANIFEST_BYTES = 1 << 20
 
 Hex64 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -84,7 +84,7 @@ class FidelityInfo(Record):
 class Manifest(Record):
     """Everything a bundle's validity depends on; deterministic for identical inputs."""
 
-    format_version: Literal[1]
+    format_version: Literal[2]
     prefix: PrefixInfo
     text: TextInfo
     tokens: TokenInfo
