@@ -1,0 +1,78 @@
+"""What every command shares: one-line errors, prefill progress, definitions, template files, JSON."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from pipeline.format.errors import PipelineError
+
+
+def err(message: str) -> None:
+    """The one-line error every failure becomes."""
+    print(f"error: {message}", file=sys.stderr)
+
+
+def emit_json(document: Any) -> None:
+    """One JSON document on stdout (sorted keys, trailing newline); logs stay on stderr."""
+    data = document.model_dump(mode="json") if hasattr(document, "model_dump") else document
+    print(json.dumps(data, indent=2, sort_keys=True))
+
+
+def progress(label: str):
+    """Prefill progress on stderr: the size first, an ETA after the first chunk, then every 0.5 s."""
+    tty = sys.stderr.isatty()
+    last: list[float | None] = [None]  # when the last rate line was printed
+
+    def report(done: int, total: int, elapsed: float) -> None:
+        now = time.perf_counter()
+        if done == 0:  # no rate yet, so no ETA: just the size
+            line = f"{label}: prefill {total} tokens"
+        elif done < total and last[0] is not None and now - last[0] < 0.5:
+            return
+        else:
+            rate = done / max(elapsed, 1e-9)
+            eta = (total - done) / max(rate, 1e-9)
+            line = f"{label}: prefill {done}/{total} tokens, {rate:,.0f} tok/s, ETA {eta:.1f}s"
+        last[0] = now if done else None
+        print(
+            ("\r" + line) if tty else line,
+            end="" if tty and done < total else "\n",
+            file=sys.stderr,
+        )
+
+    return report
+
+
+def load_definitions(prefix_dir: Path, names: list[str]) -> list:
+    from pipeline.build.definition import find_definitions, load_definition
+
+    paths = find_definitions(prefix_dir)
+    if names:
+        by_name = {p.stem: p for p in paths}
+        missing = [n for n in names if n not in by_name]
+        if missing:
+            raise PipelineError(
+                f"no definition named {', '.join(missing)} in {prefix_dir}/ "
+                f"(have: {', '.join(sorted(by_name)) or 'none'})"
+            )
+        paths = [by_name[n] for n in names]
+    if not paths:
+        raise PipelineError(f"no prefix definitions (*.toml) in {prefix_dir}/")
+    root = Path(prefix_dir).resolve().parent
+    return [load_definition(p, root) for p in paths]
+
+
+def read_template(path: Path | None) -> str | None:
+    """The text of a --chat-template file (a regular UTF-8 file), or None."""
+    if path is None:
+        return None
+    from pipeline.format.files import FileProblem, read_text
+
+    try:
+        return read_text(Path(path), 16 << 20)
+    except FileProblem as exc:
+        raise PipelineError(f"--chat-template {path}: {exc}; pass a template file") from None
