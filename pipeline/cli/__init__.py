@@ -9,11 +9,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline.cli import build, demo, inspect, listing, verify
+from pipeline.cli import build, demo, inspect, listing, match, new, verify
 from pipeline.cli.common import err
 from pipeline.format.errors import PipelineError
 
-COMMANDS = (build, verify, inspect, listing, demo)
+COMMANDS = (build, verify, inspect, listing, new, match, demo)
 
 
 def global_options(suppress: bool) -> argparse.ArgumentParser:

@@ -1,0 +1,70 @@
+"""`match`: which bundle a request would reuse, how many tokens, and why not when none."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from pipeline.cli.common import err
+from pipeline.format.errors import PipelineError
+
+
+def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
+    m = sub.add_parser(
+        "match", parents=parents, help="which bundle a chat request would reuse, and why not"
+    )
+    m.add_argument("--model", type=Path, required=True, help="the served model folder")
+    source = m.add_mutually_exclusive_group(required=True)
+    source.add_argument(
+        "--prompt-file", type=Path, help="a chat request body (JSON with messages, optional tools)"
+    )
+    source.add_argument("--messages", help="the request's messages as a JSON list")
+    m.set_defaults(func=run)
+
+
+def _request(args: argparse.Namespace) -> tuple[list[dict], list[dict] | None]:
+    from pipeline.format.files import FileProblem, read_text
+
+    try:
+        raw = read_text(args.prompt_file, 64 << 20) if args.prompt_file else args.messages
+        body = json.loads(raw)
+    except FileProblem as exc:
+        raise PipelineError(f"--prompt-file {args.prompt_file}: {exc}") from None
+    except (ValueError, RecursionError) as exc:
+        raise PipelineError(f"the request is not valid JSON ({exc})") from None
+    body = {"messages": body} if isinstance(body, list) else body
+    messages = body.get("messages") if isinstance(body, dict) else None
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise PipelineError('the request needs "messages": a list of {"role", "content"} objects')
+    return messages, body.get("tools")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipeline.build.authoring import match_request
+    from pipeline.format.errors import BundleError
+    from pipeline.runtime.mount import choose_versions, find_bundles, identity_for
+    from pipeline.runtime.validate import validate
+
+    messages, tools = _request(args)
+    identity = identity_for(args.model)
+    paths, _ = find_bundles(args.bundles)
+    valid = []
+    for path in choose_versions(args.bundles, paths)[0]:
+        try:
+            valid.append(validate(path, identity))
+        except BundleError as exc:
+            err(f"{exc} (not considered)")
+    request, matches = match_request(args.model, valid, messages, tools)
+    print(f"request: {len(request)} tokens")
+    for m in matches:
+        verdict = f"reuses {m.reused_tokens} of its {m.bundle_tokens} tokens"
+        why = f"; parts {m.divergence}" if m.divergence else ""
+        print(f"  {m.name:<24} {verdict}{why}  {m.bundle}")
+    if not matches or matches[0].reused_tokens == 0:
+        print(
+            "no bundle would be reused"
+            + ("" if matches else f" (no valid bundle in {args.bundles})")
+        )
+        return 1
+    return 0

@@ -1,0 +1,71 @@
+"""`new` writes a definition that builds; `match` says which bundle a request reuses, and why not."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pipeline.cli import main
+
+from conftest import SYSTEM, TOOLS
+
+
+def test_new_writes_a_pinned_definition_that_builds(tmp_path: Path, tiny_model: Path, capsys):
+    system = tmp_path / "system.md"
+    system.write_text(SYSTEM)
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    prefixes = tmp_path / "prefixes"
+    prefixes.mkdir()
+    argv = ["--prefixes", str(prefixes), "--bundles", str(tmp_path / "bundles")]
+    code = main([*argv, "new", "shop", "--model", str(tiny_model), "--system-file", str(system), "--tools", str(tools)])  # fmt: skip
+    out = capsys.readouterr().out
+    assert (
+        code == 0 and out.startswith(f"wrote {prefixes / 'shop.toml'} (") and " tokens for " in out
+    )
+    assert (prefixes / "shop" / "system.md").read_text() == SYSTEM
+    assert main([*argv, "build", "--no-check"]) == 0
+    assert "shop@1 -> tiny: " in capsys.readouterr().out
+
+
+def test_new_refuses_bad_input_and_leaves_nothing(tmp_path: Path, tiny_model: Path, capsys):
+    prefixes = tmp_path / "prefixes"
+    prefixes.mkdir()
+    tools = tmp_path / "tools.json"
+    tools.write_text('[{"name": "f"}]')
+    code = main(["--prefixes", str(prefixes), "new", "x", "--model", str(tiny_model), "--tools", str(tools)])  # fmt: skip
+    err = capsys.readouterr().err.splitlines()
+    assert code == 1 and len(err) == 1 and "OpenAI function tools" in err[0]
+    assert list(prefixes.iterdir()) == []
+    assert main(["--prefixes", str(prefixes), "new", "Bad Name", "--model", str(tiny_model)]) == 1
+    assert main(["--prefixes", str(prefixes), "new", "ok", "--model", str(tiny_model)]) == 0
+    assert main(["--prefixes", str(prefixes), "new", "ok", "--model", str(tiny_model)]) == 1
+    assert "already exists" in capsys.readouterr().err
+
+
+def request_file(tmp_path: Path, system: str) -> Path:
+    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}], "tools": TOOLS}  # fmt: skip
+    path = tmp_path / "request.json"
+    path.write_text(json.dumps(body))
+    return path
+
+
+def test_match_reports_the_reuse_and_where_a_request_parts(
+    shop_bundle: Path, tiny_model: Path, tmp_path: Path, capsys
+):
+    bundles = ["--bundles", str(shop_bundle.parents[2])]
+    same = request_file(tmp_path, SYSTEM)
+    assert main([*bundles, "match", "--model", str(tiny_model), "--prompt-file", str(same)]) == 0
+    count = json.loads((shop_bundle / "manifest.json").read_text())["tokens"]["count"]
+    assert (
+        f"shop@1                   reuses {count} of its {count} tokens" in capsys.readouterr().out
+    )
+
+    edited = request_file(tmp_path, SYSTEM.replace("bookshop", "book shop"))
+    assert main([*bundles, "match", "--model", str(tiny_model), "--prompt-file", str(edited)]) == 0
+    out = capsys.readouterr().out
+    assert "; parts at token " in out and "(character " in out and "bundle has " in out
+
+    bad = ["match", "--model", str(tiny_model), "--messages", "{not json"]
+    assert main([*bundles, *bad]) == 1
+    assert capsys.readouterr().err.startswith("error: the request is not valid JSON")
