@@ -23,7 +23,10 @@ def emit_json(document: Any) -> None:
 
 
 def progress(label: str):
-    """Prefill progress on stderr: the size first, an ETA after the first chunk, then every 0.5 s."""
+    """Prefill progress on stderr: the size first, an ETA after the first chunk, then every 0.5 s.
+
+    On a terminal the line is rewritten in place; otherwise (CI logs) one line per update.
+    """
     tty = sys.stderr.isatty()
     last: list[float | None] = [None]  # when the last rate line was printed
 
@@ -38,11 +41,8 @@ def progress(label: str):
             eta = (total - done) / max(rate, 1e-9)
             line = f"{label}: prefill {done}/{total} tokens, {rate:,.0f} tok/s, ETA {eta:.1f}s"
         last[0] = now if done else None
-        print(
-            ("\r" + line) if tty else line,
-            end="" if tty and done < total else "\n",
-            file=sys.stderr,
-        )
+        end = "" if tty and done < total else "\n"
+        print(("\r\033[K" + line) if tty else line, end=end, file=sys.stderr, flush=True)
 
     return report
 
