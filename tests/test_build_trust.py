@@ -522,3 +522,23 @@ def test_build_prints_the_prefill_size_then_an_eta_after_the_first_chunk(
     eta = float(first.rsplit("ETA ", 1)[1].removesuffix("s"))
     assert 0 <= eta < 3600  # an estimate from the first chunk's rate, not a division by zero
     assert progress[-1].startswith(f"shop@1 -> tiny: prefill {count}/{count} tokens, ")
+
+
+@pytest.mark.parametrize(
+    ("arch", "group", "message"),
+    [
+        (None, 128, "cache.kv_group_size 128 does not divide the model's head_dim 64; set cache.kv_group_size to 32 or 64"),
+        ("lfm2", 32, "head_dim 16; KV quantization needs a head_dim divisible by 32: remove cache.kv_bits"),
+    ],
+)  # fmt: skip
+def test_a_group_size_the_model_cannot_take_is_refused_before_the_prefill(
+    tmp_path: Path, tiny_model: Path, arch: str | None, group: int, message: str
+):
+    from pipeline.testmodels.arch import generate_arch_model
+
+    model = generate_arch_model(tmp_path / "m", arch, tiny_model) if arch else tiny_model
+    write_definition(tmp_path, model, kv_bits=8, kv_group_size=group)
+    with pytest.raises(BuildError) as info:
+        build_bundle(tmp_path)
+    assert str(info.value).endswith(message)
+    assert not (tmp_path / "bundles" / "shop").exists()

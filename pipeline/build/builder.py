@@ -18,6 +18,7 @@ from pipeline.build.prefill import (
     Progress,
     cache_nbytes,
     check_context,
+    check_group_size,
     dtype_name,
     encode,
     estimate_bytes,
@@ -146,6 +147,7 @@ def build(
             "update the pin if the new weights are intended"
         )
     check_version(d, bundles_root, lock or Lockfile())
+    check_group_size(d, identity.shape.head_dim)
     rendered = render_prefix(d, target.model_dir)
     # the bundle is for a server that renders with the pinned template (the model's or a file)
     identity = dataclasses.replace(identity, template=rendered.template_sha256)

@@ -134,13 +134,24 @@ def finalize_cache(
     return out
 
 
+def check_group_size(definition: Any, head_dim: int | None) -> None:
+    """Refuse, before the prefill, a KV group size that does not divide the model's head_dim."""
+    group = definition.spec.cache.kv_group_size
+    if definition.spec.cache.kv_bits is None or head_dim is None or head_dim % group == 0:
+        return
+    fits = [g for g in (32, 64, 128) if head_dim % g == 0]
+    fix = (
+        f"set cache.kv_group_size to {' or '.join(map(str, fits))}"
+        if fits
+        else "KV quantization needs a head_dim divisible by 32: remove cache.kv_bits"
+    )
+    raise BuildError(
+        f"{definition.path}: cache.kv_group_size {group} does not divide the model's head_dim "
+        f"{head_dim}; {fix}"
+    )
+
+
 def _quantize(layer: KVCache, bits: int, group_size: int) -> QuantizedKVCache:
-    head_dim = layer.keys.shape[-1]
-    if head_dim % group_size:
-        raise BuildError(
-            f"kv_group_size {group_size} does not divide the model's head_dim {head_dim}; "
-            "set cache.kv_group_size to a divisor of it (32, 64 or 128)"
-        )
     q = QuantizedKVCache(group_size=group_size, bits=bits)
     q.keys = mx.quantize(layer.keys, group_size=group_size, bits=bits)
     q.values = mx.quantize(layer.values, group_size=group_size, bits=bits)
