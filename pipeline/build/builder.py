@@ -67,6 +67,23 @@ class BuildResult:
     report: dict[str, Any]
     up_to_date: bool
 
+    @property
+    def advice(self) -> str | None:
+        """A warning worth printing about this bundle, if any (a prefix too short to pay off)."""
+        tokens = self.manifest.tokens.count
+        if tokens >= CROSSOVER_TOKENS:
+            return None
+        return (
+            f"{self.bundle}: the prefix is {tokens} tokens, below the measured crossover of "
+            f"{CROSSOVER_TOKENS} tokens (bench/RESULTS.md) under which mounting a bundle can cost "
+            "more than prefilling it; consider a longer prefix or no bundle"
+        )
+
+
+# Below this many tokens a mounted bundle was not measured to beat a cold prefill (bench,
+# case 2: restart first token, crossover linear through the two shortest lengths).
+CROSSOVER_TOKENS = 18
+
 
 def build_key(
     target: Target, identity: ModelIdentity, rendered: Rendered, builder: BuilderInfo
