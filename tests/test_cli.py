@@ -89,3 +89,16 @@ def test_demo_builds_verifies_and_mounts_every_definition(project: Path, tiny_mo
     assert rows[0]["tokens"] > 50 and rows[0]["bytes"] > 0 and rows[0]["mount_ms"] > 0
     again = run_demo(project / "prefixes", project / "bundles", tiny_model)
     assert [r["status"] for r in again] == ["up to date"]
+
+
+def test_a_definition_in_a_subfolder_is_reported_not_ignored(project: Path, capsys):
+    stray = project / "prefixes" / "shop" / "old.toml"
+    stray.write_text('name = "old"\n')
+    assert cli(project, "build", "--no-check") == 0
+    assert f"warning: {stray}: definitions in subfolders are not loaded" in capsys.readouterr().err
+
+
+def test_global_options_are_accepted_after_the_command(project: Path, capsys):
+    argv = ["list", "--prefixes", str(project / "prefixes"), "--bundles", str(project / "bundles")]
+    assert main(argv) == 0
+    assert "shop@1  missing" in capsys.readouterr().out

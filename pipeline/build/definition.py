@@ -313,3 +313,8 @@ def slugify(text: str) -> str:
 def find_definitions(prefix_dir: Path) -> list[Path]:
     """All definition files in prefixes/, sorted by name."""
     return sorted(Path(prefix_dir).glob("*.toml"))
+
+
+def stray_definitions(prefix_dir: Path) -> list[Path]:
+    """*.toml files in subfolders of prefixes/: never loaded, so worth a warning."""
+    return sorted(p for p in Path(prefix_dir).glob("*/**/*.toml") if p.is_file())

@@ -16,9 +16,22 @@ def err(message: str) -> None:
     print(f"error: {message}", file=sys.stderr)
 
 
+def warn(message: str) -> None:
+    """A one-line warning on stderr (the command goes on)."""
+    print(f"warning: {message}", file=sys.stderr)
+
+
+def error_text(exc: Exception) -> str:
+    """The one-line message of an expected failure (what `err` prints after 'error: ')."""
+    if isinstance(exc, OSError) and not isinstance(exc, PipelineError):
+        return f"{exc.filename or 'I/O'}: {exc.strerror or exc}"
+    return str(exc)
+
+
 def emit_json(document: Any) -> None:
     """One JSON document on stdout (sorted keys, trailing newline); logs stay on stderr."""
-    data = document.model_dump(mode="json") if hasattr(document, "model_dump") else document
+    has_dump = hasattr(document, "model_dump")
+    data = document.model_dump(mode="json", by_alias=True) if has_dump else document
     print(json.dumps(data, indent=2, sort_keys=True))
 
 
@@ -48,8 +61,11 @@ def progress(label: str):
 
 
 def load_definitions(prefix_dir: Path, names: list[str]) -> list:
-    from pipeline.build.definition import find_definitions, load_definition
+    """The named definitions (all when none are named); a warning for any *.toml in a subfolder."""
+    from pipeline.build.definition import find_definitions, load_definition, stray_definitions
 
+    for stray in stray_definitions(prefix_dir):
+        warn(f"{stray}: definitions in subfolders are not loaded; move it to {prefix_dir}/")
     paths = find_definitions(prefix_dir)
     if names:
         by_name = {p.stem: p for p in paths}
