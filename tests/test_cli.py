@@ -46,8 +46,11 @@ def test_inspect_json_is_the_manifest(shop_bundle: Path, capsys):
     assert main(["inspect", "--json", str(shop_bundle)]) == 0
     out = capsys.readouterr().out
     data = json.loads(out)
-    assert data.pop("validity") == {"valid": True, "for_model": None, "refusal": None}
-    assert data == json.loads((shop_bundle / MANIFEST_FILE).read_text())
+    validity = data.pop("validity")
+    assert (validity["valid"], validity["for_model"], validity["refusal"]) == (True, None, None)
+    assert (data.pop("schema"), data.pop("bundle")) == ("inspect/1", str(shop_bundle))
+    assert set(data.pop("files")) == {p.name for p in shop_bundle.iterdir()}
+    assert data == json.loads((shop_bundle / MANIFEST_FILE).read_text())  # the manifest's fields
 
 
 def test_list_shows_built_and_missing(project: Path, capsys):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -12,20 +14,39 @@ from pipeline.format.errors import ModelError, PipelineError
 
 from conftest import build_bundle, write_definition
 
+REVISION = "c1899de289a04d12100db370d81485cdf75e47ca"
 
-def test_hub_model_offline_is_a_clear_error(monkeypatch, tmp_path: Path):
+
+def test_hub_model_offline_is_a_clear_error_at_once(monkeypatch, tmp_path: Path):
+    from huggingface_hub import constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    spec = ModelSpec(repo="Qwen/Qwen3-0.6B", revision="c1899de289a04d12100db370d81485cdf75e47ca")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    spec = ModelSpec(repo="Qwen/Qwen3-0.6B", revision=REVISION)
+    start = time.perf_counter()
     with pytest.raises(ModelError) as info:
         resolve_model(spec, tmp_path)
-    message = str(info.value)
-    assert message.startswith(
-        "model Qwen/Qwen3-0.6B@c1899de289a04d12100db370d81485cdf75e47ca: download failed ("
+    assert time.perf_counter() - start < 1.0  # not huggingface_hub's ~25 s of retries
+    assert str(info.value) == (
+        f"model Qwen/Qwen3-0.6B@{REVISION}: not in the local hub cache: HF_HUB_OFFLINE is set; "
+        "download it with the hub reachable (HF_HUB_OFFLINE unset, network up), "
+        "or pre-download it and use models.path"
     )
-    assert message.endswith(
-        "check the network and HF_TOKEN, or pre-download it and use models.path"
-    )
+
+
+def test_hub_model_in_the_local_hub_cache_resolves_offline(
+    monkeypatch, tmp_path: Path, tiny_model: Path
+):
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf"))
+    repo_cache = tmp_path / "hf" / "models--acme--tiny"
+    snapshot = repo_cache / "snapshots" / REVISION
+    shutil.copytree(tiny_model, snapshot)
+    (repo_cache / "refs").mkdir()
+    (repo_cache / "refs" / "main").write_text(REVISION)
+    assert resolve_model(ModelSpec(repo="acme/tiny", revision=REVISION), tmp_path) == snapshot
 
 
 def test_missing_local_model_names_the_fix(tmp_path: Path):

@@ -9,11 +9,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline.cli import build, demo, inspect, listing, match, new, verify
+from pipeline.cli import build, demo, inspect, listing, match, new, pull, push, verify
 from pipeline.cli.common import err
 from pipeline.format.errors import PipelineError
 
-COMMANDS = (build, verify, inspect, listing, new, match, demo)
+COMMANDS = (build, verify, inspect, listing, new, match, push, pull, demo)
+# The global --bundles default, compared by identity: `pull` puts bundles in <model>/prefix-bundles
+# unless --bundles is given.
+DEFAULT_BUNDLES = Path("bundles")
 
 
 def global_options(suppress: bool) -> argparse.ArgumentParser:
@@ -29,7 +32,7 @@ def global_options(suppress: bool) -> argparse.ArgumentParser:
     p.add_argument(
         "--bundles",
         type=Path,
-        default=default or Path("bundles"),
+        default=default or DEFAULT_BUNDLES,
         help="bundles folder (default: bundles)",
     )
     return p

@@ -6,7 +6,16 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline.cli.common import load_definitions, progress
+from pipeline.cli.common import emit_json, error_text, load_definitions, progress
+from pipeline.cli.reports import BuildReport, BuildTotals, BuiltTarget
+from pipeline.cli.reports import Shard as ShardInfo
+from pipeline.format.errors import PipelineError
+
+SHARD_HELP = (
+    "build only shard I of N (1-based), for a CI matrix: the (definition, model) pairs, keyed "
+    "'<name>@<version>/<models.path or models.repo@revision>', are sorted and the k-th (0-based) "
+    "goes to shard k mod N + 1; the N shards partition the pairs exactly (use with --locked)"
+)
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
@@ -29,12 +38,43 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         default=True,
         help="warm-equals-cold fidelity check before shipping (default: on)",
     )
+    b.add_argument("--shard", type=_shard, metavar="I/N", help=SHARD_HELP)
+    b.add_argument(
+        "--json",
+        action="store_true",
+        help="print one build/1 JSON document on stdout (per-target lines go to stderr); on an "
+        "error it lists what was done and the failed target, and the error is also the one "
+        "'error:' line on stderr",
+    )
     b.set_defaults(func=run)
 
 
+def _shard(text: str):
+    from pipeline.build.shards import Shard
+
+    try:
+        return Shard.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("--shard ")) from None
+
+
 def run(args: argparse.Namespace) -> int:
+    """Build in order, stopping at the first error (with --json, still one document)."""
+    done: list[BuiltTarget] = []
+    try:
+        _build_all(args, done)
+    except (PipelineError, OSError) as exc:
+        if args.json:
+            emit_json(_report(args, done, error_text(exc)))
+        raise  # main prints the one `error:` line and exits 1
+    if args.json:
+        emit_json(_report(args, done, None))
+    return 0
+
+
+def _build_all(args: argparse.Namespace, done: list[BuiltTarget]) -> None:
     from pipeline import BLAS_STATUS
-    from pipeline.build.builder import build
+    from pipeline.build.shards import shard_refs
     from pipeline.build.targets import targets
     from pipeline.build.versioning import check_locked, locked_entry
     from pipeline.build.writer import clean_staging
@@ -43,40 +83,84 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.format.lockfile import lock_path, read_lock, write_lock
 
     definitions = load_definitions(args.prefixes, args.prefix)
+    refs = shard_refs(definitions, args.model, args.shard)
     lock_file = lock_path(args.prefixes)
     lock = read_lock(lock_file)
     print(BLAS_STATUS.notice, file=sys.stderr)
     clean_staging(args.bundles)
     for definition in definitions:
-        plan = targets(definition, args.prefixes.resolve().parent, args.model)
+        if not refs[definition.name]:
+            continue  # another shard's
+        only = refs[definition.name] if args.shard else None
+        plan = targets(definition, args.prefixes.resolve().parent, args.model, only)
         if args.locked:  # before any prefill: CI builds only what prefixes.lock names
             planned = [(t.slug, model_fingerprint(t.model_dir)) for t in plan]
             check_locked(definition, lock, {model_folder(sl, fp): fp for sl, fp in planned})
         built: dict[str, str] = {}
-        for target in plan:
-            label = f"{definition.name}@{definition.version} -> {target.slug}"
-            result = build(
-                target,
-                args.bundles,
-                force=args.force,
-                check=args.check,
-                progress=progress(label),
-                lock=lock,
-            )
-            m = result.manifest
+        for ref, target in zip(refs[definition.name], plan, strict=True):
+            m = _build_one(args, target, ref, lock, done).manifest
             built[model_folder(m.model.slug, m.model.fingerprint)] = m.model.fingerprint
-            _print_built(label, result)
         if not args.locked:
             entries = {**lock.prefixes, definition.name: locked_entry(definition, lock, built)}
             lock = lock.model_copy(update={"prefixes": entries})
             write_lock(lock_file, lock)  # after each definition: a later failure keeps this one
-    return 0
 
 
-def _print_built(label: str, result) -> None:
+def _build_one(args: argparse.Namespace, target, ref: str, lock, done: list[BuiltTarget]):
+    """Build one target, record it in `done` (built, up to date, or failed and re-raised)."""
+    from pipeline.build.builder import build
+
+    d = target.definition
+    label = f"{d.name}@{d.version} -> {target.slug}"
+    try:
+        result = build(
+            target,
+            args.bundles,
+            force=args.force,
+            check=args.check,
+            progress=progress(label),
+            lock=lock,
+        )
+    except (PipelineError, OSError) as exc:
+        error = error_text(exc)
+        done.append(
+            BuiltTarget(prefix=d.name, version=d.version, model=ref, status="failed", error=error)
+        )
+        raise
+    m, r = result.manifest, result.report
+    status = "up-to-date" if result.up_to_date else "built"
+    done.append(
+        BuiltTarget(
+            prefix=d.name,
+            version=d.version,
+            model=ref,
+            status=status,
+            path=str(result.bundle),
+            tokens=m.tokens.count,
+            bytes=m.cache.file_bytes,
+            prefill_seconds=r.get("prefill_seconds"),
+            tokens_per_second=r.get("tokens_per_second"),
+        )
+    )
+    _print_built(label, result, sys.stderr if args.json else sys.stdout)
+    return result
+
+
+def _report(args: argparse.Namespace, done: list[BuiltTarget], error: str | None) -> BuildReport:
+    states = [t.status for t in done]
+    shard = ShardInfo(index=args.shard.index, count=args.shard.count) if args.shard else None
+    totals = BuildTotals(
+        built=states.count("built"),
+        up_to_date=states.count("up-to-date"),
+        failed=states.count("failed"),
+    )
+    return BuildReport(shard=shard, targets=done, totals=totals, error=error)
+
+
+def _print_built(label: str, result, out) -> None:
     m = result.manifest
     if result.up_to_date:
-        print(f"{label}: up to date ({result.bundle})")
+        print(f"{label}: up to date ({result.bundle})", file=out)
         return
     r, fid = result.report, m.fidelity
     check = (
@@ -87,5 +171,6 @@ def _print_built(label: str, result) -> None:
     print(
         f"{label}: {m.tokens.count} tokens (stable {m.tokens.stable_tokens}/{m.tokens.rendered_tokens}), "
         f"{r['prefill_seconds']:.2f}s ({r['tokens_per_second']:,.0f} tok/s), "
-        f"peak {r['peak_memory_bytes'] / 2**20:,.0f} MiB{check} -> {result.bundle}"
+        f"peak {r['peak_memory_bytes'] / 2**20:,.0f} MiB{check} -> {result.bundle}",
+        file=out,
     )

@@ -23,7 +23,7 @@ def warn(message: str) -> None:
 
 def error_text(exc: Exception) -> str:
     """The one-line message of an expected failure (what `err` prints after 'error: ')."""
-    if isinstance(exc, OSError) and not isinstance(exc, PipelineError):
+    if isinstance(exc, OSError):
         return f"{exc.filename or 'I/O'}: {exc.strerror or exc}"
     return str(exc)
 
@@ -92,3 +92,20 @@ def read_template(path: Path | None) -> str | None:
         return read_text(Path(path), 16 << 20)
     except FileProblem as exc:
         raise PipelineError(f"--chat-template {path}: {exc}; pass a template file") from None
+
+
+def integrity_identity(bundle: Path):
+    """The identity a bundle records, for checking it without a model folder (list, inspect).
+
+    When manifest.json cannot be read, a placeholder that is never compared: the validator then
+    refuses at the files or checksums stage, before the identity stage, and says which.
+    """
+    from pipeline.format.bundle_files import read_manifest
+    from pipeline.format.errors import BundleError
+    from pipeline.format.fingerprint import ModelIdentity, ModelShape
+    from pipeline.runtime.validate import recorded_identity
+
+    try:
+        return recorded_identity(read_manifest(bundle, None))
+    except BundleError:
+        return ModelIdentity("", "", None, ModelShape(0, None, None, None, None, None))

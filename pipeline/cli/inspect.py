@@ -6,7 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from pipeline.cli.common import read_template
+from pipeline.cli.common import emit_json, integrity_identity, read_template
+from pipeline.cli.reports import CheckResult, InspectReport, Refusal, Validity, refusal_of
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
@@ -16,7 +17,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
     i.add_argument("bundle", type=Path, help="a bundle folder")
     i.add_argument("--model", type=Path, help="also check validity for this model folder")
     i.add_argument("--chat-template", type=Path, help="the template file the server will use")
-    i.add_argument("--json", action="store_true", help="print the manifest and validity as JSON")
+    i.add_argument("--json", action="store_true", help="print one inspect/1 JSON document")
     i.set_defaults(func=run)
 
 
@@ -24,37 +25,90 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.format.bundle_files import read_manifest
 
     bundle = Path(args.bundle)
-    manifest = read_manifest(bundle, None)  # shown even when invalid; validity is decided below
-    refusal = _validity(bundle, manifest, args)
     if args.json:
-        data = manifest.model_dump(mode="json")
-        data["validity"] = {
-            "valid": refusal is None,
-            "for_model": str(args.model) if args.model else None,
-            "refusal": None
-            if refusal is None
-            else {"field": refusal.field, "reason": refusal.reason},
-        }
-        print(json.dumps(data, indent=2, sort_keys=True))
-        return 0 if refusal is None else 1
+        return _run_json(bundle, args)
+    manifest = read_manifest(bundle, None)  # shown even when invalid; validity is decided below
+    refusal = _validity(bundle, _identity(args, manifest))
     _print_manifest(bundle, manifest.model_dump(mode="json"))
-    sizes = {p.name: p.stat().st_size for p in sorted(bundle.iterdir()) if p.is_file()}
-    print("  files: " + ", ".join(f"{k} {v:,} B" for k, v in sizes.items()))
+    print("  files: " + ", ".join(f"{k} {v:,} B" for k, v in _sizes(bundle).items()))
     _print_checks(manifest, args, refusal)
     return 0 if refusal is None else 1
 
 
-def _validity(bundle: Path, manifest, args: argparse.Namespace):
-    """The validator's verdict: None when valid, else the BundleError (for the model, if given)."""
+def _run_json(bundle: Path, args: argparse.Namespace) -> int:
+    """inspect/1: the manifest's fields (null when unreadable) and every reason it is refused."""
+    from pipeline.format.bundle_files import read_manifest
     from pipeline.format.errors import BundleError
-    from pipeline.runtime.mount import identity_for
-    from pipeline.runtime.validate import recorded_identity, validate
+    from pipeline.format.manifest import Manifest
 
-    identity = (
-        identity_for(args.model, read_template(args.chat_template))
-        if args.model
-        else recorded_identity(manifest)
+    try:
+        manifest = read_manifest(bundle, None)
+    except BundleError:
+        manifest = None  # the validator below says why, at the stage that refuses it
+    identity = _identity(args, manifest) if args.model else integrity_identity(bundle)
+    refusal = _validity(bundle, identity)
+    fields = {name: getattr(manifest, name, None) for name in Manifest.model_fields}
+    validity = Validity(
+        valid=refusal is None,
+        for_model=str(args.model) if args.model else None,
+        refusal=refusal_of(refusal) if refusal else None,
+        refusals=_refusals(bundle, manifest, identity, refusal),
+        checks=_check_results(refusal),
     )
+    sizes = _sizes(bundle) if bundle.is_dir() else {}
+    emit_json(InspectReport(bundle=str(bundle), files=sizes, validity=validity, **fields))
+    return 0 if refusal is None else 1
+
+
+def _refusals(bundle: Path, manifest, identity, refusal) -> list[Refusal]:
+    """Every reason: each mismatching fingerprint when identity refused, else the one refusal."""
+    from pipeline.runtime.identity import identity_checks
+
+    if refusal is None:
+        return []
+    if refusal.check != "identity" or manifest is None:
+        return [refusal_of(refusal)]
+    failed = [c.error(bundle) for c in identity_checks(manifest, identity) if not c.ok]
+    for exc in failed:
+        exc.check = "identity"
+    return [refusal_of(exc) for exc in failed] or [refusal_of(refusal)]
+
+
+def _check_results(refusal) -> list[CheckResult]:
+    """The validator's stages in order: ok up to the one that refused, then not reached."""
+    from pipeline.runtime.validate import CHECKS
+
+    failed = refusal.check if refusal is not None else None
+    results, reached = [], True
+    for name, detail in CHECKS:
+        if name == failed:
+            results.append(CheckResult(name=name, status="failed", detail=refusal.reason))
+            reached = False
+        else:
+            status = "ok" if reached else "not-reached"
+            results.append(CheckResult(name=name, status=status, detail=detail))
+    return results
+
+
+def _sizes(bundle: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in sorted(bundle.iterdir()) if p.is_file()}
+
+
+def _identity(args: argparse.Namespace, manifest):
+    """The served model's identity with --model, else the one the manifest records."""
+    from pipeline.runtime.mount import identity_for
+    from pipeline.runtime.validate import recorded_identity
+
+    if args.model:
+        return identity_for(args.model, read_template(args.chat_template))
+    return recorded_identity(manifest)
+
+
+def _validity(bundle: Path, identity):
+    """The validator's verdict: None when valid, else the BundleError."""
+    from pipeline.format.errors import BundleError
+    from pipeline.runtime.validate import validate
+
     try:
         validate(bundle, identity)
     except BundleError as exc:

@@ -5,39 +5,90 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pipeline.cli.common import emit_json, integrity_identity
+from pipeline.cli.reports import ListedBundle, ListedDefinition, ListReport, ListTotals, refusal_of
 from pipeline.format.errors import PipelineError
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
-    sub.add_parser(
+    p = sub.add_parser(
         "list", parents=parents, help="definitions and their bundles: built, missing or broken"
-    ).set_defaults(func=run)
+    )
+    p.add_argument("--json", action="store_true", help="print one list/1 JSON document")
+    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.build.definition import find_definitions, load_definition
-    from pipeline.format.bundle_files import read_manifest
-    from pipeline.format.errors import BundleError
-    from pipeline.runtime.validate import recorded_identity, validate
+    from pipeline.build.definition import find_definitions
 
-    broken = 0
     root = Path(args.prefixes).resolve().parent
-    for path in find_definitions(args.prefixes):
-        try:
-            definition = load_definition(path, root)
-        except PipelineError as exc:
-            print(f"{path.stem}  broken definition: {exc}")
-            broken += 1
-            continue
-        folder = Path(args.bundles) / definition.name / str(definition.version)
-        bundles = sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
-        if not bundles:
-            print(f"{definition.name}@{definition.version}  missing  {folder}")
-        for bundle in bundles:
-            try:
-                manifest = validate(bundle, recorded_identity(read_manifest(bundle, None))).manifest
-                state = f"built ({manifest.tokens.count} tokens)"
-            except BundleError as exc:
-                state, broken = f"broken: {exc.reason}", broken + 1
-            print(f"{definition.name}@{definition.version}  {bundle.name:<36} {state}  {bundle}")
-    return 1 if broken else 0
+    listed = [
+        _definition(path, root, Path(args.bundles)) for path in find_definitions(args.prefixes)
+    ]
+    report = ListReport(
+        prefixes=str(args.prefixes),
+        bundles=str(args.bundles),
+        definitions=listed,
+        totals=_totals(listed),
+    )
+    if args.json:
+        emit_json(report)
+    else:
+        _print(report)
+    t = report.totals
+    return 1 if t.broken_definitions or t.broken else 0
+
+
+def _definition(path: Path, root: Path, bundles_root: Path) -> ListedDefinition:
+    from pipeline.build.definition import load_definition
+
+    name, file = path.stem, str(path)
+    try:
+        definition = load_definition(path, root)
+    except PipelineError as exc:
+        return ListedDefinition(name=name, file=file, status="broken", error=str(exc), bundles=[])
+    folder = bundles_root / definition.name / str(definition.version)
+    found = sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+    bundles = [_bundle(b) for b in found] or [ListedBundle(path=str(folder), status="missing")]
+    version = definition.version
+    return ListedDefinition(name=name, file=file, status="ok", version=version, bundles=bundles)
+
+
+def _bundle(bundle: Path) -> ListedBundle:
+    """Built or broken, by the validator against the identity the bundle records (integrity)."""
+    from pipeline.format.errors import BundleError
+    from pipeline.runtime.validate import validate
+
+    path, folder = str(bundle), bundle.name
+    try:
+        manifest = validate(bundle, integrity_identity(bundle)).manifest
+    except BundleError as exc:
+        refusal = refusal_of(exc)
+        return ListedBundle(path=path, model_folder=folder, status="broken", refusal=refusal)
+    tokens = manifest.tokens.count
+    return ListedBundle(path=path, model_folder=folder, status="built", tokens=tokens)
+
+
+def _totals(listed: list[ListedDefinition]) -> ListTotals:
+    states = [b.status for d in listed for b in d.bundles]
+    return ListTotals(
+        definitions=len(listed),
+        broken_definitions=sum(d.status == "broken" for d in listed),
+        built=states.count("built"),
+        missing=states.count("missing"),
+        broken=states.count("broken"),
+    )
+
+
+def _print(report: ListReport) -> None:
+    for d in report.definitions:
+        if d.status == "broken":
+            print(f"{d.name}  broken definition: {d.error}")
+        for b in d.bundles:
+            label = f"{d.name}@{d.version}"
+            if b.status == "missing":
+                print(f"{label}  missing  {b.path}")
+            elif b.status == "built":
+                print(f"{label}  {b.model_folder:<36} built ({b.tokens} tokens)  {b.path}")
+            else:
+                print(f"{label}  {b.model_folder:<36} broken: {b.refusal.reason}  {b.path}")

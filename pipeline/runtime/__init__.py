@@ -10,6 +10,8 @@ from pipeline.runtime.mount import (
     Refusal,
     find_bundles,
     identity_for,
+    model_bundles,
+    model_bundles_dir,
     mount,
     verify,
 )
@@ -25,6 +27,8 @@ __all__ = [
     "Refusal",
     "find_bundles",
     "identity_for",
+    "model_bundles",
+    "model_bundles_dir",
     "mount",
     "verify",
 ]

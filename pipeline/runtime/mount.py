@@ -52,6 +52,14 @@ class MountResult:
     seconds: float = 0.0
 
 
+MODEL_BUNDLES = "prefix-bundles"  # bundles deployed next to a model: <model>/prefix-bundles/
+
+
+def model_bundles_dir(model_dir: Path) -> Path:
+    """Where bundles copied next to a model live (same layout as bundles/): <model>/prefix-bundles."""
+    return Path(model_dir) / MODEL_BUNDLES
+
+
 def identity_for(model_dir: Path, chat_template: str | None = None) -> ModelIdentity:
     """Fingerprints of the served model; pass the server's template override if it has one."""
     return model_identity(Path(model_dir), chat_template)
@@ -133,6 +141,17 @@ def choose_versions(
     return chosen, older
 
 
+def model_bundles(model_dir: Path) -> tuple[list[Path], list[Path], list[Refusal]]:
+    """Every bundle in <model>/prefix-bundles: (newest per prefix and model, older, not followed).
+
+    BundleError when the folder does not exist.
+    """
+    root = model_bundles_dir(model_dir)
+    paths, problems = find_bundles(root)
+    newest, older = choose_versions(root, paths)
+    return newest, older, problems
+
+
 def verify(bundle: Path, model_dir: Path, chat_template: str | None = None) -> Manifest:
     """Validate one bundle in full without loading it (for deploy scripts): hashes every byte."""
     return validate(Path(bundle), identity_for(model_dir, chat_template)).manifest
@@ -147,7 +166,7 @@ def mount_one(bundle: Path, identity: ModelIdentity, *, verify_full: bool = Fals
 
 def mount(
     model_dir: Path,
-    bundles: Path | list[Path],
+    bundles: Path | list[Path] | None = None,
     *,
     skip_refused: bool = False,
     chat_template: str | None = None,
@@ -158,6 +177,8 @@ def mount(
 ) -> MountResult:
     """Mount the newest version of every bundle found for the served model; refuse bad ones.
 
+    `bundles` is a folder searched recursively (default: <model_dir>/prefix-bundles) or a list of
+    bundle folders mounted as given.
     Raises BundleError for the first refused bundle unless skip_refused, which collects refusals.
     With a manager, mounted caches are pinned into it under `model_key` (default: model_dir).
     verify_full hashes every cache file even when the memo knows it; `versions` pins
@@ -166,6 +187,7 @@ def mount(
     start = time.perf_counter()
     result = MountResult()
     identity = identity_for(model_dir, chat_template)
+    bundles = model_bundles_dir(model_dir) if bundles is None else bundles
     paths, problems = [Path(b) for b in bundles] if isinstance(bundles, list) else [], []
     if not isinstance(bundles, list):
         try:

@@ -16,7 +16,7 @@ from typing import Any
 from pipeline.format.errors import PipelineError
 from pipeline.format.lockfile import locked_versions
 from pipeline.runtime.compat import SUPPORTED_RANGE, installed_mlx_lm, mlx_lm_supported
-from pipeline.runtime.mount import MountResult, mount
+from pipeline.runtime.mount import MountResult, model_bundles_dir, mount
 from pipeline.runtime.prompt_cache import PromptCacheManager
 
 log = logging.getLogger("prefix-bundles")
@@ -84,7 +84,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", required=True, help="the MLX model folder the bundles were built for")
     p.add_argument(
-        "--bundles", type=Path, required=True, help="folder holding bundles (searched recursively)"
+        "--bundles",
+        type=Path,
+        help="folder holding bundles, searched recursively (default: <model>/prefix-bundles)",
     )
     p.add_argument(
         "--strict",
@@ -122,6 +124,8 @@ def main(argv: list[str]) -> int:
         level=getattr(logging, level, logging.INFO),
         format="%(asctime)s - %(levelname)s - %(message)s",
     )
+    if args.bundles is None:
+        args.bundles = model_bundles_dir(args.model)
     try:
         check_mlx_lm()
         manager = PromptCacheManager()

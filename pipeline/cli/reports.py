@@ -1,0 +1,224 @@
+"""The `--json` documents: one pydantic model per command's output, each with a versioned `schema`.
+
+Every document is one JSON object on stdout whose `schema` field names the command and a version
+("verify/1"). A version only grows by adding fields; removing or retyping one makes it "/2".
+`python build.py schema [COMMAND]` prints the JSON Schema of each (committed in docs/schemas/).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline.format.manifest import (
+    BuilderInfo,
+    CacheInfo,
+    FidelityInfo,
+    ModelInfo,
+    PrefixInfo,
+    TextInfo,
+    TokenInfo,
+)
+
+JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+
+
+class Report(BaseModel):
+    """Strict and closed: the schema says exactly what a consumer can rely on."""
+
+    model_config = ConfigDict(
+        extra="forbid", strict=True, json_schema_serialization_defaults_required=True
+    )
+
+
+class Refusal(Report):
+    """Why the validator refused a bundle: the field, the stage that refused it, and the fix."""
+
+    field: str | None = Field(description="manifest field or file name, when one is to blame")
+    check: str | None = Field(
+        description="validator stage (files, checksums, location, mlx-lm, identity, cache file, "
+        "layout, tokens, data); null when the bundle could not be read as one"
+    )
+    reason: str = Field(
+        description="what is wrong and what to do (the `error:` line after the bundle)"
+    )
+
+
+def refusal_of(exc: Exception) -> Refusal:
+    """A refusal from the validator's BundleError (or any other expected error, stage unknown)."""
+    reason = getattr(exc, "reason", None) or str(exc)
+    return Refusal(
+        field=getattr(exc, "field", None), check=getattr(exc, "check", None), reason=reason
+    )
+
+
+# --- verify ----------------------------------------------------------------------------------
+
+
+class VerifiedBundle(Report):
+    path: str
+    status: Literal["ok", "refused"]
+    prefix: str | None = Field(None, description="name of the prefix (ok only)")
+    version: int | None = Field(None, description="prefix version (ok only)")
+    tokens: int | None = Field(None, description="tokens in the bundle (ok only)")
+    refusal: Refusal | None = Field(None, description="why it was refused (refused only)")
+
+
+class VerifyTotals(Report):
+    ok: int
+    refused: int
+
+
+class VerifyReport(Report):
+    """`verify --json`: every bundle ok or refused, in argument order. Exit 1 if any is refused."""
+
+    schema_: Literal["verify/1"] = Field("verify/1", alias="schema")
+    model: str
+    chat_template: str | None
+    bundles: list[VerifiedBundle]
+    totals: VerifyTotals
+
+
+# --- inspect ---------------------------------------------------------------------------------
+
+
+class CheckResult(Report):
+    name: str = Field(description="validator stage, in the order the validator runs them")
+    status: Literal["ok", "failed", "not-reached"]
+    detail: str = Field(description="what the stage establishes, or why it failed")
+
+
+class Validity(Report):
+    valid: bool
+    for_model: str | None = Field(description="the --model folder; null: integrity only")
+    refusal: Refusal | None = Field(description="the validator's refusal (the first problem)")
+    refusals: list[Refusal] = Field(
+        description="every reason found: each mismatching fingerprint at the identity stage, "
+        "else the one refusal"
+    )
+    checks: list[CheckResult]
+
+
+class InspectReport(Report):
+    """`inspect --json`: the manifest's own fields at the top level, plus the validator's verdict.
+
+    The manifest fields are null when manifest.json cannot be read (validity says why).
+    Exit 1 when the bundle is refused.
+    """
+
+    schema_: Literal["inspect/1"] = Field("inspect/1", alias="schema")
+    bundle: str
+    files: dict[str, int] = Field(description="regular files in the bundle folder: bytes")
+    format_version: Literal[2] | None
+    prefix: PrefixInfo | None
+    text: TextInfo | None
+    tokens: TokenInfo | None
+    model: ModelInfo | None
+    cache: CacheInfo | None
+    builder: BuilderInfo | None
+    fidelity: FidelityInfo | None
+    build_key: str | None
+    validity: Validity
+
+
+# --- list ------------------------------------------------------------------------------------
+
+
+class ListedBundle(Report):
+    path: str
+    model_folder: str | None = Field(
+        None, description="<slug>-<fingerprint[:12]>; null when missing"
+    )
+    status: Literal["built", "missing", "broken"]
+    tokens: int | None = None
+    refusal: Refusal | None = None
+
+
+class ListedDefinition(Report):
+    name: str = Field(description="the definition's file name without .toml")
+    file: str
+    status: Literal["ok", "broken"]
+    version: int | None = Field(None, description="current version (ok only)")
+    error: str | None = Field(None, description="why the definition is broken (broken only)")
+    bundles: list[ListedBundle] = Field(
+        description="bundles of the current version; one 'missing' entry when there are none"
+    )
+
+
+class ListTotals(Report):
+    definitions: int
+    broken_definitions: int
+    built: int
+    missing: int
+    broken: int
+
+
+class ListReport(Report):
+    """`list --json`. Exit 1 when any definition or bundle is broken (missing is not an error)."""
+
+    schema_: Literal["list/1"] = Field("list/1", alias="schema")
+    prefixes: str
+    bundles: str
+    definitions: list[ListedDefinition]
+    totals: ListTotals
+
+
+# --- build -----------------------------------------------------------------------------------
+
+
+class BuiltTarget(Report):
+    prefix: str
+    version: int
+    model: str = Field(description="models.path, models.repo@revision, or the --model folder")
+    status: Literal["built", "up-to-date", "failed"]
+    path: str | None = Field(None, description="the bundle folder (null when failed)")
+    tokens: int | None = None
+    bytes: int | None = Field(None, description="size of cache.safetensors")
+    prefill_seconds: float | None = Field(None, description="null when nothing was prefilled")
+    tokens_per_second: float | None = None
+    error: str | None = Field(None, description="the `error:` line's text (failed only)")
+
+
+class Shard(Report):
+    index: int = Field(ge=1, description="1-based shard number")
+    count: int = Field(ge=1)
+
+
+class BuildTotals(Report):
+    built: int
+    up_to_date: int
+    failed: int
+
+
+class BuildReport(Report):
+    """`build --json`. The build stops at the first error: `targets` lists what was done before it
+    and the failed target; `error` repeats the `error:` line (also when no target was reached,
+    e.g. a malformed definition or a --locked mismatch). Exit 1 when `error` is set.
+    """
+
+    schema_: Literal["build/1"] = Field("build/1", alias="schema")
+    shard: Shard | None
+    targets: list[BuiltTarget]
+    totals: BuildTotals
+    error: str | None
+
+
+DOCUMENTS: dict[str, type[Report]] = {
+    "build": BuildReport,
+    "verify": VerifyReport,
+    "inspect": InspectReport,
+    "list": ListReport,
+}
+
+
+def schema_of(command: str) -> dict:
+    """The JSON Schema (draft 2020-12) of a command's `--json` document."""
+    schema = DOCUMENTS[command].model_json_schema(by_alias=True, mode="serialization")
+    return {"$schema": JSON_SCHEMA_DIALECT, **schema}
+
+
+def schema_text(command: str) -> str:
+    """The schema as committed in docs/schemas/<command>.json (sorted keys, trailing newline)."""
+    return json.dumps(schema_of(command), indent=2, sort_keys=True) + "\n"

@@ -1,0 +1,169 @@
+"""Pull: the bundles of a hub repo that fit a local model, validated, then published atomically.
+
+Only folders whose name carries the local model's fingerprint are downloaded (per prefix the
+highest version, or the ones asked for), into <bundles>/.staging/<pid>-<random>/. Each is checked
+against the model by the real validator (every byte hashed); if any is refused nothing is
+published, otherwise each is moved into place with the builder's atomic publish.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from filelock import Timeout as LockTimeout
+
+from pipeline.build.writer import clean_staging, new_staging_folder, publish, target_lock
+from pipeline.distribute.hub import REPO_TYPE, RemoteBundle, connect, hub_errors, remote_bundles
+from pipeline.format.errors import BundleError, PipelineError
+from pipeline.format.layout import FINGERPRINT_CHARS
+from pipeline.runtime.mount import identity_for, model_bundles_dir
+from pipeline.runtime.validate import validate
+
+OFFLINE_FIX = (
+    "pull where the hub is reachable (HF_HUB_OFFLINE unset, network up), or copy the bundles into "
+    "{bundles} by hand and run 'python build.py verify --model {model}'"
+)
+
+
+@dataclass(frozen=True)
+class PulledBundle:
+    name: str
+    version: int
+    repo_path: str
+    path: Path  # where it was published (or would have been)
+    tokens: int
+
+
+@dataclass(frozen=True)
+class Skipped:
+    repo_path: str
+    reason: str
+
+
+@dataclass
+class PullResult:
+    repo: str
+    revision: str  # as asked (default main)
+    commit: str  # the commit it resolved to; listing and download both read this one
+    model: Path
+    bundles_dir: Path
+    pulled: list[PulledBundle] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+    refused: list[BundleError] = field(default_factory=list)  # non-empty: nothing was published
+
+
+def parse_wanted(prefixes: list[str] | None) -> dict[str, int | None] | None:
+    """--prefix NAME or NAME@VERSION -> {name: version or None (highest)}."""
+    if not prefixes:
+        return None
+    wanted: dict[str, int | None] = {}
+    for item in prefixes:
+        name, _, version = item.partition("@")
+        if not name or (version and not version.isdigit()):
+            raise PipelineError(f"--prefix {item!r}: pass NAME or NAME@VERSION (e.g. shop@2)")
+        wanted[name] = int(version) if version else None
+    return wanted
+
+
+def select(
+    remote: list[RemoteBundle], fingerprint: str, wanted: dict[str, int | None] | None
+) -> tuple[list[RemoteBundle], list[Skipped]]:
+    """(to pull, skipped with why): this model's folders, per prefix the highest or asked version."""
+    fp = fingerprint[:FINGERPRINT_CHARS]
+    mine = [b for b in remote if b.fingerprint == fp]
+    skipped = [
+        Skipped(b.path, f"for another model ({b.fingerprint})") for b in remote if b not in mine
+    ]
+    best: dict[str, int] = {}
+    for b in mine:
+        if wanted is None or (b.name in wanted and wanted[b.name] in (None, b.version)):
+            best[b.name] = max(best.get(b.name, 0), b.version)
+    chosen = [b for b in mine if best.get(b.name) == b.version]
+    for b in mine:
+        if b not in chosen:
+            why = (
+                "not asked for" if wanted is not None and b.name not in wanted else "older version"
+            )
+            skipped.append(Skipped(b.path, why))
+    return chosen, skipped
+
+
+def pull(
+    repo: str,
+    model_dir: Path,
+    bundles_dir: Path | None = None,
+    revision: str | None = None,
+    prefixes: list[str] | None = None,
+) -> PullResult:
+    """Download, validate and publish the bundles of `repo` that fit the model in `model_dir`."""
+    model_dir = Path(model_dir)
+    root = Path(bundles_dir) if bundles_dir is not None else model_bundles_dir(model_dir)
+    wanted = parse_wanted(prefixes)
+    identity = identity_for(model_dir)  # a bad model folder fails here, before the network
+    fix = OFFLINE_FIX.format(bundles=root, model=model_dir)
+    api = connect(repo, "pull from", fix)
+    with hub_errors(repo, revision, "pull from"):
+        commit = api.repo_info(repo, revision=revision, repo_type=REPO_TYPE).sha
+        files = api.list_repo_files(repo, revision=commit, repo_type=REPO_TYPE)
+    result = PullResult(repo, revision or "main", commit, model_dir, root)
+    chosen, result.skipped = select(remote_bundles(files), identity.model, wanted)
+    _check_found(result, chosen, wanted, identity.model[:FINGERPRINT_CHARS])
+    clean_staging(root)
+    staging = new_staging_folder(root)
+    try:
+        with hub_errors(repo, revision, "pull from"):
+            api.snapshot_download(
+                repo,
+                repo_type=REPO_TYPE,
+                revision=commit,
+                allow_patterns=[f"{b.path}/*" for b in chosen],
+                local_dir=str(staging),
+            )
+        validated = []
+        for b in chosen:
+            try:
+                v = validate(staging / b.path, identity)  # the real validator, every byte hashed
+                validated.append((b, v.manifest.tokens.count))
+            except BundleError as exc:
+                where = f"{b.path} from hub repo {repo}@{commit[:12]}"
+                result.refused.append(BundleError(where, exc.reason, exc.field))
+        if not result.refused:
+            for b, tokens in validated:
+                dest = root / b.path
+                _publish(root, staging / b.path, dest)
+                result.pulled.append(PulledBundle(b.name, b.version, b.path, dest, tokens))
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return result
+
+
+def _check_found(
+    result: PullResult, chosen: list[RemoteBundle], wanted: dict[str, int | None] | None, fp: str
+) -> None:
+    """Pulling nothing is an error: say what the repo has and how to get a bundle for this model."""
+    where = f"hub repo {result.repo}@{result.revision}"
+    missing = sorted(set(wanted or {}) - {b.name for b in chosen})
+    if missing:
+        asked = ", ".join(f"{n}@{wanted[n]}" if wanted[n] else n for n in missing)
+        raise PipelineError(
+            f"{where}: no bundle of {asked} for this model (fingerprint {fp}); build and push it "
+            f"('python build.py build --model {result.model}', then push)"
+        )
+    if not chosen:
+        raise PipelineError(
+            f"{where}: no bundle for this model (fingerprint {fp}) among {len(result.skipped)} "
+            f"bundle(s); build and push them ('python build.py build --model {result.model}', "
+            "then push)"
+        )
+
+
+def _publish(root: Path, staged: Path, dest: Path) -> None:
+    try:
+        with target_lock(root, dest):
+            publish(staged, dest)
+    except LockTimeout:
+        raise PipelineError(
+            f"another build or pull is writing {dest} right now; wait for it and pull again"
+        ) from None

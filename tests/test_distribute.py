@@ -1,0 +1,273 @@
+"""push / pull through a folder-backed stand-in for the hub API; offline fails fast.
+
+Only our client's view of the hub is faked (FakeHub replaces HfApi); the validator, the staging
+folder and the atomic publish are the real ones.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from pipeline import hubnet
+from pipeline.cli import main
+from pipeline.distribute import hub
+from pipeline.format.layout import CACHE_FILE
+from pipeline.runtime import mount
+
+from conftest import build_bundle, write_definition
+
+REPO = "acme/prefix-bundles"
+
+
+class FakeHub:
+    """HfApi's methods we call, over a folder: one subfolder per commit, branches in `refs`."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.refs: dict[str, str] = {"main": "c0"}
+        self.commits: list[SimpleNamespace] = []
+        (root / "c0").mkdir(parents=True)
+        (root / "c0" / "README.md").write_text("fleet bundles\n")
+
+    def tree(self, revision: str | None = None) -> Path:
+        return self.root / self.refs.get(revision or "main", revision or "main")
+
+    def repo_info(self, repo_id, *, revision=None, repo_type=None):
+        assert repo_id == REPO and repo_type == "model"
+        return SimpleNamespace(sha=self.tree(revision).name)
+
+    def list_repo_files(self, repo_id, *, revision=None, repo_type=None):
+        tree = self.tree(revision)
+        return sorted(str(p.relative_to(tree)) for p in tree.rglob("*") if p.is_file())
+
+    def create_branch(self, repo_id, *, branch, repo_type=None, exist_ok=False):
+        self.refs.setdefault(branch, self.refs["main"])
+
+    def create_commit(self, repo_id, *, operations, commit_message, commit_description=None,
+                      revision=None, repo_type=None):  # fmt: skip
+        oid = f"c{len(self.commits) + 1}"
+        shutil.copytree(self.tree(revision), self.root / oid)
+        for op in operations:
+            target = self.root / oid / op.path_in_repo
+            if hasattr(op, "path_or_fileobj"):
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(op.path_or_fileobj, target)
+            else:
+                target.unlink()
+        self.refs[revision or "main"] = oid
+        self.commits.append(SimpleNamespace(message=commit_message, description=commit_description))
+        return SimpleNamespace(oid=oid, commit_url=f"https://hub.example/{repo_id}/commit/{oid}")
+
+    def snapshot_download(self, repo_id, *, repo_type=None, revision=None, allow_patterns=None,
+                          local_dir=None):  # fmt: skip
+        from huggingface_hub.utils import filter_repo_objects
+
+        files = self.list_repo_files(repo_id, revision=revision)
+        for name in filter_repo_objects(files, allow_patterns=allow_patterns):
+            (Path(local_dir) / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(self.tree(revision) / name, Path(local_dir) / name)
+        (Path(local_dir) / ".cache" / "huggingface").mkdir(parents=True, exist_ok=True)
+        return local_dir
+
+
+@pytest.fixture
+def fake_hub(tmp_path: Path, monkeypatch) -> FakeHub:
+    fake = FakeHub(tmp_path / "hub")
+    monkeypatch.setattr(hub, "make_api", lambda: fake)
+    monkeypatch.setattr(hubnet, "hub_offline", lambda: False)
+    monkeypatch.setattr(hubnet, "probe", lambda endpoint, timeout: None)
+    return fake
+
+
+@pytest.fixture
+def model(tmp_path: Path, tiny_model: Path) -> Path:
+    """A deployable copy of the tiny model (pull writes into <model>/prefix-bundles)."""
+    return Path(shutil.copytree(tiny_model, tmp_path / "deploy" / "tiny"))
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_push_then_pull_round_trip_is_byte_identical_and_mounts(
+    fake_hub: FakeHub, shop_bundle: Path, model: Path, capsys
+):
+    assert main(["push", str(shop_bundle), "--repo", REPO, "--json"]) == 0
+    pushed = json.loads(capsys.readouterr().out)
+    repo_path = f"shop/1/{shop_bundle.name}"
+    assert pushed["commit"] == "c1" and [b["repo_path"] for b in pushed["bundles"]] == [repo_path]
+    assert fake_hub.commits[0].message == f"Push prefix bundles: shop@1 ({shop_bundle.name})"
+
+    assert main(["pull", "--repo", REPO, "--model", str(model)]) == 0
+    out = capsys.readouterr()
+    local = model / "prefix-bundles" / repo_path
+    assert "pulled shop@1 " in out.out and str(local) in out.out and out.err == ""
+    assert files_of(local) == files_of(shop_bundle)
+    assert sorted(p.name for p in (model / "prefix-bundles" / ".staging").iterdir()) == ["locks"]
+    mounted = mount(model)  # default folder: <model>/prefix-bundles
+    assert [b.name for b in mounted.bundles] == ["shop@1"] and not mounted.refused
+
+    # pulling again replaces the bundle atomically with the same bytes
+    assert main(["pull", "--repo", REPO, "--model", str(model), "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    assert again["commit"] == "c1" and [b["path"] for b in again["pulled"]] == [str(local)]
+    assert files_of(local) == files_of(shop_bundle)
+
+
+def test_pull_takes_only_this_models_newest_bundles(
+    fake_hub: FakeHub, tmp_path: Path, tiny_model: Path, tiny_model_other_weights: Path, capsys
+):
+    mine = tmp_path / "mine"
+    write_definition(mine, tiny_model)
+    v1 = build_bundle(mine, check=False)
+    toml = mine / "prefixes" / "shop.toml"
+    toml.write_text(toml.read_text().replace("version = 1", "version = 2"))
+    v2 = build_bundle(mine, check=False)
+    other = tmp_path / "other"
+    write_definition(other, tiny_model_other_weights)
+    theirs = build_bundle(other, check=False)
+    assert main(["push", str(v1), str(v2), str(theirs), "--repo", REPO]) == 0
+    assert len(fake_hub.commits) == 1  # one commit per push
+    capsys.readouterr()
+
+    dest = tmp_path / "served"
+    assert main(["--bundles", str(dest), "pull", "--repo", REPO, "--model", str(tiny_model)]) == 0
+    out = capsys.readouterr().out
+    assert sorted(str(p.relative_to(dest)) for p in dest.glob("[!.]*/*/*")) == [f"shop/2/{v2.name}"]
+    assert f"skipped shop/1/{v1.name}: older version" in out
+    assert f"skipped shop/1/{theirs.name}: for another model ({theirs.name[-12:]})" in out
+
+    # --prefix NAME@VERSION picks an older one; --bundles after the command works too
+    assert main(["pull", "--repo", REPO, "--model", str(tiny_model), "--prefix", "shop@1",
+                 "--bundles", str(dest)]) == 0  # fmt: skip
+    assert (dest / "shop/1" / v1.name).is_dir() and not (dest / "shop/1" / theirs.name).exists()
+
+    assert main(["pull", "--repo", REPO, "--model", str(tiny_model), "--prefix", "docs",
+                 "--bundles", str(dest)]) == 1  # fmt: skip
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: hub repo {REPO}@main: no bundle of docs for this model")
+    assert err.count("\n") == 1
+
+
+def test_pull_refuses_a_bundle_altered_on_the_hub_and_publishes_nothing(
+    fake_hub: FakeHub, shop_bundle: Path, model: Path, capsys
+):
+    assert main(["push", str(shop_bundle), "--repo", REPO]) == 0
+    hub_copy = fake_hub.tree() / "shop" / "1" / shop_bundle.name / CACHE_FILE
+    data = bytearray(hub_copy.read_bytes())
+    data[-1] ^= 0x01
+    hub_copy.write_bytes(bytes(data))
+    capsys.readouterr()
+
+    assert main(["pull", "--repo", REPO, "--model", str(model)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: bundle shop/1/{shop_bundle.name} from hub repo {REPO}@c1")
+    assert "sha256" in err and err.rstrip().endswith("(nothing was published)")
+    assert err.count("\n") == 1
+    bundles = model / "prefix-bundles"
+    assert [p.name for p in bundles.iterdir()] == [".staging"]
+    assert list((bundles / ".staging").iterdir()) == []  # the download was removed
+
+
+def test_push_refuses_an_invalid_bundle_and_pushes_nothing(
+    fake_hub: FakeHub, shop_bundle: Path, tmp_path: Path, capsys
+):
+    copy = Path(shutil.copytree(shop_bundle, tmp_path / "b" / "shop" / "1" / shop_bundle.name))
+    (copy / "notes.txt").write_text("x")
+    assert main(["push", str(shop_bundle), str(copy), "--repo", REPO]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: bundle {copy}: unexpected 'notes.txt'") and err.count("\n") == 1
+    assert err.rstrip().endswith(f"(nothing was pushed to {REPO})")
+    assert fake_hub.commits == []
+
+
+def one_line_fast(argv: list[str], capsys) -> str:
+    start = time.perf_counter()
+    assert main(argv) == 1
+    seconds = time.perf_counter() - start
+    err = "".join(line for line in capsys.readouterr().err.splitlines(True) if line[:5] != "BLAS:")
+    assert seconds < 1.0, f"{argv[0]} took {seconds:.2f} s"
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+def test_push_and_pull_fail_fast_offline(
+    monkeypatch, shop_bundle: Path, tiny_model: Path, tmp_path: Path, capsys
+):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    pull = ["pull", "--repo", REPO, "--model", str(tiny_model), "--bundles", str(tmp_path / "b")]
+    for argv in (["push", str(shop_bundle), "--repo", REPO], pull):
+        err = one_line_fast(argv, capsys)
+        assert f"hub repo {REPO}: HF_HUB_OFFLINE is set;" in err
+    assert "copy the bundles into" in err and not (tmp_path / "b").exists()
+
+
+def test_push_and_pull_fail_fast_when_the_hub_is_unreachable(
+    monkeypatch, shop_bundle: Path, tiny_model: Path, tmp_path: Path, capsys
+):
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    pull = ["pull", "--repo", REPO, "--model", str(tiny_model), "--bundles", str(tmp_path / "b")]
+    for argv in (["push", str(shop_bundle), "--repo", REPO], pull):
+        err = one_line_fast(argv, capsys)
+        assert f"hub repo {REPO}: cannot reach http://127.0.0.1:9 (ConnectError" in err
+
+
+def test_a_hub_model_in_a_definition_fails_fast_offline(
+    monkeypatch, tmp_path: Path, tiny_model: Path, capsys
+):
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))  # nothing cached
+    toml = write_definition(tmp_path, tiny_model)
+    revision = "c1899de289a04d12100db370d81485cdf75e47ca"
+    toml.write_text(
+        toml.read_text().replace(
+            f'path = "{tiny_model}"', f'repo = "Qwen/Qwen3-0.6B"\nrevision = "{revision}"'
+        )
+    )
+    argv = ["--prefixes", str(tmp_path / "prefixes"), "--bundles", str(tmp_path / "b"), "build"]
+    err = one_line_fast(argv, capsys)
+    assert err.startswith(
+        f"error: model Qwen/Qwen3-0.6B@{revision}: not in the local hub cache: "
+        "HF_HUB_OFFLINE is set; "
+    )
+    assert err.rstrip().endswith("or pre-download it and use models.path")
+
+
+def test_a_bad_repo_id_is_a_usage_error(fake_hub: FakeHub, shop_bundle: Path, capsys):
+    assert main(["push", str(shop_bundle), "--repo", "no-slash"]) == 1
+    assert capsys.readouterr().err == (
+        "error: --repo 'no-slash' is not a hub repo id; pass it as ORG/NAME\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "says"),
+    [
+        ("RepositoryNotFoundError", 404, "repo not found or no access; check the name, create it"),
+        ("RevisionNotFoundError", 404, "revision dev not found; pass an existing branch, tag"),
+        ("HfHubHTTPError", 403, "not authorized (HTTP 403); set HF_TOKEN to a token with write"),
+        ("HfHubHTTPError", 500, "HTTP 500 (boom); retry later"),
+    ],
+)
+def test_hub_errors_are_one_line_naming_the_repo(error: str, status: int, says: str):
+    from huggingface_hub import errors
+
+    from pipeline.format.errors import PipelineError
+
+    response = SimpleNamespace(status_code=status, headers={}, request=None)
+    with pytest.raises(PipelineError) as info, hub.hub_errors(REPO, "dev", "push to"):
+        raise getattr(errors, error)("boom\ndetails", response=response)
+    assert str(info.value).startswith(f"push to hub repo {REPO}: {says}")
+    assert "\n" not in str(info.value)
