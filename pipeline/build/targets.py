@@ -80,9 +80,20 @@ def hub_snapshot(repo: str, revision: str) -> Path:
 
 
 def targets(
-    definition: LoadedDefinition, root: Path, model_override: Path | None = None
+    definition: LoadedDefinition,
+    root: Path,
+    model_override: Path | None = None,
+    only: list[str] | None = None,
 ) -> list[Target]:
-    """The models a definition is built for, or the one model given on the command line."""
+    """The models a definition is built for, or the one model given on the command line.
+
+    `only` keeps the models whose reference (pipeline.build.shards.model_refs) it lists; the
+    others are never resolved (no hub download for another shard's model).
+    """
+    from pipeline.build.shards import model_ref
+
+    if only is not None and model_override is not None and str(model_override) not in only:
+        return []
     if model_override is not None:
         path = Path(model_override).resolve()
         model_dir = resolve_model(ModelSpec(path=str(path)), root)
@@ -96,4 +107,5 @@ def targets(
             spec.fingerprint,
         )
         for spec in definition.spec.models
+        if only is None or model_ref(spec) in only
     ]

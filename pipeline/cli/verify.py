@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.cli.common import err, read_template
+from pipeline.cli.common import emit_json, err, read_template
+from pipeline.cli.reports import Refusal, VerifiedBundle, VerifyReport, VerifyTotals, refusal_of
 from pipeline.format.errors import PipelineError
 
 
@@ -27,29 +28,58 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         type=Path,
         help="template file the server will use instead of the model's",
     )
+    v.add_argument(
+        "--json",
+        action="store_true",
+        help="print one verify/1 JSON document on stdout (refusals still go to stderr)",
+    )
     v.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    template = read_template(args.chat_template)
+    results = []
+    for bundle in args.bundle or _next_to_model(args.model, results):
+        r = _verify_one(bundle, args.model, template)
+        if r.status == "ok" and not args.json:
+            print(f"ok {bundle} ({r.prefix}@{r.version}, {r.tokens} tokens)")
+        results.append(r)
+    ok = sum(r.status == "ok" for r in results)
+    if args.json:
+        emit_json(
+            VerifyReport(
+                model=str(args.model),
+                chat_template=str(args.chat_template) if args.chat_template else None,
+                bundles=results,
+                totals=VerifyTotals(ok=ok, refused=len(results) - ok),
+            )
+        )
+    return 0 if ok == len(results) else 1
+
+
+def _verify_one(bundle: Path, model: Path, template: str | None) -> VerifiedBundle:
+    """Verify one bundle; a refusal is also the one `error:` line on stderr."""
     from pipeline.runtime import verify
 
-    template = read_template(args.chat_template)
-    bundles, failed = (args.bundle, 0) if args.bundle else _next_to_model(args.model)
-    for bundle in bundles:
-        try:
-            m = verify(bundle, args.model, template)
-            print(f"ok {bundle} ({m.prefix.name}@{m.prefix.version}, {m.tokens.count} tokens)")
-        except PipelineError as exc:
-            err(str(exc))
-            failed += 1
-    return 1 if failed else 0
+    try:
+        m = verify(bundle, model, template)
+    except PipelineError as exc:
+        err(str(exc))
+        return VerifiedBundle(path=str(bundle), status="refused", refusal=refusal_of(exc))
+    return VerifiedBundle(
+        path=str(bundle),
+        status="ok",
+        prefix=m.prefix.name,
+        version=m.prefix.version,
+        tokens=m.tokens.count,
+    )
 
 
-def _next_to_model(model: Path) -> tuple[list[Path], int]:
+def _next_to_model(model: Path, results: list[VerifiedBundle]) -> list[Path]:
     """No bundle arguments: every bundle in <model>/prefix-bundles, newest and older versions.
 
     stderr says which are the newest (what serve mounts); a symlink serve would not follow is
-    refused (counted in the int returned). None found is an error.
+    refused in results. None found is an error.
     """
     import sys
 
@@ -62,8 +92,10 @@ def _next_to_model(model: Path) -> tuple[list[Path], int]:
     newest, older, problems = model_bundles(model)
     for problem in problems:
         err(f"bundle {problem.path}: {problem.reason}")
+        refusal = Refusal(field=None, check=None, reason=problem.reason)
+        results.append(VerifiedBundle(path=str(problem.path), status="refused", refusal=refusal))
     if not (newest or older or problems):
         raise PipelineError(f"no bundle in {folder}; {fix}")
     for path in sorted(newest + older):
         print(f"{'newest' if path in newest else 'older '} {path}", file=sys.stderr)
-    return sorted(newest + older), len(problems)
+    return sorted(newest + older)
