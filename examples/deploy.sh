@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# Deploy prefix bundles next to a model, verify them there, then restart the server.
+#
+#   examples/deploy.sh BUNDLES MODEL [HOST] > verify.json
+#
+#   BUNDLES  a bundles folder holding <name>/<version>/<slug>-<fingerprint>/ bundles: `build`'s
+#            output, or the release workflow's `prefix-bundles` artifact unpacked
+#   MODEL    the model folder on the target: the one the server's --model names
+#   HOST     an ssh destination (user@host); omitted: deploy on this machine
+#
+# Environment: PROJECT, this project's checkout on the target (default /opt/mlx-prefix-bundles);
+# PYTHON, its interpreter (default $PROJECT/.venv/bin/python); SERVICE, the systemd unit to
+# restart (default prefix-bundles-serve.service, see examples/prefix-bundles-serve.service; set it
+# empty to skip the restart); SYSTEMCTL (default "sudo systemctl").
+#
+# The bundles go to MODEL/prefix-bundles/, the folder `serve --model MODEL` mounts and
+# `verify --model MODEL` checks when no bundle is named. stdout is verify's JSON report. When
+# verify refuses a bundle (exit 1), the folder as it was before is put back, the new one is kept in
+# MODEL/.prefix-bundles.failed for a look, and nothing is restarted: the running server keeps what
+# it mounted, and a restart of it mounts what it had before.
+set -euo pipefail
+
+if [[ $# -lt 2 || $# -gt 3 ]]; then
+  echo "usage: $0 BUNDLES MODEL [HOST] > verify.json" >&2
+  exit 2
+fi
+bundles=${1%/}
+model=${2%/}
+host=${3:-}
+project=${PROJECT:-/opt/mlx-prefix-bundles}
+python=${PYTHON:-$project/.venv/bin/python}
+service=${SERVICE-prefix-bundles-serve.service}
+read -r -a systemctl <<< "${SYSTEMCTL:-sudo systemctl}"
+live=$model/prefix-bundles
+previous=$model/.prefix-bundles.previous
+failed=$model/.prefix-bundles.failed
+
+if [[ ! -d $bundles ]]; then
+  echo "error: $bundles is not a folder; pass a bundles folder (build output or the unpacked artifact)" >&2
+  exit 2
+fi
+
+# Run a command on the target: over ssh (each argument quoted for the remote shell) or here.
+on_target() {
+  if [[ -n $host ]]; then
+    ssh -- "$host" "$(printf '%q ' "$@")"
+  else
+    "$@"
+  fi
+}
+
+log() { echo "deploy: $*" >&2; }
+
+# The rollback: a hardlinked snapshot of what is deployed now (no data copied; rsync replaces
+# files by renaming new ones into place, so the snapshot keeps the old contents).
+on_target rm -rf "$previous" "$failed"
+on_target mkdir -p "$live"
+on_target cp -al "$live" "$previous"
+
+log "copying $bundles/ to ${host:+$host:}$live/"
+rsync -a --delete --exclude=.staging/ "$bundles/" "${host:+$host:}$live/"
+
+log "verifying every bundle in $live against $model"
+if ! on_target "$python" "$project/build.py" verify --json --model "$model"; then
+  on_target mv "$live" "$failed"
+  on_target mv "$previous" "$live"
+  echo "error: verify refused a bundle (see the error lines above); $live is back as it was, the" \
+    "refused copy is in $failed; nothing was restarted" >&2
+  exit 1
+fi
+on_target rm -rf "$previous"
+
+if [[ -n $service ]]; then
+  log "restarting $service"
+  on_target "${systemctl[@]}" restart "$service"
+  sleep 5 # serve --strict exits when a bundle is refused or none is mounted
+  if ! on_target "${systemctl[@]}" is-active --quiet "$service"; then
+    echo "error: $service is not running after the restart; see journalctl -u $service" >&2
+    exit 1
+  fi
+fi
+log "done"
