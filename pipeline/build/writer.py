@@ -118,17 +118,24 @@ def _replace_with_gap(tmp: Path, dest: Path) -> None:
     os.rename(old, tmp)  # so the caller's cleanup of tmp removes the old bundle
 
 
-def clean_staging(bundles_root: Path) -> list[Path]:
-    """Remove staging folders of builds whose process is gone; return what was removed."""
-    removed = []
+def abandoned_staging(bundles_root: Path) -> list[Path]:
+    """Staging entries ("<pid>-...") whose process is gone on this host, never the locks folder."""
     root = staging_root(bundles_root)
     if not root.is_dir():
-        return removed
-    for tmp in sorted(root.iterdir()):
-        pid = tmp.name.split("-", 1)[0]
-        if tmp.name != LOCKS_DIR and pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(tmp, ignore_errors=True)
-            removed.append(tmp)
+        return []
+    return [tmp for tmp in sorted(root.iterdir()) if is_abandoned(tmp)]
+
+
+def is_abandoned(tmp: Path) -> bool:
+    pid = tmp.name.split("-", 1)[0]
+    return tmp.name != LOCKS_DIR and pid.isdigit() and not _alive(int(pid))
+
+
+def clean_staging(bundles_root: Path) -> list[Path]:
+    """Remove staging folders of builds whose process is gone; return what was removed."""
+    removed = abandoned_staging(bundles_root)
+    for tmp in removed:
+        shutil.rmtree(tmp, ignore_errors=True)
     return removed
 
 

@@ -9,11 +9,23 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline.cli import build, demo, inspect, listing, match, new, pull, push, schema, verify
+from pipeline.cli import (
+    build,
+    demo,
+    inspect,
+    listing,
+    match,
+    new,
+    prune,
+    pull,
+    push,
+    schema,
+    verify,
+)
 from pipeline.cli.common import err
 from pipeline.format.errors import PipelineError
 
-COMMANDS = (build, verify, inspect, listing, new, match, push, pull, schema, demo)
+COMMANDS = (build, verify, inspect, listing, prune, new, match, push, pull, schema, demo)
 # The global --bundles default, compared by identity: `pull` puts bundles in <model>/prefix-bundles
 # unless --bundles is given.
 DEFAULT_BUNDLES = Path("bundles")

@@ -205,11 +205,56 @@ class BuildReport(Report):
     error: str | None
 
 
+# --- prune -----------------------------------------------------------------------------------
+
+
+class PrunedFolder(Report):
+    path: str
+    kind: Literal["older-version", "no-definition", "staging"]
+    reason: str
+    bytes: int = Field(description="bytes of the regular files in the folder")
+    prefix: str | None = None
+    version: int | None = None
+    model_folder: str | None = None
+    status: Literal["would-delete", "deleted", "failed"]
+    error: str | None = Field(None, description="why it could not be deleted (failed only)")
+
+
+class KeptFolder(Report):
+    path: str
+    prefix: str
+    version: int
+    model_folder: str
+    reason: str = Field(description="why it is kept although retention would delete it")
+
+
+class PruneTotals(Report):
+    folders: int = Field(description="folders listed for deletion")
+    bytes: int = Field(description="their bytes: what a dry run would reclaim")
+    deleted: int
+    deleted_bytes: int = Field(description="bytes reclaimed (with --apply)")
+    failed: int
+
+
+class PruneReport(Report):
+    """`prune --json`: what is (or with --apply, was) deleted. Exit 1 when a deletion failed."""
+
+    schema_: Literal["prune/1"] = Field("prune/1", alias="schema")
+    bundles: str
+    prefixes: str
+    keep: int
+    applied: bool
+    delete: list[PrunedFolder]
+    kept: list[KeptFolder]
+    totals: PruneTotals
+
+
 DOCUMENTS: dict[str, type[Report]] = {
     "build": BuildReport,
     "verify": VerifyReport,
     "inspect": InspectReport,
     "list": ListReport,
+    "prune": PruneReport,
 }
 
 

@@ -1,0 +1,171 @@
+"""Retention: which bundle folders and staging leftovers `prune` may delete, and deleting them.
+
+No printing. A plan lists, under a bundles root in the <name>/<version>/<model folder> layout:
+versions older than the newest `keep` per (prefix, model folder); every bundle of a prefix whose
+definition file is gone; staging folders whose process is gone. A version that prefixes.lock names
+is never deleted. Symlinks are neither followed nor removed, and nothing outside the layout is
+touched. A bundle is deleted by renaming it into the staging folder first (one atomic rename, so
+the bundle path never names a half-deleted bundle) and then removing it.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import stat
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pipeline.build.definition import find_definitions
+from pipeline.build.writer import abandoned_staging, is_abandoned, staging_root, target_lock
+from pipeline.format.errors import PipelineError
+from pipeline.format.layout import STAGING_DIR
+from pipeline.format.lockfile import lock_path, read_lock
+
+Kind = Literal["older-version", "no-definition", "staging"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A folder prune would delete, and why."""
+
+    path: Path
+    kind: Kind
+    reason: str
+    bytes: int
+    prefix: str | None = None
+    version: int | None = None
+    model_folder: str | None = None
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A folder that would be deleted but is kept: prefixes.lock names its version."""
+
+    path: Path
+    prefix: str
+    version: int
+    model_folder: str
+    reason: str
+
+
+@dataclass
+class Plan:
+    delete: list[Candidate] = field(default_factory=list)
+    kept: list[Kept] = field(default_factory=list)
+
+    @property
+    def bytes(self) -> int:
+        return sum(c.bytes for c in self.delete)
+
+
+@dataclass(frozen=True)
+class Bundle:
+    path: Path
+    prefix: str
+    version: int
+    model_folder: str
+
+
+def plan(bundles_root: Path, prefixes: Path, keep: int = 1) -> Plan:
+    """What prune would delete under bundles_root (PipelineError when it cannot tell safely)."""
+    if keep < 1:
+        raise PipelineError(f"--keep {keep}: keep at least 1 version; pass --keep 1 or more")
+    root = Path(bundles_root)
+    if not root.is_dir():
+        raise PipelineError(f"bundles folder {root} does not exist; pass --bundles")
+    defined = {p.stem for p in find_definitions(prefixes)} if Path(prefixes).is_dir() else set()
+    if not defined:
+        raise PipelineError(
+            f"no prefix definitions (*.toml) in {prefixes}/; pass --prefixes (prune deletes the "
+            "bundles of prefixes without a definition, so it needs the definitions)"
+        )
+    lock_file = lock_path(prefixes)
+    locked = {name: entry.version for name, entry in read_lock(lock_file).prefixes.items()}
+    result = Plan()
+    for b, kind, reason in _doomed(layout_bundles(root), defined, keep, prefixes):
+        if locked.get(b.prefix) == b.version:
+            why = f"version {b.version} of {b.prefix} is named in {lock_file}"
+            result.kept.append(Kept(b.path, b.prefix, b.version, b.model_folder, why))
+        else:
+            size = tree_bytes(b.path)
+            result.delete.append(
+                Candidate(b.path, kind, reason, size, b.prefix, b.version, b.model_folder)
+            )
+    for tmp in abandoned_staging(root):
+        reason = f"staging folder of process {tmp.name.split('-', 1)[0]}, which is gone"
+        result.delete.append(Candidate(tmp, "staging", reason, tree_bytes(tmp)))
+    return result
+
+
+def _doomed(bundles: list[Bundle], defined: set[str], keep: int, prefixes: Path):
+    """(bundle, kind, reason) for every bundle past retention, before the lockfile is consulted."""
+    groups: dict[tuple[str, str], list[Bundle]] = defaultdict(list)
+    for b in bundles:
+        if b.prefix not in defined:
+            yield b, "no-definition", f"no definition {b.prefix}.toml in {prefixes}/"
+        else:
+            groups[(b.prefix, b.model_folder)].append(b)
+    for (prefix, folder), group in sorted(groups.items()):
+        newest = sorted({b.version for b in group}, reverse=True)[:keep]
+        for b in sorted(group, key=lambda b: b.version):
+            if b.version not in newest:
+                kept = ", ".join(map(str, newest))
+                why = f"older than the newest {keep} version(s) of {prefix} for {folder} (kept: {kept})"
+                yield b, "older-version", why
+
+
+def layout_bundles(root: Path) -> list[Bundle]:
+    """Real folders at <root>/<name>/<digits>/<model folder>; symlinks and .staging skipped."""
+    found = []
+    for name in _subfolders(root):
+        if name.name == STAGING_DIR:
+            continue
+        for version in _subfolders(name):
+            if version.name.isdigit():
+                for model in _subfolders(version):
+                    found.append(Bundle(model, name.name, int(version.name), model.name))
+    return found
+
+
+def _subfolders(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if not p.is_symlink() and p.is_dir())
+
+
+def tree_bytes(folder: Path) -> int:
+    """Bytes of the regular files under folder (symlinks not followed)."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(folder):
+        for name in files:
+            st = os.lstat(os.path.join(dirpath, name))
+            total += st.st_size if stat.S_ISREG(st.st_mode) else 0
+    return total
+
+
+def delete(candidate: Candidate, bundles_root: Path) -> None:
+    """Delete one planned folder; OSError or PipelineError (one line) when it cannot."""
+    from filelock import Timeout
+
+    root = Path(bundles_root)
+    if candidate.kind == "staging":
+        if is_abandoned(candidate.path):  # its process could not have come back, but check
+            shutil.rmtree(candidate.path)
+        return
+    trash = staging_root(root) / f"{os.getpid()}-prune-{secrets.token_hex(4)}"
+    trash.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with target_lock(root, candidate.path):
+            os.rename(candidate.path, trash)  # the bundle path is gone at once, never half there
+    except Timeout:
+        raise PipelineError(
+            f"{candidate.path}: a build is writing it right now; run prune again when it is done"
+        ) from None
+    shutil.rmtree(trash)  # if this fails, the next build or prune removes it (process gone)
+    for parent in (candidate.path.parent, candidate.path.parent.parent):
+        try:
+            parent.rmdir()  # only when empty: the version, then the prefix folder
+        except OSError:
+            break

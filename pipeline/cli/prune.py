@@ -1,0 +1,122 @@
+"""`prune`: delete old versions, bundles without a definition and abandoned staging folders."""
+
+from __future__ import annotations
+
+import argparse
+
+from pipeline.cli.common import emit_json, err, error_text
+from pipeline.cli.reports import KeptFolder, PrunedFolder, PruneReport, PruneTotals
+from pipeline.format.errors import PipelineError
+
+
+def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
+    p = sub.add_parser(
+        "prune",
+        parents=parents,
+        help="list (or with --apply delete) old versions, orphaned bundles and staging leftovers",
+        description="A dry run unless --apply. Lists, under --bundles: versions older than the "
+        "newest N per prefix and model folder, bundles whose definition is gone from "
+        "--prefixes, and staging folders of processes that are gone, with their sizes. A "
+        "version named in prefixes.lock is never deleted.",
+    )
+    p.add_argument(
+        "--keep",
+        type=_at_least_one,
+        default=1,
+        metavar="N",
+        help="versions to keep per prefix and model folder (default: 1)",
+    )
+    p.add_argument("--apply", action="store_true", help="delete what the dry run lists")
+    p.add_argument("--json", action="store_true", help="print one prune/1 JSON document")
+    p.set_defaults(func=run)
+
+
+def _at_least_one(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: keep at least 1 version, e.g. --keep 2")
+    return int(text)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pipeline.build.retention import plan
+
+    todo = plan(args.bundles, args.prefixes, args.keep)
+    folders = [_folder(c, args) for c in todo.delete]
+    kept = [
+        KeptFolder(
+            path=str(k.path),
+            prefix=k.prefix,
+            version=k.version,
+            model_folder=k.model_folder,
+            reason=k.reason,
+        )
+        for k in todo.kept
+    ]
+    report = PruneReport(
+        bundles=str(args.bundles),
+        prefixes=str(args.prefixes),
+        keep=args.keep,
+        applied=args.apply,
+        delete=folders,
+        kept=kept,
+        totals=_totals(folders),
+    )
+    if args.json:
+        emit_json(report)
+    else:
+        _print(report)
+    return 1 if report.totals.failed else 0
+
+
+def _folder(candidate, args: argparse.Namespace) -> PrunedFolder:
+    """One planned deletion, carried out with --apply (a failure is one `error:` line)."""
+    from pipeline.build.retention import delete
+
+    c, status, error = candidate, "would-delete", None
+    if args.apply:
+        try:
+            delete(c, args.bundles)
+            status = "deleted"
+        except (PipelineError, OSError) as exc:
+            status, error = "failed", error_text(exc)
+            err(f"cannot delete {c.path}: {error}")
+    return PrunedFolder(
+        path=str(c.path),
+        kind=c.kind,
+        reason=c.reason,
+        bytes=c.bytes,
+        prefix=c.prefix,
+        version=c.version,
+        model_folder=c.model_folder,
+        status=status,
+        error=error,
+    )
+
+
+def _totals(folders: list[PrunedFolder]) -> PruneTotals:
+    deleted = [f for f in folders if f.status == "deleted"]
+    return PruneTotals(
+        folders=len(folders),
+        bytes=sum(f.bytes for f in folders),
+        deleted=len(deleted),
+        deleted_bytes=sum(f.bytes for f in deleted),
+        failed=sum(f.status == "failed" for f in folders),
+    )
+
+
+def _print(report: PruneReport) -> None:
+    labels = {"would-delete": "would delete", "deleted": "deleted", "failed": "FAILED"}
+    for f in report.delete:
+        print(f"{labels[f.status]:<13} {_mb(f.bytes):>10}  {f.path}  ({f.reason})")
+    for k in report.kept:
+        print(f"{'kept':<13} {'':>10}  {k.path}  ({k.reason})")
+    t = report.totals
+    if not report.applied:
+        more = "; run with --apply to delete them" if t.folders else ""
+        print(f"{t.folders} folders, {_mb(t.bytes)} to reclaim{more}")
+    else:
+        print(f"{t.deleted} folders deleted, {_mb(t.deleted_bytes)} reclaimed, {t.failed} failed")
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.1f} MB"

@@ -1,0 +1,166 @@
+"""`prune`: a dry run by default; --apply deletes old versions, orphans and dead staging folders only.
+
+Real bundles: shop@1 and shop@2 built for the tiny model, and an orphan (its definition removed).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.build.writer import staging_root, target_lock
+from pipeline.cli import main
+from pipeline.cli.reports import PruneReport
+from pipeline.format.lockfile import LockedPrefix, Lockfile, write_lock
+from pipeline.runtime import find_bundles, mount
+
+from conftest import build_bundle, write_definition
+
+HEX = "0" * 64
+
+
+def cli(project: Path, *argv: str) -> int:
+    return main(
+        ["--prefixes", str(project / "prefixes"), "--bundles", str(project / "bundles"), *argv]
+    )
+
+
+def bump(project: Path, name: str = "shop") -> None:
+    path = project / "prefixes" / f"{name}.toml"
+    text = path.read_text()
+    version = int(text.split("version = ", 1)[1].split("\n", 1)[0])
+    text = text.replace(f"version = {version}\n", f"version = {version + 1}\n")
+    path.write_text(text.replace("bookshop", f"bookshop {version + 1}"))
+
+
+def dead_pid() -> int:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          check=True, capture_output=True, text=True)  # fmt: skip
+    return int(done.stdout)
+
+
+def snapshot(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.fixture
+def shop(project: Path, tiny_model: Path) -> dict[str, Path]:
+    """shop@1, shop@2, gone@1 (definition deleted) and a dead build's staging folder."""
+    old = build_bundle(project)
+    bump(project)
+    new = build_bundle(project)
+    write_definition(project, tiny_model, name="gone")
+    orphan = build_bundle(project, "gone")
+    (project / "prefixes" / "gone.toml").unlink()
+    staging = staging_root(project / "bundles") / f"{dead_pid()}-abcd1234"
+    staging.mkdir()
+    (staging / "cache.safetensors").write_bytes(b"x" * 1000)
+    return {"old": old, "new": new, "orphan": orphan, "staging": staging}
+
+
+def prune_json(project: Path, capsys, *argv: str) -> tuple[int, PruneReport]:
+    code = cli(project, "prune", "--json", *argv)
+    return code, PruneReport.model_validate_json(capsys.readouterr().out, strict=True)
+
+
+def test_dry_run_lists_with_sizes_and_deletes_nothing(project: Path, shop, capsys):
+    before = snapshot(project / "bundles")
+    code, doc = prune_json(project, capsys)
+    assert code == 0 and not doc.applied and doc.keep == 1
+    listed = {f.path: f for f in doc.delete}
+    assert sorted(listed) == sorted(str(shop[k]) for k in ("old", "orphan", "staging"))
+    assert (
+        listed[str(shop["old"])].kind == "older-version" and listed[str(shop["old"])].version == 1
+    )
+    assert listed[str(shop["orphan"])].kind == "no-definition"
+    assert (
+        listed[str(shop["staging"])].kind == "staging"
+        and listed[str(shop["staging"])].bytes == 1000
+    )
+    size = sum(p.stat().st_size for p in shop["old"].iterdir())
+    assert listed[str(shop["old"])].bytes == size
+    assert {f.status for f in doc.delete} == {"would-delete"}
+    assert doc.totals.bytes == sum(f.bytes for f in doc.delete) and doc.totals.deleted == 0
+    assert snapshot(project / "bundles") == before
+    assert cli(project, "prune") == 0
+    out = capsys.readouterr().out
+    assert (
+        "would delete " in out
+        and f"{shop['old']}  (older than the newest 1 version(s) of shop for " in out
+    )
+    assert "run with --apply to delete them" in out
+
+
+def test_apply_deletes_them_and_the_newest_still_mounts(
+    project: Path, shop, tiny_model: Path, capsys
+):
+    code, doc = prune_json(project, capsys, "--apply")
+    assert code == 0 and doc.applied and doc.totals.deleted == 3 and doc.totals.failed == 0
+    assert doc.totals.deleted_bytes == doc.totals.bytes
+    for key in ("old", "orphan", "staging"):
+        assert not shop[key].exists()
+    assert not (project / "bundles" / "gone").exists()  # emptied prefix folders go too
+    assert not (project / "bundles" / "shop" / "1").exists()
+    assert [p.name for p in staging_root(project / "bundles").iterdir()] == ["locks"]
+    mounted = mount(tiny_model, project / "bundles", skip_refused=True)
+    assert [b.path for b in mounted.bundles] == [shop["new"]] and mounted.refused == []
+    assert prune_json(project, capsys)[1].delete == []  # nothing left to prune
+
+
+def test_a_version_named_in_the_lockfile_is_never_deleted(project: Path, shop, capsys):
+    locked = LockedPrefix(version=1, content_sha256=HEX, template_sha256=HEX, models={})
+    write_lock(
+        project / "prefixes" / "prefixes.lock", Lockfile(prefixes={"shop": locked, "gone": locked})
+    )
+    code, doc = prune_json(project, capsys, "--apply")
+    assert code == 0 and [f.path for f in doc.delete] == [str(shop["staging"])]
+    assert sorted(k.path for k in doc.kept) == sorted([str(shop["old"]), str(shop["orphan"])])
+    assert all("is named in" in k.reason and k.version == 1 for k in doc.kept)
+    assert shop["old"].is_dir() and shop["orphan"].is_dir()
+
+
+def test_keep_two_keeps_both_versions(project: Path, shop, capsys):
+    doc = prune_json(project, capsys, "--keep", "2")[1]
+    assert {f.kind for f in doc.delete} == {"no-definition", "staging"}
+
+
+def test_a_bundle_is_never_half_deleted_in_place(project: Path, shop, capsys, monkeypatch):
+    import pipeline.build.retention as retention
+
+    def fail(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(retention.shutil, "rmtree", fail)
+    code, doc = prune_json(project, capsys, "--apply", "--keep", "1")
+    assert code == 1
+    failed = {f.path: f for f in doc.delete if f.status == "failed"}
+    assert str(shop["old"]) in failed and "Permission denied" in failed[str(shop["old"])].error
+    assert not shop["old"].exists()  # renamed away before the removal started
+    moved = [p for p in staging_root(project / "bundles").iterdir() if "-prune-" in p.name]
+    assert moved and all(p.name.startswith(f"{os.getpid()}-prune-") for p in moved)
+    assert shop["old"] not in find_bundles(project / "bundles")[0]
+
+
+def test_a_bundle_a_build_is_writing_is_left_alone(project: Path, shop, capsys):
+    with target_lock(project / "bundles", shop["old"]):
+        code, doc = prune_json(project, capsys, "--apply")
+    assert code == 1 and shop["old"].is_dir()
+    (failed,) = [f for f in doc.delete if f.status == "failed"]
+    assert failed.error.endswith("a build is writing it right now; run prune again when it is done")
+
+
+def test_prune_refuses_without_definitions_and_bad_keep(project: Path, tmp_path: Path, capsys):
+    (project / "bundles").mkdir()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["prune", "--prefixes", str(empty), "--bundles", str(project / "bundles")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: no prefix definitions (*.toml) in {empty}/; pass --prefixes")
+    assert len(err.splitlines()) == 1
+    with pytest.raises(SystemExit) as exit_:
+        cli(project, "prune", "--keep", "0")
+    assert exit_.value.code == 2
