@@ -105,3 +105,25 @@ def test_global_options_are_accepted_after_the_command(project: Path, capsys):
     argv = ["list", "--prefixes", str(project / "prefixes"), "--bundles", str(project / "bundles")]
     assert main(argv) == 0
     assert "shop@1  missing" in capsys.readouterr().out
+
+
+def test_a_prefix_below_the_measured_crossover_gets_a_warning(
+    tmp_path: Path, tiny_model: Path, capsys
+):
+    import json as _json
+
+    from conftest import model_template_sha
+
+    prefixes = tmp_path / "prefixes"
+    prefixes.mkdir()
+    (prefixes / "short.toml").write_text(
+        f'name = "short"\nversion = 1\n[template]\nsha256 = "{model_template_sha(tiny_model)}"\n'
+        f'[prefix]\n[[prefix.messages]]\nrole = "system"\ncontent = "Be brief."\n'
+        f"[[models]]\npath = {_json.dumps(str(tiny_model))}\n"
+    )
+    assert (
+        main(["--prefixes", str(prefixes), "--bundles", str(tmp_path / "b"), "build", "--no-check"])
+        == 0
+    )
+    err = capsys.readouterr().err
+    assert "tokens, below the measured crossover of 18 tokens" in err and "warning: " in err

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline.cli.common import emit_json, error_text, load_definitions, progress
+from pipeline.cli.common import emit_json, error_text, load_definitions, progress, warn
 from pipeline.cli.reports import BuildReport, BuildTotals, BuiltTarget
 from pipeline.cli.reports import Shard as ShardInfo
 from pipeline.format.errors import PipelineError
@@ -143,6 +143,8 @@ def _build_one(args: argparse.Namespace, target, ref: str, lock, done: list[Buil
         )
     )
     _print_built(label, result, sys.stderr if args.json else sys.stdout)
+    if result.advice and not result.up_to_date:
+        warn(result.advice)
     return result
 
 

@@ -36,11 +36,34 @@ def emit_json(document: Any) -> None:
 
 
 def progress(label: str):
-    """Prefill progress on stderr: the size first, an ETA after the first chunk, then every 0.5 s.
+    """Prefill progress on stderr: a rich bar on a terminal, else plain lines (CI logs).
 
-    On a terminal the line is rewritten in place; otherwise (CI logs) one line per update.
+    Plain lines: the size first, an ETA after the first chunk, then at most one every 0.5 s.
     """
-    tty = sys.stderr.isatty()
+    return _bar(label) if sys.stderr.isatty() else _lines(label)
+
+
+def _bar(label: str):
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,} tok"), TimeRemainingColumn())  # fmt: skip
+    # no refresh thread: a failed prefill cannot leave a live display behind
+    bar = Progress(*columns, console=Console(stderr=True), auto_refresh=False)
+    task: list = []
+
+    def report(done: int, total: int, elapsed: float) -> None:
+        if not task:
+            task.append(bar.add_task(f"{label}: prefill", total=total))
+            bar.start()
+        bar.update(task[0], completed=done, total=total, refresh=True)
+        if done >= total:
+            bar.stop()
+
+    return report
+
+
+def _lines(label: str):
     last: list[float | None] = [None]  # when the last rate line was printed
 
     def report(done: int, total: int, elapsed: float) -> None:
@@ -54,8 +77,7 @@ def progress(label: str):
             eta = (total - done) / max(rate, 1e-9)
             line = f"{label}: prefill {done}/{total} tokens, {rate:,.0f} tok/s, ETA {eta:.1f}s"
         last[0] = now if done else None
-        end = "" if tty and done < total else "\n"
-        print(("\r\033[K" + line) if tty else line, end=end, file=sys.stderr, flush=True)
+        print(line, file=sys.stderr, flush=True)
 
     return report
 
