@@ -127,3 +127,33 @@ def test_a_prefix_below_the_measured_crossover_gets_a_warning(
     )
     err = capsys.readouterr().err
     assert "tokens, below the measured crossover of 18 tokens" in err and "warning: " in err
+
+
+def test_every_command_and_option_has_help():
+    import argparse
+
+    from pipeline.cli import setup_arg_parser
+    from pipeline.runtime.serve import setup_arg_parser as serve_parser
+
+    sub = next(a for a in setup_arg_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parsers = {**sub.choices, "serve": serve_parser()}
+    missing = [
+        f"{name} {a.option_strings or a.dest}"
+        for name, parser in parsers.items()
+        for a in parser._actions
+        if not a.help and not isinstance(a, argparse._HelpAction)
+    ]
+    assert missing == []
+    assert {c.dest for c in sub._choices_actions} >= {
+        "build",
+        "verify",
+        "inspect",
+        "list",
+        "prune",
+        "serve",
+        "push",
+        "pull",
+        "new",
+        "match",
+        "schema",
+    }
