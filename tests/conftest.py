@@ -100,6 +100,19 @@ def shop_bundle(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path) -> P
     return build_bundle(root, check=True)
 
 
+# --- --json documents (tests/test_json_output.py, tests/test_distribute.py) ----------------------
+
+
+def document(model, text: str):
+    """The one JSON document on stdout, checked strictly against its pydantic model."""
+    import json
+
+    doc = model.model_validate_json(text, strict=True)
+    assert json.loads(text) == doc.model_dump(mode="json", by_alias=True)
+    assert json.loads(text)["schema"] == model.model_fields["schema_"].default
+    return doc
+
+
 # --- Fuzz corpus summary (tests/test_fuzz.py) ----------------------------------------------------
 
 

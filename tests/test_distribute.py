@@ -6,7 +6,6 @@ folder and the atomic publish are the real ones.
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -16,17 +15,22 @@ import pytest
 
 from pipeline import hubnet
 from pipeline.cli import main
+from pipeline.cli.reports import PullReport, PushReport
 from pipeline.distribute import hub
+from pipeline.distribute.pull import HELD_BACK
+from pipeline.distribute.push import HELD_BACK as push_held_back
 from pipeline.format.layout import CACHE_FILE
 from pipeline.runtime import mount
 
-from conftest import build_bundle, write_definition
+from conftest import build_bundle, document, write_definition
 
 REPO = "acme/prefix-bundles"
 
 
 class FakeHub:
     """HfApi's methods we call, over a folder: one subfolder per commit, branches in `refs`."""
+
+    endpoint = "https://hub.example"
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -99,9 +103,15 @@ def test_push_then_pull_round_trip_is_byte_identical_and_mounts(
     fake_hub: FakeHub, shop_bundle: Path, model: Path, capsys
 ):
     assert main(["push", str(shop_bundle), "--repo", REPO, "--json"]) == 0
-    pushed = json.loads(capsys.readouterr().out)
+    pushed = document(PushReport, capsys.readouterr().out)
     repo_path = f"shop/1/{shop_bundle.name}"
-    assert pushed["commit"] == "c1" and [b["repo_path"] for b in pushed["bundles"]] == [repo_path]
+    assert (pushed.repo, pushed.revision, pushed.commit) == (REPO, "main", "c1")
+    assert pushed.url == f"https://hub.example/{REPO}/commit/c1" and pushed.deleted == []
+    (b,) = pushed.bundles
+    assert (b.status, b.path, b.repo_path) == ("pushed", str(shop_bundle), repo_path)
+    assert (b.prefix, b.version, b.refusal, b.reason) == ("shop", 1, None, None)
+    assert b.tokens > 50 and CACHE_FILE in b.files
+    assert (pushed.totals.pushed, pushed.totals.skipped, pushed.totals.refused) == (1, 0, 0)
     assert fake_hub.commits[0].message == f"Push prefix bundles: shop@1 ({shop_bundle.name})"
 
     assert main(["pull", "--repo", REPO, "--model", str(model)]) == 0
@@ -115,8 +125,15 @@ def test_push_then_pull_round_trip_is_byte_identical_and_mounts(
 
     # pulling again replaces the bundle atomically with the same bytes
     assert main(["pull", "--repo", REPO, "--model", str(model), "--json"]) == 0
-    again = json.loads(capsys.readouterr().out)
-    assert again["commit"] == "c1" and [b["path"] for b in again["pulled"]] == [str(local)]
+    again = document(PullReport, capsys.readouterr().out)
+    assert (again.repo, again.revision, again.commit) == (REPO, "main", "c1")
+    assert again.url == f"https://hub.example/{REPO}/tree/c1"
+    assert (again.model, again.bundles_dir) == (str(model), str(model / "prefix-bundles"))
+    (b,) = again.bundles
+    assert (b.status, b.repo_path, b.path) == ("pulled", repo_path, str(local))
+    assert (b.prefix, b.version, b.refusal, b.reason) == ("shop", 1, None, None)
+    assert b.tokens == pushed.bundles[0].tokens
+    assert (again.totals.pulled, again.totals.skipped, again.totals.refused) == (1, 0, 0)
     assert files_of(local) == files_of(shop_bundle)
 
 
@@ -145,8 +162,20 @@ def test_pull_takes_only_this_models_newest_bundles(
 
     # --prefix NAME@VERSION picks an older one; --bundles after the command works too
     assert main(["pull", "--repo", REPO, "--model", str(tiny_model), "--prefix", "shop@1",
-                 "--bundles", str(dest)]) == 0  # fmt: skip
+                 "--bundles", str(dest), "--json"]) == 0  # fmt: skip
     assert (dest / "shop/1" / v1.name).is_dir() and not (dest / "shop/1" / theirs.name).exists()
+    doc = document(PullReport, capsys.readouterr().out)
+    assert [(b.repo_path, b.status, b.reason) for b in doc.bundles] == sorted(
+        [
+            (f"shop/1/{theirs.name}", "skipped", f"for another model ({theirs.name[-12:]})"),
+            (f"shop/1/{v1.name}", "pulled", None),
+            (f"shop/2/{v2.name}", "skipped", "not asked for"),
+        ]
+    )  # in repo_path order
+    paths = {b.repo_path: b.path for b in doc.bundles}
+    assert paths[f"shop/1/{v1.name}"] == str(dest / "shop/1" / v1.name)
+    assert paths[f"shop/1/{theirs.name}"] is None and paths[f"shop/2/{v2.name}"] is None
+    assert (doc.bundles_dir, doc.totals.pulled, doc.totals.skipped) == (str(dest), 1, 2)
 
     assert main(["pull", "--repo", REPO, "--model", str(tiny_model), "--prefix", "docs",
                  "--bundles", str(dest)]) == 1  # fmt: skip
@@ -175,6 +204,38 @@ def test_pull_refuses_a_bundle_altered_on_the_hub_and_publishes_nothing(
     assert list((bundles / ".staging").iterdir()) == []  # the download was removed
 
 
+def test_pull_json_lists_the_refusal_and_the_valid_bundle_it_held_back(
+    fake_hub: FakeHub, shop_bundle: Path, model: Path, tmp_path: Path, capsys
+):
+    write_definition(tmp_path / "faq", model, name="faq")
+    faq = build_bundle(tmp_path / "faq", "faq", check=False)
+    assert main(["push", str(shop_bundle), str(faq), "--repo", REPO]) == 0
+    hub_copy = fake_hub.tree() / "shop" / "1" / shop_bundle.name / CACHE_FILE
+    data = bytearray(hub_copy.read_bytes())
+    data[-1] ^= 0x01
+    hub_copy.write_bytes(bytes(data))
+    capsys.readouterr()
+
+    assert main(["pull", "--repo", REPO, "--model", str(model), "--json"]) == 1
+    out = capsys.readouterr()
+    doc = document(PullReport, out.out)
+    bundles = model / "prefix-bundles"
+    held, refused = doc.bundles
+    assert (held.repo_path, held.status, held.reason) == (f"faq/1/{faq.name}", "skipped", HELD_BACK)
+    assert held.path == str(bundles / "faq/1" / faq.name) and held.tokens > 50
+    assert (refused.repo_path, refused.status) == (f"shop/1/{shop_bundle.name}", "refused")
+    assert refused.path == str(bundles / "shop/1" / shop_bundle.name)
+    assert refused.tokens is None and refused.reason is None
+    assert (refused.refusal.check, refused.refusal.field) == ("data", CACHE_FILE)
+    assert "sha256 mismatch" in refused.refusal.reason
+    assert (doc.totals.pulled, doc.totals.skipped, doc.totals.refused) == (0, 1, 1)
+    assert out.err == (
+        f"error: bundle shop/1/{shop_bundle.name} from hub repo {REPO}@c1: "
+        f"{refused.refusal.reason} (nothing was published)\n"
+    )
+    assert [p.name for p in bundles.iterdir()] == [".staging"]
+
+
 def test_push_refuses_an_invalid_bundle_and_pushes_nothing(
     fake_hub: FakeHub, shop_bundle: Path, tmp_path: Path, capsys
 ):
@@ -184,6 +245,27 @@ def test_push_refuses_an_invalid_bundle_and_pushes_nothing(
     err = capsys.readouterr().err
     assert err.startswith(f"error: bundle {copy}: unexpected 'notes.txt'") and err.count("\n") == 1
     assert err.rstrip().endswith(f"(nothing was pushed to {REPO})")
+    assert fake_hub.commits == []
+
+    assert main(["push", str(shop_bundle), str(copy), "--repo", REPO, "--json"]) == 1
+    out = capsys.readouterr()
+    doc = document(PushReport, out.out)
+    assert (doc.commit, doc.url, doc.revision, doc.deleted) == (None, None, "main", [])
+    held, refused = doc.bundles
+    assert (held.status, held.path, held.prefix) == ("skipped", str(shop_bundle), "shop")
+    assert held.repo_path == f"shop/1/{shop_bundle.name}" and held.tokens > 50
+    assert held.reason == push_held_back
+    assert (refused.status, refused.path) == ("refused", str(copy))
+    assert (refused.prefix, refused.repo_path, refused.tokens, refused.files) == (
+        None,
+        None,
+        None,
+        [],
+    )
+    assert (refused.refusal.check, refused.refusal.field) == ("files", "notes.txt")
+    line = f"error: bundle {copy}: {refused.refusal.reason} (nothing was pushed to {REPO})"
+    assert out.err == line + "\n"
+    assert (doc.totals.pushed, doc.totals.skipped, doc.totals.refused) == (0, 1, 1)
     assert fake_hub.commits == []
 
 

@@ -23,7 +23,7 @@ from pipeline.cli.reports import (
 )
 from pipeline.format.layout import CACHE_FILE, MANIFEST_FILE
 
-from conftest import build_bundle, write_definition
+from conftest import build_bundle, document, write_definition
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,14 +32,6 @@ def cli(project: Path, *argv: str) -> int:
     return main(
         ["--prefixes", str(project / "prefixes"), "--bundles", str(project / "bundles"), *argv]
     )
-
-
-def document(model, text: str):
-    """The one JSON document on stdout, checked strictly against its model."""
-    doc = model.model_validate_json(text, strict=True)
-    assert json.loads(text) == doc.model_dump(mode="json", by_alias=True)
-    assert json.loads(text)["schema"] == model.model_fields["schema_"].default
-    return doc
 
 
 def damaged_copy(shop_bundle: Path, tmp_path: Path) -> Path:

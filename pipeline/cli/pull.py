@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline.cli.common import emit_json, err
+from pipeline.cli.reports_base import refusal_of
+from pipeline.cli.reports_fleet import PulledBundle, PullReport, PullTotals
+
+if TYPE_CHECKING:
+    from pipeline.distribute.pull import PullResult
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
@@ -29,7 +35,11 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         metavar="NAME[@VERSION]",
         help="only this prefix (repeatable; default: every prefix, highest version)",
     )
-    p.add_argument("--json", action="store_true", help="print what was pulled as JSON")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one pull/1 JSON document on stdout (refusals still go to stderr)",
+    )
     p.set_defaults(func=run)
 
 
@@ -40,33 +50,10 @@ def run(args: argparse.Namespace) -> int:
     # --bundles not given: pull() puts them next to the model, in <model>/prefix-bundles
     bundles = None if args.bundles is DEFAULT_BUNDLES else args.bundles
     result = pull(args.repo, args.model, bundles, args.revision, args.prefix)
-    for refusal in result.refused:
-        err(f"{refusal} (nothing was published)")
+    for refused in result.refused:
+        err(f"{refused.error} (nothing was published)")
     if args.json:
-        emit_json(
-            {
-                "repo": result.repo,
-                "revision": result.revision,
-                "commit": result.commit,
-                "model": str(result.model),
-                "bundles_dir": str(result.bundles_dir),
-                "pulled": [
-                    {
-                        "prefix": b.name,
-                        "version": b.version,
-                        "repo_path": b.repo_path,
-                        "path": str(b.path),
-                        "tokens": b.tokens,
-                    }
-                    for b in result.pulled
-                ],
-                "skipped": [{"repo_path": s.repo_path, "reason": s.reason} for s in result.skipped],
-                "refused": [
-                    {"field": r.field, "reason": r.reason, "bundle": r.bundle}
-                    for r in result.refused
-                ],
-            }
-        )
+        emit_json(_report(result))
     else:
         at = f"{result.repo}@{result.commit[:12]}"
         for b in result.pulled:
@@ -74,3 +61,56 @@ def run(args: argparse.Namespace) -> int:
         for s in result.skipped:
             print(f"skipped {s.repo_path}: {s.reason}")
     return 1 if result.refused else 0
+
+
+def _report(result: PullResult) -> PullReport:
+    """Every bundle folder of the repo, pulled, skipped or refused, in repo_path order."""
+    entries = (
+        [
+            PulledBundle(
+                repo_path=b.repo_path,
+                prefix=b.name,
+                version=b.version,
+                status="pulled",
+                path=str(b.path),
+                tokens=b.tokens,
+            )
+            for b in result.pulled
+        ]
+        + [
+            PulledBundle(
+                repo_path=s.repo_path,
+                prefix=s.name,
+                version=s.version,
+                status="skipped",
+                path=None if s.path is None else str(s.path),
+                tokens=s.tokens,
+                reason=s.reason,
+            )
+            for s in result.skipped
+        ]
+        + [
+            PulledBundle(
+                repo_path=r.repo_path,
+                prefix=r.name,
+                version=r.version,
+                status="refused",
+                path=str(r.path),
+                tokens=None,
+                refusal=refusal_of(r.error),
+            )
+            for r in result.refused
+        ]
+    )
+    return PullReport(
+        repo=result.repo,
+        revision=result.revision,
+        commit=result.commit,
+        url=result.url,
+        model=str(result.model),
+        bundles_dir=str(result.bundles_dir),
+        bundles=sorted(entries, key=lambda e: e.repo_path),
+        totals=PullTotals(
+            pulled=len(result.pulled), skipped=len(result.skipped), refused=len(result.refused)
+        ),
+    )

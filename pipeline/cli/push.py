@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pipeline.cli.common import emit_json, err
+from pipeline.cli.reports_base import refusal_of
+from pipeline.cli.reports_fleet import PushedBundle, PushReport, PushTotals
 from pipeline.format.errors import PipelineError
+
+if TYPE_CHECKING:
+    from pipeline.distribute.push import CheckedBundle
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
@@ -18,42 +24,51 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
     p.add_argument("bundle", nargs="+", type=Path, help="bundle folders")
     p.add_argument("--repo", required=True, help="hub model repo ORG/NAME (create it, private)")
     p.add_argument("--revision", help="branch to commit to (default: main; created if missing)")
-    p.add_argument("--json", action="store_true", help="print what was pushed as JSON")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print one push/1 JSON document on stdout (refusals still go to stderr)",
+    )
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.distribute.push import check_bundle, push
+    from pipeline.distribute.push import HELD_BACK, check_bundle, push
 
-    checked, refused = [], 0
+    checked: list[CheckedBundle | PushedBundle] = []  # in argument order; PushedBundle: refused
     for bundle in args.bundle:
         try:
             checked.append(check_bundle(bundle))
         except PipelineError as exc:
             err(f"{exc} (nothing was pushed to {args.repo})")
-            refused += 1
-    if refused:
+            refusal = refusal_of(exc)
+            checked.append(
+                PushedBundle(
+                    path=str(bundle),
+                    status="refused",
+                    prefix=None,
+                    version=None,
+                    repo_path=None,
+                    tokens=None,
+                    files=[],
+                    refusal=refusal,
+                )
+            )
+    if any(isinstance(c, PushedBundle) for c in checked):
+        if args.json:
+            entries = [
+                c if isinstance(c, PushedBundle) else _entry(c, "skipped", HELD_BACK)
+                for c in checked
+            ]
+            emit_json(_report(args.repo, args.revision or "main", None, None, entries, []))
         return 1
     result = push(checked, args.repo, args.revision)
     if args.json:
+        entries = [_entry(b, "pushed") for b in result.bundles]
         emit_json(
-            {
-                "repo": result.repo,
-                "revision": result.revision,
-                "commit": result.commit,
-                "url": result.url,
-                "bundles": [
-                    {
-                        "path": str(b.local),
-                        "repo_path": b.repo_path,
-                        "prefix": b.name,
-                        "version": b.version,
-                        "files": list(b.files),
-                    }
-                    for b in result.bundles
-                ],
-                "deleted": result.deleted,
-            }
+            _report(
+                result.repo, result.revision, result.commit, result.url, entries, result.deleted
+            )
         )
         return 0
     for b in result.bundles:
@@ -62,3 +77,38 @@ def run(args: argparse.Namespace) -> int:
         print(f"removed stale {result.repo}@{result.revision}:{path}")
     print(f"commit {result.commit or '?'} {result.url or ''}".rstrip())
     return 0
+
+
+def _entry(b: CheckedBundle, status: str, reason: str | None = None) -> PushedBundle:
+    """A bundle that passed the validator, as the document lists it."""
+    return PushedBundle(
+        path=str(b.local),
+        status=status,
+        prefix=b.name,
+        version=b.version,
+        repo_path=b.repo_path,
+        tokens=b.tokens,
+        files=list(b.files),
+        reason=reason,
+    )
+
+
+def _report(
+    repo: str,
+    revision: str,
+    commit: str | None,
+    url: str | None,
+    entries: list[PushedBundle],
+    deleted: list[str],
+) -> PushReport:
+    count = [e.status for e in entries].count
+    totals = PushTotals(pushed=count("pushed"), skipped=count("skipped"), refused=count("refused"))
+    return PushReport(
+        repo=repo,
+        revision=revision,
+        commit=commit,
+        url=url,
+        bundles=entries,
+        deleted=list(deleted),
+        totals=totals,
+    )

@@ -3,6 +3,7 @@
 Every document is one JSON object on stdout whose `schema` field names the command and a version
 ("verify/1"). A version only grows by adding fields; removing or retyping one makes it "/2".
 `python build.py schema [COMMAND]` prints the JSON Schema of each (committed in docs/schemas/).
+The base model and Refusal are in reports_base.py, push and pull in reports_fleet.py.
 """
 
 from __future__ import annotations
@@ -10,8 +11,11 @@ from __future__ import annotations
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from pipeline.cli.reports_base import Refusal, Report
+from pipeline.cli.reports_base import refusal_of as refusal_of  # the commands import it from here
+from pipeline.cli.reports_fleet import PullReport, PushReport
 from pipeline.format.manifest import (
     BuilderInfo,
     CacheInfo,
@@ -23,35 +27,6 @@ from pipeline.format.manifest import (
 )
 
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
-
-
-class Report(BaseModel):
-    """Strict and closed: the schema says exactly what a consumer can rely on."""
-
-    model_config = ConfigDict(
-        extra="forbid", strict=True, json_schema_serialization_defaults_required=True
-    )
-
-
-class Refusal(Report):
-    """Why the validator refused a bundle: the field, the stage that refused it, and the fix."""
-
-    field: str | None = Field(description="manifest field or file name, when one is to blame")
-    check: str | None = Field(
-        description="validator stage (files, checksums, location, mlx-lm, identity, cache file, "
-        "layout, tokens, data); null when the bundle could not be read as one"
-    )
-    reason: str = Field(
-        description="what is wrong and what to do (the `error:` line after the bundle)"
-    )
-
-
-def refusal_of(exc: Exception) -> Refusal:
-    """A refusal from the validator's BundleError (or any other expected error, stage unknown)."""
-    reason = getattr(exc, "reason", None) or str(exc)
-    return Refusal(
-        field=getattr(exc, "field", None), check=getattr(exc, "check", None), reason=reason
-    )
 
 
 # --- verify ----------------------------------------------------------------------------------
@@ -255,6 +230,8 @@ DOCUMENTS: dict[str, type[Report]] = {
     "inspect": InspectReport,
     "list": ListReport,
     "prune": PruneReport,
+    "push": PushReport,
+    "pull": PullReport,
 }
 
 

@@ -38,8 +38,24 @@ class PulledBundle:
 
 @dataclass(frozen=True)
 class Skipped:
+    name: str
+    version: int
     repo_path: str
     reason: str
+    path: Path | None = None  # where it would have been published (a valid bundle held back)
+    tokens: int | None = None  # set once validated
+
+
+@dataclass(frozen=True)
+class Refused:
+    name: str
+    version: int
+    repo_path: str
+    path: Path  # where it would have been published
+    error: BundleError  # names the repo path and the commit; .check is the validator's stage
+
+
+HELD_BACK = "valid, but not published: another bundle was refused (a pull publishes all or none)"
 
 
 @dataclass
@@ -47,11 +63,12 @@ class PullResult:
     repo: str
     revision: str  # as asked (default main)
     commit: str  # the commit it resolved to; listing and download both read this one
+    url: str | None  # the repo's files at that commit on the hub, when the client names its host
     model: Path
     bundles_dir: Path
     pulled: list[PulledBundle] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
-    refused: list[BundleError] = field(default_factory=list)  # non-empty: nothing was published
+    refused: list[Refused] = field(default_factory=list)  # non-empty: nothing was published
 
 
 def parse_wanted(prefixes: list[str] | None) -> dict[str, int | None] | None:
@@ -74,7 +91,9 @@ def select(
     fp = fingerprint[:FINGERPRINT_CHARS]
     mine = [b for b in remote if b.fingerprint == fp]
     skipped = [
-        Skipped(b.path, f"for another model ({b.fingerprint})") for b in remote if b not in mine
+        Skipped(b.name, b.version, b.path, f"for another model ({b.fingerprint})")
+        for b in remote
+        if b not in mine
     ]
     best: dict[str, int] = {}
     for b in mine:
@@ -83,10 +102,9 @@ def select(
     chosen = [b for b in mine if best.get(b.name) == b.version]
     for b in mine:
         if b not in chosen:
-            why = (
-                "not asked for" if wanted is not None and b.name not in wanted else "older version"
-            )
-            skipped.append(Skipped(b.path, why))
+            highest = wanted is None or (b.name in wanted and wanted[b.name] is None)
+            why = "older version" if highest else "not asked for"
+            skipped.append(Skipped(b.name, b.version, b.path, why))
     return chosen, skipped
 
 
@@ -107,7 +125,9 @@ def pull(
     with hub_errors(repo, revision, "pull from"):
         commit = api.repo_info(repo, revision=revision, repo_type=REPO_TYPE).sha
         files = api.list_repo_files(repo, revision=commit, repo_type=REPO_TYPE)
-    result = PullResult(repo, revision or "main", commit, model_dir, root)
+    endpoint = getattr(api, "endpoint", None)  # HfApi's host; None: no URL to give
+    url = f"{endpoint.rstrip('/')}/{repo}/tree/{commit}" if endpoint else None
+    result = PullResult(repo, revision or "main", commit, url, model_dir, root)
     chosen, result.skipped = select(remote_bundles(files), identity.model, wanted)
     _check_found(result, chosen, wanted, identity.model[:FINGERPRINT_CHARS])
     clean_staging(root)
@@ -128,12 +148,16 @@ def pull(
                 validated.append((b, v.manifest.tokens.count))
             except BundleError as exc:
                 where = f"{b.path} from hub repo {repo}@{commit[:12]}"
-                result.refused.append(BundleError(where, exc.reason, exc.field))
-        if not result.refused:
-            for b, tokens in validated:
-                dest = root / b.path
-                _publish(root, staging / b.path, dest)
-                result.pulled.append(PulledBundle(b.name, b.version, b.path, dest, tokens))
+                error = BundleError(where, exc.reason, exc.field)
+                error.check = exc.check
+                result.refused.append(Refused(b.name, b.version, b.path, root / b.path, error))
+        for b, tokens in validated:
+            dest = root / b.path
+            if result.refused:
+                result.skipped.append(Skipped(b.name, b.version, b.path, HELD_BACK, dest, tokens))
+                continue
+            _publish(root, staging / b.path, dest)
+            result.pulled.append(PulledBundle(b.name, b.version, b.path, dest, tokens))
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return result

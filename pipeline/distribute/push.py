@@ -19,6 +19,7 @@ from pipeline.runtime.validate import recorded_identity, validate
 OFFLINE_FIX = (
     "push where the hub is reachable (HF_HUB_OFFLINE unset, network up); nothing was pushed"
 )
+HELD_BACK = "valid, but not pushed: another bundle was refused (a push commits all or none)"
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class CheckedBundle:
     repo_path: str  # <name>/<version>/<slug>-<fingerprint[:12]>, as locally
     files: tuple[str, ...]
     cache_sha256: str
+    tokens: int
 
     @property
     def label(self) -> str:
@@ -59,6 +61,7 @@ def check_bundle(bundle: Path) -> CheckedBundle:
         repo_path=f"{m.prefix.name}/{m.prefix.version}/{model_folder(m.model.slug, m.model.fingerprint)}",
         files=tuple(sorted(p.name for p in bundle.iterdir())),
         cache_sha256=m.cache.file_sha256,
+        tokens=m.tokens.count,
     )
 
 
