@@ -13,7 +13,7 @@ from filelock import Timeout as LockTimeout
 from mlx_lm.models.cache import load_prompt_cache
 
 from pipeline import BLAS_STATUS, __version__
-from pipeline.build.fidelity import check_fidelity
+from pipeline.build.fidelity import check_fidelity, check_serving
 from pipeline.build.prefill import (
     Progress,
     cache_nbytes,
@@ -241,6 +241,15 @@ def _write(job: Job, loaded, cut: StableCut, cache, stats, tmp: Path, needed: in
         if job.check:
             written = load_prompt_cache(str(staged / CACHE_FILE))
             fidelity = check_fidelity(loaded, reference, written, d.spec, cut.probe_tokens)
+            serving, skipped = check_serving(
+                loaded,
+                job.target.model_dir,
+                (reference, written),
+                cut.tokens,
+                cut.probe_tokens,
+                d.spec,
+            )
+            fidelity = fidelity.model_copy(update={"serving": serving, "serving_skipped": skipped})
         facts = BuildFacts(
             job.identity, job.rendered, cut, final, dtype_name(loaded.serving_dtype),
             job.builder, job.key, file_sha256, file_bytes,

@@ -107,6 +107,9 @@ class CheckSpec(Strict):
 
     max_abs_logit_diff: float | None = Field(default=None, ge=0)
     greedy_tokens: int = Field(default=8, ge=1, le=64)
+    # compare against a cold prefill in the model's own dtype (the serving path); default: when
+    # free or fast (the builder computes in that dtype, or runs on a GPU), else skipped and said so
+    serving: bool | None = None
 
 
 class PrefixDefinition(Strict):

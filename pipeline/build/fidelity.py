@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models.cache import make_prompt_cache
 
 from pipeline.build.definition import PrefixDefinition
-from pipeline.build.prefill import LoadedModel
+from pipeline.build.prefill import LoadedModel, dtype_name, load_model
 from pipeline.format.errors import BuildError
-from pipeline.format.manifest import FidelityInfo
+from pipeline.format.manifest import FidelityInfo, ServingCheck
 
 # Default bounds on the max |logit difference| (see README "Fidelity"): exact for full precision.
 DEFAULT_THRESHOLDS = {None: 0.0, 8: 0.5, 4: 2.0}
@@ -60,6 +62,7 @@ def check_fidelity(
         greedy_tokens=steps,
         greedy_match=ref_tokens == got_tokens,
         probe=f"{len(probe)} tokens",
+        reference=builder_reference(loaded, spec.cache.prefill_step_size),
     )
     exact = spec.cache.kv_bits is None
     if diff > bound or (exact and not info.greedy_match):
@@ -69,3 +72,72 @@ def check_fidelity(
             "raise check.max_abs_logit_diff if this quantization error is acceptable"
         )
     return info
+
+
+SERVER_CHUNK = 2048  # mlx_lm.server's default --prefill-step-size
+
+
+def builder_reference(loaded: LoadedModel, step: int) -> str:
+    """The builder's path, as the manifest names it."""
+    return (
+        f"builder cold prefill: {dtype_name(loaded.compute_dtype)} compute on "
+        f"{mx.default_device().type.name}, chunks of {step} tokens, KV stored as "
+        f"{dtype_name(loaded.serving_dtype)}"
+    )
+
+
+def check_serving(
+    loaded: LoadedModel,
+    model_dir: Path,
+    caches: tuple[list[Any], list[Any]],
+    tokens: list[int],
+    probe: list[int],
+    spec: PrefixDefinition,
+) -> tuple[ServingCheck | None, str | None]:
+    """(the serving-path comparison, or None and why it was skipped); recorded, never a refusal.
+
+    caches: (the builder's reference cache, the bundle as written). Where the serving path is the
+    builder's path (same dtype, same chunks) the reference is that cold prefill already.
+    """
+    reference, written = caches
+    same = loaded.compute_dtype == loaded.serving_dtype
+    on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    if spec.check.serving is False:
+        return None, "disabled by check.serving = false"
+    if spec.check.serving is None and on_cpu and not same:
+        return None, (
+            f"skipped: a {dtype_name(loaded.serving_dtype)} prefill on CPU is slow; "
+            "set check.serving = true to run it"
+        )
+    model = loaded.model if same else load_model(model_dir, compute_in_serving_dtype=True).model
+    serving = LoadedModel(model, loaded.tokenizer, loaded.serving_dtype, loaded.serving_dtype)
+    steps = spec.check.greedy_tokens
+    same_path = same and spec.cache.prefill_step_size == SERVER_CHUNK
+    cold_cache = reference if same_path else _server_prefill(model, tokens)
+    cold_logits, cold_tokens = continue_from(serving, cold_cache, probe, steps)
+    warm_logits, warm_tokens = continue_from(serving, written, probe, steps)
+    diff = float(mx.max(mx.abs(cold_logits - warm_logits)).item())
+    top2 = mx.sort(cold_logits)[-2:]
+    margin = float((top2[1] - top2[0]).item())
+    return (
+        ServingCheck(
+            dtype=dtype_name(loaded.serving_dtype),
+            device=mx.default_device().type.name,
+            chunk_tokens=SERVER_CHUNK,
+            same_as_builder=same_path,
+            max_abs_logit_diff=diff,
+            greedy_match=cold_tokens == warm_tokens,
+            top2_margin=margin,
+            tie_within_tolerance=margin <= diff,
+        ),
+        None,
+    )
+
+
+def _server_prefill(model: Any, tokens: list[int]) -> list[Any]:
+    """A cold prefill chunked as mlx_lm.server chunks a prompt."""
+    cache = make_prompt_cache(model)
+    for start in range(0, len(tokens), SERVER_CHUNK):
+        model(mx.array(tokens[start : start + SERVER_CHUNK])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+    return cache

@@ -58,14 +58,16 @@ def serving_dtype(model: nn.Module) -> mx.Dtype:
     return max(counts, key=counts.get) if counts else mx.float32
 
 
-def load_model(model_dir: Path) -> LoadedModel:
-    """Load weights and tokenizer; on CPU compute in float32 (no fast half-precision CPU path)."""
+def load_model(model_dir: Path, *, compute_in_serving_dtype: bool = False) -> LoadedModel:
+    """Load weights and tokenizer; on CPU compute in float32 (no fast half-precision CPU path)
+    unless asked to compute as a server does, in the model's own dtype."""
     try:
         model, tokenizer = mlx_load(str(model_dir))
     except (FileNotFoundError, ValueError, OSError) as exc:
         raise ModelError(f"model {model_dir}: cannot be loaded by mlx_lm ({exc})") from None
     dtype = serving_dtype(model)
-    compute = mx.float32 if mx.default_device().type == mx.DeviceType.cpu else dtype
+    on_cpu = mx.default_device().type == mx.DeviceType.cpu
+    compute = mx.float32 if on_cpu and not compute_in_serving_dtype else dtype
     if compute != dtype:
         model.set_dtype(compute)
         mx.eval(model.parameters())  # convert at load: else the first prefill chunk pays for it

@@ -72,13 +72,30 @@ class BuilderInfo(Record):
     compute_dtype: Short
 
 
+class ServingCheck(Record):
+    """Warm from the bundle vs a cold prefill on the serving path: the model's own dtype, chunked
+    as mlx_lm.server chunks a prompt."""
+
+    dtype: Short
+    device: Short
+    chunk_tokens: Annotated[int, Field(ge=1)]
+    same_as_builder: bool  # the serving path is the builder's path (same dtype and chunks)
+    max_abs_logit_diff: float
+    greedy_match: bool
+    top2_margin: float  # the cold path's gap between its two best first tokens
+    tie_within_tolerance: bool  # margin <= diff: the first greedy token is a coin toss
+
+
 class FidelityInfo(Record):
     checked: bool
-    max_abs_logit_diff: float | None = None
+    max_abs_logit_diff: float | None = None  # against the builder's own cold prefill
     threshold: float | None = None
     greedy_tokens: int | None = None
     greedy_match: bool | None = None
     probe: Short | None = None
+    reference: Short | None = None  # the builder's path: compute dtype, device, chunks
+    serving: ServingCheck | None = None
+    serving_skipped: Short | None = None  # why the serving-path comparison did not run
 
 
 class Manifest(Record):

@@ -1,0 +1,53 @@
+"""The fidelity record names its reference and compares against the serving path where it can."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipeline.format.layout import MANIFEST_FILE
+from pipeline.testmodels.model import generate_model
+
+from conftest import build_bundle, write_definition
+
+
+def fidelity(bundle: Path) -> dict:
+    return json.loads((bundle / MANIFEST_FILE).read_text())["fidelity"]
+
+
+def test_float32_model_serving_path_is_the_builder_path(shop_bundle: Path):
+    f = fidelity(shop_bundle)
+    assert f["reference"] == (
+        "builder cold prefill: float32 compute on cpu, chunks of 2048 tokens, KV stored as float32"
+    )
+    s = f["serving"]
+    assert s["same_as_builder"] and s["dtype"] == "float32" and s["chunk_tokens"] == 2048
+    assert s["max_abs_logit_diff"] == 0.0 and s["greedy_match"] and f["serving_skipped"] is None
+    assert s["tie_within_tolerance"] == (s["top2_margin"] <= 0.0)
+
+
+@pytest.fixture(scope="module")
+def bf16_model(tmp_path_factory) -> Path:
+    return generate_model(tmp_path_factory.mktemp("bf16") / "tiny-bf16", "tiny", dtype="bfloat16")
+
+
+@pytest.mark.parametrize("serving", [None, True])
+def test_bfloat16_model_serving_path_is_measured_or_said_to_be_skipped(
+    tmp_path: Path, bf16_model: Path, serving: bool | None
+):
+    extra = "" if serving is None else "[check]\nserving = true\n"
+    write_definition(tmp_path, bf16_model, extra="")
+    path = tmp_path / "prefixes" / "shop.toml"
+    path.write_text(path.read_text() + extra)
+    f = fidelity(build_bundle(tmp_path, check=True))
+    assert f["reference"].startswith("builder cold prefill: float32 compute on cpu")
+    assert f["reference"].endswith("KV stored as bfloat16")
+    if serving is None:  # a bfloat16 prefill on CPU is slow: skipped, and the manifest says so
+        assert f["serving"] is None and "set check.serving = true" in f["serving_skipped"]
+    else:  # measured against the server's own bfloat16 cold prefill
+        s = f["serving"]
+        assert s["dtype"] == "bfloat16" and not s["same_as_builder"]
+        assert 0.0 < s["max_abs_logit_diff"] < 1.0 and s["top2_margin"] >= 0.0
+        assert s["tie_within_tolerance"] == (s["top2_margin"] <= s["max_abs_logit_diff"])
