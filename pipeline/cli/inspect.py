@@ -149,8 +149,17 @@ def _print_checks(manifest, args: argparse.Namespace, refusal) -> None:
     )
     if f.checked:
         print(
-            f"  info fidelity               max |logit diff| {f.max_abs_logit_diff:.3g} <= {f.threshold:g}, greedy match {f.greedy_match} (at build)"
+            f"  info fidelity               max |logit diff| {f.max_abs_logit_diff:.3g} <= {f.threshold:g}, greedy match {f.greedy_match} (at build, vs {f.reference})"
         )
+        s = f.serving
+        serving = (
+            f"max |logit diff| {s.max_abs_logit_diff:.3g} vs a cold {s.dtype} prefill on {s.device} "
+            f"(chunks of {s.chunk_tokens}), greedy match {s.greedy_match}"
+            + (", a tie within tolerance" if s.tie_within_tolerance else "")
+            if s is not None
+            else f.serving_skipped
+        )
+        print(f"  info serving path           {serving}")
     print(
         f"valid{' for ' + str(args.model) if args.model else ''}: {'yes' if refusal is None else 'no'}"
     )
