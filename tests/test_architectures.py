@@ -60,3 +60,21 @@ def test_a_layer_of_another_kind_is_refused(arch_bundle, tmp_path: Path):
     with pytest.raises(BundleError):
         verify(copy, model_dir)
     assert json.loads((copy / MANIFEST_FILE).read_text())["cache"]["classes"][0] == other
+
+
+def test_diverging_inside_a_non_trimmable_prefix_goes_cold(arch_bundle):
+    arch, model_dir, bundle = arch_bundle
+    manager = PromptCacheManager()
+    mounted = mount(model_dir, bundle, manager=manager, model_key="m")
+    tokens = mounted.bundles[0].tokens
+    diverging = [*tokens[:100], 27, 872, 198]  # parts inside the prefix, past gemma's window
+    hit = manager.fetch("m", diverging)  # rotating past its window / recurrent state: no trim
+    assert hit.cache is None and hit.cache_hit_tokens == 0 and list(hit.remaining) == diverging
+
+
+def test_quantized_kv_leaves_rotating_layers_unquantized(tmp_path: Path, tiny_model: Path):
+    model = generate_arch_model(tmp_path / "gemma", "gemma3_text", tiny_model)
+    write_definition(tmp_path, model, kv_bits=8)
+    manifest = verify(build_bundle(tmp_path, check=True), model)
+    assert manifest.cache.classes == ["RotatingKVCache", "RotatingKVCache", "QuantizedKVCache"]
+    assert manifest.fidelity.max_abs_logit_diff <= manifest.fidelity.threshold
