@@ -51,3 +51,14 @@ def test_bfloat16_model_serving_path_is_measured_or_said_to_be_skipped(
         assert s["dtype"] == "bfloat16" and not s["same_as_builder"]
         assert 0.0 < s["max_abs_logit_diff"] < 1.0 and s["top2_margin"] >= 0.0
         assert s["tie_within_tolerance"] == (s["top2_margin"] <= s["max_abs_logit_diff"])
+
+
+def test_computing_in_the_model_dtype_makes_warm_equal_the_serving_path(
+    tmp_path: Path, bf16_model: Path
+):
+    write_definition(tmp_path, bf16_model, compute_dtype='"model"')
+    manifest = json.loads((build_bundle(tmp_path, check=True) / MANIFEST_FILE).read_text())
+    f, s = manifest["fidelity"], manifest["fidelity"]["serving"]
+    assert manifest["builder"]["compute_dtype"] == "model"
+    assert f["reference"].startswith("builder cold prefill: bfloat16 compute on cpu")
+    assert s["same_as_builder"] and s["max_abs_logit_diff"] == 0.0 and s["greedy_match"]

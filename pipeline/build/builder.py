@@ -25,6 +25,7 @@ from pipeline.build.prefill import (
     finalize_cache,
     load_model,
     prefill,
+    resolve_compute,
 )
 from pipeline.build.render import Rendered, check_rendered, render_prefix
 from pipeline.build.stability import StableCut, stable_prefix
@@ -127,21 +128,20 @@ def preview(text: str, width: int = 120) -> str:
     return f"{text[:width]} [...] {text[-width:]}"
 
 
-def builder_info() -> BuilderInfo:
+def builder_info(compute: str | None = None) -> BuilderInfo:
     """Versions and device of this builder (part of the build key)."""
     import mlx.core as mx
     from mlx_lm import __version__ as mlx_lm_version
 
     from pipeline.build.prefill import device_label
 
-    on_cpu = mx.default_device().type == mx.DeviceType.cpu
     return BuilderInfo(
         pipeline=__version__,
         mlx=mx.__version__,
         mlx_lm=mlx_lm_version,
         platform=f"{platform.system()} {platform.machine()} python{platform.python_version()}",
         device=device_label(),
-        compute_dtype="float32" if on_cpu else "model",
+        compute_dtype=resolve_compute(compute),
     )
 
 
@@ -169,7 +169,7 @@ def build(
     # the bundle is for a server that renders with the pinned template (the model's or a file)
     identity = dataclasses.replace(identity, template=rendered.template_sha256)
     check_rendered(d, rendered.text)
-    builder = builder_info()
+    builder = builder_info(d.spec.cache.compute_dtype)
     key = build_key(target, identity, rendered, builder)
     dest = bundle_path(bundles_root, d.name, d.version, target.slug, identity.model)
     current = None if force else existing_manifest(dest, identity)
@@ -208,7 +208,7 @@ def _build_locked(job: Job, bundles_root: Path) -> BuildResult:
     d = job.target.definition
     tmp = new_staging_folder(bundles_root)  # proves the bundles folder is writable, before prefill
     try:
-        loaded = load_model(job.target.model_dir)
+        loaded = load_model(job.target.model_dir, d.spec.cache.compute_dtype)
         encode_text = lambda text: encode(loaded.tokenizer, text)  # noqa: E731
         rerender = lambda msgs: render_prefix(d, job.target.model_dir, messages=msgs).text  # noqa: E731
         cut = stable_prefix(job.rendered.text, d.messages, rerender, encode_text)

@@ -100,6 +100,10 @@ class CacheSpec(Strict):
     kv_group_size: Literal[32, 64, 128] = 64
     # 2048 like mlx_lm: bigger chunks keep matmuls efficient (bench: 512 ran at 0.84x cache_prompt)
     prefill_step_size: int = Field(default=2048, ge=16, le=16384)
+    # the prefill's dtype: "model" (the serving dtype: warm equals a server's cold prefill bit for
+    # bit when chunks match) or "float32"; default: float32 on a CPU builder (no fast half-precision
+    # CPU matmul), the model's dtype on a GPU
+    compute_dtype: Literal["model", "float32"] | None = None
 
 
 class CheckSpec(Strict):

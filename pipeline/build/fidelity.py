@@ -109,7 +109,7 @@ def check_serving(
             f"skipped: a {dtype_name(loaded.serving_dtype)} prefill on CPU is slow; "
             "set check.serving = true to run it"
         )
-    model = loaded.model if same else load_model(model_dir, compute_in_serving_dtype=True).model
+    model = loaded.model if same else load_model(model_dir, "model").model
     serving = LoadedModel(model, loaded.tokenizer, loaded.serving_dtype, loaded.serving_dtype)
     steps = spec.check.greedy_tokens
     same_path = same and spec.cache.prefill_step_size == SERVER_CHUNK

@@ -58,20 +58,26 @@ def serving_dtype(model: nn.Module) -> mx.Dtype:
     return max(counts, key=counts.get) if counts else mx.float32
 
 
-def load_model(model_dir: Path, *, compute_in_serving_dtype: bool = False) -> LoadedModel:
-    """Load weights and tokenizer; on CPU compute in float32 (no fast half-precision CPU path)
-    unless asked to compute as a server does, in the model's own dtype."""
+def load_model(model_dir: Path, compute: str | None = None) -> LoadedModel:
+    """Load weights and tokenizer, computing in `compute` ("model" or "float32"); by default
+    float32 on CPU (no fast half-precision CPU path) and the model's own dtype elsewhere."""
     try:
         model, tokenizer = mlx_load(str(model_dir))
     except (FileNotFoundError, ValueError, OSError) as exc:
         raise ModelError(f"model {model_dir}: cannot be loaded by mlx_lm ({exc})") from None
     dtype = serving_dtype(model)
-    on_cpu = mx.default_device().type == mx.DeviceType.cpu
-    compute = mx.float32 if on_cpu and not compute_in_serving_dtype else dtype
-    if compute != dtype:
-        model.set_dtype(compute)
+    compute_dtype = mx.float32 if resolve_compute(compute) == "float32" else dtype
+    if compute_dtype != dtype:
+        model.set_dtype(compute_dtype)
         mx.eval(model.parameters())  # convert at load: else the first prefill chunk pays for it
-    return LoadedModel(model, tokenizer, dtype, compute)
+    return LoadedModel(model, tokenizer, dtype, compute_dtype)
+
+
+def resolve_compute(compute: str | None) -> str:
+    """"model" or "float32": the choice, or the default for this device."""
+    if compute is not None:
+        return compute
+    return "float32" if mx.default_device().type == mx.DeviceType.cpu else "model"
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
