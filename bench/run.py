@@ -16,6 +16,7 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH), str(BENCH.parent)]
 
+import case_arch  # noqa: E402
 import case_build  # noqa: E402
 import case_mount  # noqa: E402
 import case_sizes  # noqa: E402
@@ -28,8 +29,19 @@ from common import Context, ensure_models, run_worker, stat  # noqa: E402
 
 import pipeline  # noqa: E402  (its BLAS_STATUS names the OpenBLAS that workers load)
 
-CASES = ("build", "ttft", "mount", "sizes", "handout")
-STEPS = ("setup", "calibration", "build", "ttft_bundles", "ttft", "mount", "sizes", "handout")
+CASES = ("build", "ttft", "mount", "sizes", "handout", "arch")
+STEPS = (
+    "setup",
+    "calibration",
+    "build",
+    "ttft_bundles",
+    "ttft",
+    "mount",
+    "sizes",
+    "handout",
+    "arch",
+)
+BENCH_MODEL_CASES = {"build", "ttft", "mount", "sizes"}  # the ones that need models/bench-*
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -103,7 +115,8 @@ def run_all(ctx: Context, cases: set[str]) -> dict[str, Any]:
     results: dict[str, Any] = {"quick": ctx.quick, "cases": sorted(cases)}
     openblas = pipeline.BLAS_STATUS.library
     results["openblas"] = openblas
-    timed(ctx, "setup", results, lambda: prime(ctx))
+    if cases & BENCH_MODEL_CASES:  # 3.6 GB generated on first use: not for arch/handout alone
+        timed(ctx, "setup", results, lambda: prime(ctx))
     timed(ctx, "calibration", results, lambda: calibrate(ctx))
     if "build" in cases:
         timed(ctx, "build", results, lambda: case_build.run(ctx, openblas))
@@ -119,6 +132,11 @@ def run_all(ctx: Context, cases: set[str]) -> dict[str, Any]:
     results["memory"] = summary.memory(bundles, results.get("sizes"), results.get("mount"))
     if "handout" in cases:
         timed(ctx, "handout", results, lambda: handout(ctx.quick))
+    if "arch" in cases:
+        timed(ctx, "arch", results, lambda: case_arch.run(ctx))
+        for row in (results.get("arch") or {}).get("rows", []):
+            if "error" in row:  # a broken architecture fails the run, as a failed case does
+                results.setdefault("errors", {})[f"arch {row['arch']}"] = row["error"]
     results["targets"] = summary.targets(results, ctx.quick)
     return results
 
@@ -150,12 +168,13 @@ def markdown(results: dict[str, Any], total: float) -> str:
             f"{us} µs per 4 KiB page (1 GiB, fresh process, n={n})"
         )
     lines += report.table(["machine", ""], [[k, v] for k, v in info.items()])
-    lines += report.targets_section(results["targets"])
-    lines += [
-        "Why the missed targets are missed (measured, with what stands in the way and the change "
-        "that would fix it): `bench/README.md`, section *Findings*.",
-        "",
-    ]
+    if results["targets"]:  # none when only arch/handout ran
+        lines += report.targets_section(results["targets"])
+        lines += [
+            "Why the missed targets are missed (measured, with what stands in the way and the change "
+            "that would fix it): `bench/README.md`, section *Findings*.",
+            "",
+        ]
     sections = [
         ("build", lambda r: report.build_section(r)),
         ("ttft", lambda r: report.ttft_section(r, results.get("ttft_bundles") or [])),
@@ -169,6 +188,8 @@ def markdown(results: dict[str, Any], total: float) -> str:
         lines += report.memory_section(results["memory"])
     if "handout" in results.get("cases", []):
         lines += report.handout_section(results.get("handout"))
+    if results.get("arch"):
+        lines += report.arch_section(results["arch"])
     for name, err in results.get("errors", {}).items():
         lines += [f"**Case {name} failed:** `{err}`", ""]
     spent = results.get("durations", {})

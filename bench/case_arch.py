@@ -1,0 +1,176 @@
+"""Case 7, one row per architecture (issue 11): mount time and restart first token on tiny models.
+
+For every architecture in `pipeline.testmodels.arch.CONFIGS` (read at run time, so architectures
+added there get a row without touching the bench): generate the tiny model (float32) into the
+work folder, build a bundle of a prefix longer than any sliding window (fidelity check on, as the
+CLI ships), then in fresh worker processes, interleaved: verified `pipeline.runtime.mount`,
+mlx_lm's unchecked `load_prompt_cache` (+ `mx.eval`), and a restart's first token cold vs with the
+bundle (worker tasks `mount` and `ttft`, the same code as cases 2 and 3).
+
+The models are tiny (a few hundred KB of KV), so the figures are fixed costs per architecture
+(fingerprints, manifest, sums, cache classes rebuilt, the fetch), not bandwidth: what a
+regression in the per-kind code paths would move.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+from typing import Any
+
+from case_ttft import SYSTEM, TEMPLATE_TOKENS
+from common import QUESTION, Context, ratio, run_worker, stat, text_with_tokens, write_definition
+
+DTYPE = "float32"
+STEP = 512  # prefill chunk of the cold and the bundle request alike (as case 2)
+PREFIX_TOKENS = 2048  # > every sliding window in CONFIGS (gemma3_text: 32); clamped to the model
+SERIES = ("verified", "unchecked", "cold", "bundle")
+
+
+def reps(quick: bool) -> int:
+    return 3 if quick else 5
+
+
+def architectures() -> dict[str, dict[str, Any]]:
+    """The CONFIGS of pipeline.testmodels.arch as they are now (others add architectures)."""
+    from pipeline.testmodels.arch import CONFIGS
+
+    return dict(CONFIGS)
+
+
+def generate(arch: str, out: Path, tokenizer_from: Path) -> Path:
+    """The tiny model of `arch` in float32 (the generator's default; passed when it takes one)."""
+    from pipeline.testmodels.arch import generate_arch_model
+
+    kwargs = (
+        {"dtype": DTYPE} if "dtype" in inspect.signature(generate_arch_model).parameters else {}
+    )
+    return generate_arch_model(out, arch, tokenizer_from, **kwargs)
+
+
+def prefix_length(config: dict[str, Any]) -> int:
+    """PREFIX_TOKENS, leaving room for the question within the model's positions."""
+    room = int(config.get("max_position_embeddings") or 1 << 30) - 256
+    return max(min(PREFIX_TOKENS, room), 2 * int(config.get("sliding_window") or 0), 64)
+
+
+def prepare(ctx: Context, arch: str, config: dict[str, Any], tiny: Path) -> dict[str, Any]:
+    """Model, definition and bundle of one architecture; the bundle mounted once (memo primed)."""
+    root = ctx.work / "arch"
+    model = generate(arch, root / "models" / arch, tiny)
+    length = prefix_length(config)
+    notes = text_with_tokens(model, length - TEMPLATE_TOKENS, seed=length)
+    messages = [{"role": "system", "content": SYSTEM + notes}]
+    name = f"arch-{arch}".replace("_", "-")
+    write_definition(root / "project", name, model, messages)
+    ctx.note(f"arch: {arch}: building a {length}-token bundle")
+    args = {"project": str(root / "project"), "name": name, "check": True}
+    built = run_worker("build", args | {"bundles": str(root / "project" / "bundles")})
+    bundle = Path(built["bundle"])
+    # a deployed bundle has been mounted before: later mounts hit the verify-once memo (a restart)
+    run_worker("mount", {"variant": "verified", "model": str(model), "bundle": str(bundle)})
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    return {
+        "model": model,
+        "bundle": bundle,
+        "messages": messages,
+        "tokens": built["tokens"],
+        "kv_dtype": built["dtype"],
+        "classes": manifest["cache"]["classes"],
+        "cache_bytes": (bundle / "cache.safetensors").stat().st_size,
+        "model_bytes": (model / "model.safetensors").stat().st_size,
+        "build_seconds": built["build_seconds"],
+        "fidelity": built["fidelity"],
+    }
+
+
+def one(kind: str, p: dict[str, Any]) -> dict[str, Any]:
+    """One fresh-process measurement of one series."""
+    if kind in ("verified", "unchecked"):
+        args = {"variant": kind, "model": str(p["model"]), "bundle": str(p["bundle"])}
+        return {"seconds": run_worker("mount", args)["seconds"]}
+    args = {
+        "model": str(p["model"]),
+        "bundle": str(p["bundle"]) if kind == "bundle" else None,
+        "messages": p["messages"],
+        "question": QUESTION,
+        "step": STEP,
+    }
+    r = run_worker("ttft", args)
+    s = r["stamps"]
+    return {
+        "restart": s["first_token"] - r["spawn_time"],
+        "after_load": s["first_token"] - s["loaded"],
+        "request": s["first_token"] - s["mounted"],
+        "token": r["token"],
+        "hit_tokens": r["hit_tokens"],
+        "request_tokens": r["tokens"],
+    }
+
+
+def summarise(arch: str, p: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> dict:
+    """One architecture's row: medians, spreads, ratios of medians, hit and first-token checks."""
+    med = lambda kind, m: stat([g[m] for g in runs[kind]]).as_dict()  # noqa: E731
+    out: dict[str, Any] = {
+        "arch": arch,
+        "classes": p["classes"],
+        "tokens": p["tokens"],
+        "kv_dtype": p["kv_dtype"],
+        "cache_bytes": p["cache_bytes"],
+        "model_bytes": p["model_bytes"],
+        "build_seconds": p["build_seconds"],
+        "fidelity": p["fidelity"],
+        "verified": med("verified", "seconds"),
+        "unchecked": med("unchecked", "seconds"),
+    }
+    for kind in ("cold", "bundle"):
+        out[kind] = {m: med(kind, m) for m in ("restart", "after_load", "request")}
+        out[kind]["first_tokens"] = sorted({g["token"] for g in runs[kind]})
+    out["hit_tokens"] = sorted({g["hit_tokens"] for g in runs["bundle"]})
+    out["full_hit"] = out["hit_tokens"] == [p["tokens"]]
+    out["same_first_token"] = out["cold"]["first_tokens"] == out["bundle"]["first_tokens"]
+    out["mount_over_unchecked"] = ratio(out["verified"]["median"], out["unchecked"]["median"])
+    for m in ("restart", "after_load", "request"):
+        out[f"speedup_{m}"] = ratio(out["cold"][m]["median"], out["bundle"][m]["median"])
+    return out
+
+
+def failed(ctx: Context, arch: str, exc: Exception) -> dict[str, str]:
+    ctx.note(f"arch: {arch} FAILED: {exc}")
+    return {"arch": arch, "error": f"{type(exc).__name__}: {exc}"[:300]}
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    """Every architecture of CONFIGS; a failing one is reported in its row, the others still run.
+
+    Interleaved across architectures too (rep 1 of all, rep 2 of all, ...), so a slow phase of
+    the machine spreads over the rows instead of landing on one.
+    """
+    from pipeline.testmodels.model import generate_model
+
+    tiny = generate_model(ctx.work / "arch" / "models" / "tiny")  # tokenizer + template donor
+    archs, errors = architectures(), {}
+    prepared: dict[str, dict[str, Any]] = {}
+    for arch, config in archs.items():
+        try:
+            prepared[arch] = prepare(ctx, arch, config, tiny)
+        except Exception as exc:  # one broken architecture must not hide the others' rows
+            errors[arch] = failed(ctx, arch, exc)
+    runs = {arch: {k: [] for k in SERIES} for arch in prepared}
+    for rep in range(reps(ctx.quick)):
+        ctx.note(f"arch: rep {rep + 1} of {reps(ctx.quick)} ({', '.join(SERIES)} per architecture)")
+        for arch in [a for a in prepared if a not in errors]:
+            try:
+                for kind in SERIES:
+                    runs[arch][kind].append(one(kind, prepared[arch]))
+            except Exception as exc:
+                errors[arch] = failed(ctx, arch, exc)
+    rows = [errors.get(a) or summarise(a, prepared[a], runs[a]) for a in archs]
+    return {
+        "dtype": DTYPE,
+        "step": STEP,
+        "question": QUESTION,
+        "reps": reps(ctx.quick),
+        "rows": rows,
+    }
