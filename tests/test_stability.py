@@ -64,7 +64,7 @@ def test_prefix_ending_at_a_turn_boundary_is_fully_stable(shop_bundle: Path):
     assert tokens["stable_tokens"] == tokens["rendered_tokens"] > 50
 
 
-def test_date_dependent_template_is_refused_unless_pinned(tmp_path: Path, tiny_model: Path):
+def test_date_dependent_template_is_refused_unless_pinned(tmp_path: Path, tiny_model: Path, caplog):
     write_file_template_definition(tmp_path, tiny_model, DATED, "Be brief.")
     with pytest.raises(
         TemplateError, match=r"depends on today's date \(strftime_now\); pin it with template.date"
@@ -74,10 +74,21 @@ def test_date_dependent_template_is_refused_unless_pinned(tmp_path: Path, tiny_m
         tmp_path, tiny_model, DATED, "Be brief.", extra="date = 2026-01-15\n"
     )
     bundle = build_bundle(tmp_path, "glued")
-    assert (
-        "Today is 2026-01-15."
-        in json.loads((bundle / MANIFEST_FILE).read_text())["text"]["preview"]
-    )
+    manifest = json.loads((bundle / MANIFEST_FILE).read_text())
+    assert "Today is 2026-01-15." in manifest["text"]["preview"]
+    assert manifest["model"]["template_date"] == "2026-01-15"
+
+    import datetime
+
+    (mounted,) = mount(tiny_model, bundle, chat_template=DATED).bundles
+    assert mounted.date_warning(datetime.date(2026, 1, 15)) is None
+    warning = mounted.date_warning(datetime.date(2026, 12, 3))
+    assert "date pinned to 2026-01-15" in warning and "will not reuse it" in warning
+
+    from pipeline.runtime.serve import log_mounts
+
+    log_mounts(mount(tiny_model, bundle, chat_template=DATED))  # serve warns at startup
+    assert any("date pinned to 2026-01-15" in r.message for r in caplog.records)
 
 
 def test_stable_prefix_on_plain_lists():

@@ -318,6 +318,7 @@ def make_manifest(target: Target, facts: BuildFacts, fidelity: FidelityInfo) -> 
             tokenizer_fingerprint=facts.identity.tokenizer,
             template_sha256=facts.rendered.template_sha256,
             template_source=facts.rendered.template_source,
+            template_date=d.spec.template.date.isoformat() if d.spec.template.date else None,
         ),
         cache=CacheInfo(
             classes=[type(c).__name__ for c in facts.cache],

@@ -50,6 +50,8 @@ class ModelInfo(Record):
     tokenizer_fingerprint: Hex64
     template_sha256: Hex64
     template_source: Short  # "model" or "file:<name>"
+    # the date strftime_now rendered (definition's template.date), when the template uses it
+    template_date: Annotated[str, Field(pattern=r"^\d{4}-\d{2}-\d{2}$")] | None = None
 
 
 class CacheInfo(Record):

@@ -6,6 +6,7 @@ finds candidate folders, chooses which version to mount, and collects results.
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,17 @@ class MountedBundle:
     @property
     def name(self) -> str:
         return f"{self.manifest.prefix.name}@{self.manifest.prefix.version}"
+
+    def date_warning(self, today: datetime.date) -> str | None:
+        """Why requests rendered today may never share this bundle's prefix, if they may not."""
+        pinned = self.manifest.model.template_date
+        if pinned is None or pinned == today.isoformat():
+            return None
+        return (
+            f"{self.name} was rendered with its template's date pinned to {pinned}; a server "
+            f"rendering today's date ({today.isoformat()}) will not reuse it unless its prompts "
+            "carry the same date (pin the date in the server's template, or rebuild daily)"
+        )
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ the server's own entries. Everything else (options, HTTP, generation) is mlx_lm.
 from __future__ import annotations
 
 import argparse
+import datetime
 import logging
 import sys
 from pathlib import Path
@@ -54,6 +55,9 @@ def bundled_prompt_cache_class(manager: PromptCacheManager, model_path: str) -> 
 
 def log_mounts(result: MountResult) -> None:
     """One line per bundle mounted or refused, and the total."""
+    today = datetime.date.today()
+    for warning in filter(None, (b.date_warning(today) for b in result.bundles)):
+        log.warning("%s", warning)
     for b in result.bundles:
         log.info(
             "mounted %s (%d tokens, %.1f MiB) from %s in %.1f ms",
