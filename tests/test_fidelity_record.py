@@ -62,3 +62,12 @@ def test_computing_in_the_model_dtype_makes_warm_equal_the_serving_path(
     assert manifest["builder"]["compute_dtype"] == "model"
     assert f["reference"].startswith("builder cold prefill: bfloat16 compute on cpu")
     assert s["same_as_builder"] and s["max_abs_logit_diff"] == 0.0 and s["greedy_match"]
+
+
+def test_quantized_bundle_records_whether_greedy_agreement_means_anything(
+    tmp_path: Path, tiny_model: Path
+):
+    write_definition(tmp_path, tiny_model, kv_bits=4)
+    f = fidelity(build_bundle(tmp_path, check=True))
+    assert 0.0 < f["max_abs_logit_diff"] <= f["threshold"] and f["top2_margin"] > 0.0
+    assert f["tie_within_tolerance"] == (f["top2_margin"] <= f["max_abs_logit_diff"])

@@ -54,6 +54,7 @@ def check_fidelity(
     ref_logits, ref_tokens = continue_from(loaded, reference, probe, steps)
     got_logits, got_tokens = continue_from(loaded, written, probe, steps)
     diff = float(mx.max(mx.abs(ref_logits - got_logits)).item())
+    margin = top2_margin(ref_logits)
     bound = threshold_for(spec)
     info = FidelityInfo(
         checked=True,
@@ -63,6 +64,8 @@ def check_fidelity(
         greedy_match=ref_tokens == got_tokens,
         probe=f"{len(probe)} tokens",
         reference=builder_reference(loaded, spec.cache.prefill_step_size),
+        top2_margin=margin,
+        tie_within_tolerance=margin <= diff,
     )
     exact = spec.cache.kv_bits is None
     if diff > bound or (exact and not info.greedy_match):
@@ -117,8 +120,7 @@ def check_serving(
     cold_logits, cold_tokens = continue_from(serving, cold_cache, probe, steps)
     warm_logits, warm_tokens = continue_from(serving, written, probe, steps)
     diff = float(mx.max(mx.abs(cold_logits - warm_logits)).item())
-    top2 = mx.sort(cold_logits)[-2:]
-    margin = float((top2[1] - top2[0]).item())
+    margin = top2_margin(cold_logits)
     return (
         ServingCheck(
             dtype=dtype_name(loaded.serving_dtype),
@@ -141,3 +143,9 @@ def _server_prefill(model: Any, tokens: list[int]) -> list[Any]:
         model(mx.array(tokens[start : start + SERVER_CHUNK])[None], cache=cache)
         mx.eval([c.state for c in cache])
     return cache
+
+
+def top2_margin(logits: mx.array) -> float:
+    """The gap between the two largest logits: below the measured difference, greedy is a toss-up."""
+    top2 = mx.sort(logits)[-2:]
+    return float((top2[1] - top2[0]).item())

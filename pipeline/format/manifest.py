@@ -96,6 +96,8 @@ class FidelityInfo(Record):
     greedy_match: bool | None = None
     probe: Short | None = None
     reference: Short | None = None  # the builder's path: compute dtype, device, chunks
+    top2_margin: float | None = None  # the reference's gap between its two best first tokens
+    tie_within_tolerance: bool | None = None  # margin <= diff: greedy_match says nothing
     serving: ServingCheck | None = None
     serving_skipped: Short | None = None  # why the serving-path comparison did not run
 
