@@ -1,7 +1,8 @@
-"""Tiny real-format model folders of other mlx_lm architectures, for every cache kind under test.
+"""Tiny real-format model folders of mlx_lm architectures, for every cache kind under test.
 
-The weights are the architecture's own initialisation under a fixed seed, saved as safetensors; the
-tokenizer and chat template are the tiny Qwen3 test model's. Small enough to build in a second.
+The weights are the architecture's own initialisation under a fixed seed, saved as safetensors in
+float32 or cast to bfloat16 (config `torch_dtype`/`dtype` say which); the tokenizer and chat
+template are the tiny Qwen3 test model's. Small enough to build in well under a second.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import shutil
 from pathlib import Path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+DTYPES = ("float32", "bfloat16")
 COMMON = {
     "vocab_size": 1024,
     "bos_token_id": 1015,
@@ -18,6 +20,20 @@ COMMON = {
     "tie_word_embeddings": True,
 }
 CONFIGS = {
+    # plain attention with per-head q/k RMSNorm: one KVCache per layer
+    "qwen3": dict(
+        model_type="qwen3", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, head_dim=64, num_key_value_heads=2, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, max_position_embeddings=4096,
+    ),
+    # mixture of experts (4 tiny experts, top 2, q/k norms): one KVCache per layer
+    "qwen3_moe": dict(
+        model_type="qwen3_moe", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, head_dim=64, num_key_value_heads=2, num_experts=4,
+        num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+        moe_intermediate_size=32, norm_topk_prob=True, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=4096,
+    ),
     # sliding window 32 < the test prefix: layers 0 and 1 wrap a RotatingKVCache, layer 2 is global
     "gemma3_text": dict(
         model_type="gemma3_text", hidden_size=64, num_hidden_layers=3, intermediate_size=128,
@@ -34,20 +50,36 @@ CONFIGS = {
 }  # fmt: skip
 
 
-def generate_arch_model(out_dir: Path, arch: str, tokenizer_from: Path, seed: int = 0) -> Path:
-    """Write config.json, model.safetensors and the tokenizer files for `arch` into out_dir."""
+def generate_arch_model(
+    out_dir: Path,
+    arch: str,
+    tokenizer_from: Path,
+    seed: int = 0,
+    dtype: str = "float32",
+    **overrides,
+) -> Path:
+    """Write config.json, model.safetensors (in `dtype`) and the tokenizer files for `arch`;
+    `overrides` replace config fields (e.g. sliding_window=1024)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.utils import _get_classes
 
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    config = {**CONFIGS[arch], **COMMON}
+    config = {**CONFIGS[arch], **COMMON, **overrides, "torch_dtype": dtype, "dtype": dtype}
     for name in TOKENIZER_FILES:
         shutil.copy(Path(tokenizer_from) / name, out_dir / name)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     mx.random.seed(seed)
     model_class, args_class = _get_classes(config)
     model = model_class(args_class.from_dict(config))
-    mx.save_safetensors(str(out_dir / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    weights = dict(tree_flatten(model.parameters()))
+    target = getattr(mx, dtype)
+    weights = {
+        k: v.astype(target) if mx.issubdtype(v.dtype, mx.floating) else v
+        for k, v in weights.items()
+    }
+    mx.save_safetensors(str(out_dir / "model.safetensors"), weights)
     return out_dir
