@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.format.fingerprint import sha256_file
+from pipeline.format.fingerprint import file_digests, sha256_file
 from pipeline.format.layout import CACHE_FILE, MANIFEST_FILE, REPORT_FILE, SUMS_FILE
 
 Mutation = Callable[[Path], None]
@@ -56,8 +56,10 @@ def reseal_manifest(bundle: Path) -> None:
     try:
         manifest = json.loads(path.read_text())
         cache = bundle / CACHE_FILE
-        manifest["cache"]["file_sha256"] = sha256_file(cache)
-        manifest["cache"]["file_bytes"] = cache.stat().st_size
+        digests = file_digests(cache)
+        manifest["cache"]["file_sha256"] = digests.sha256
+        manifest["cache"]["file_blake3"] = digests.blake3
+        manifest["cache"]["file_bytes"] = digests.size
     except (OSError, ValueError, TypeError, KeyError, RecursionError):
         return reseal_sums(bundle)
     path.write_text(json.dumps(manifest, sort_keys=True, indent=2) + "\n")

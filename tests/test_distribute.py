@@ -197,7 +197,7 @@ def test_pull_refuses_a_bundle_altered_on_the_hub_and_publishes_nothing(
     assert main(["pull", "--repo", REPO, "--model", str(model)]) == 1
     err = capsys.readouterr().err
     assert err.startswith(f"error: bundle shop/1/{shop_bundle.name} from hub repo {REPO}@c1")
-    assert "sha256" in err and err.rstrip().endswith("(nothing was published)")
+    assert "blake3 mismatch" in err and err.rstrip().endswith("(nothing was published)")
     assert err.count("\n") == 1
     bundles = model / "prefix-bundles"
     assert [p.name for p in bundles.iterdir()] == [".staging"]
@@ -227,7 +227,7 @@ def test_pull_json_lists_the_refusal_and_the_valid_bundle_it_held_back(
     assert refused.path == str(bundles / "shop/1" / shop_bundle.name)
     assert refused.tokens is None and refused.reason is None
     assert (refused.refusal.check, refused.refusal.field) == ("data", CACHE_FILE)
-    assert "sha256 mismatch" in refused.refusal.reason
+    assert "blake3 mismatch" in refused.refusal.reason
     assert (doc.totals.pulled, doc.totals.skipped, doc.totals.refused) == (0, 1, 1)
     assert out.err == (
         f"error: bundle shop/1/{shop_bundle.name} from hub repo {REPO}@c1: "

@@ -57,7 +57,7 @@ def test_verify_json_reports_each_bundle_and_totals(
     assert (ok.status, ok.path, ok.prefix, ok.version) == ("ok", str(shop_bundle), "shop", 1)
     assert ok.tokens > 50 and ok.refusal is None
     assert (refused.status, refused.refusal.check) == ("refused", "data")
-    assert refused.refusal.field == CACHE_FILE and "sha256 mismatch" in refused.refusal.reason
+    assert refused.refusal.field == CACHE_FILE and "blake3 mismatch" in refused.refusal.reason
     assert (doc.totals.ok, doc.totals.refused) == (1, 1)
     assert out.err.splitlines() == [f"error: bundle {damaged}: {refused.refusal.reason}"]
 

@@ -52,7 +52,7 @@ def other_weights(bundle: Path, model: Path) -> None:
 
 
 CASES: list[tuple[str, Callable[[Path, Path], None], str, str]] = [
-    ("flipped byte", flip_byte, CACHE_FILE, "cache.safetensors sha256 mismatch"),
+    ("flipped byte", flip_byte, CACHE_FILE, "cache.safetensors blake3 mismatch"),
     ("edited manifest", edit_manifest, MANIFEST_FILE, "manifest.json sha256 mismatch"),
     ("missing SHA256SUMS", drop_sums, SUMS_FILE, "SHA256SUMS is missing"),
     ("other weights", other_weights, "model.fingerprint", "model weights/config mismatch"),
@@ -156,8 +156,8 @@ def test_mount_hashes_once_per_file_state_and_verify_always(
     shutil.copytree(shop_bundle, bundle)
     cache_file = bundle / CACHE_FILE
     assert memo.lookup(memo.stat_key(cache_file)) is None
-    mount(tiny_model, bundle)  # first sight: full sha256, then remembered
-    expected = (bundle / SUMS_FILE).read_text().split()[0]
+    mount(tiny_model, bundle)  # first sight: hashed in full (BLAKE3), then remembered
+    expected = json.loads((bundle / MANIFEST_FILE).read_text())["cache"]["file_blake3"]
     assert memo.lookup(memo.stat_key(cache_file)) == expected
     assert oct(memo.memo_path().stat().st_mode & 0o777) == "0o600"
     assert oct(memo.memo_path().parent.stat().st_mode & 0o777) == "0o700"
@@ -169,9 +169,9 @@ def test_mount_hashes_once_per_file_state_and_verify_always(
     with open(cache_file, "r+b") as fh:  # edited in place: same inode, mtime restored below
         fh.write(bytes(data))
     os.utime(cache_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    with pytest.raises(BundleError, match="cache.safetensors sha256 mismatch"):
+    with pytest.raises(BundleError, match="cache.safetensors blake3 mismatch"):
         mount(tiny_model, bundle)  # ctime moved: hashed again, refused
-    with pytest.raises(BundleError, match="cache.safetensors sha256 mismatch"):
+    with pytest.raises(BundleError, match="cache.safetensors blake3 mismatch"):
         verify(bundle, tiny_model)  # deploy-time verify never trusts the memo
 
 
@@ -184,12 +184,12 @@ def test_a_forged_memo_entry_is_ignored_when_the_memo_is_not_private(
     bundle = tmp_path / "b"
     shutil.copytree(shop_bundle, bundle)
     flip_byte(bundle, tiny_model)
-    expected = json.loads((bundle / MANIFEST_FILE).read_text())["cache"]["file_sha256"]
+    expected = json.loads((bundle / MANIFEST_FILE).read_text())["cache"]["file_blake3"]
     memo.store(memo.stat_key(bundle / CACHE_FILE), expected)  # a forged "already verified"
     os.chmod(memo.memo_path(), 0o644)  # open to others: the memo is not trusted at all
-    with pytest.raises(BundleError, match="sha256 mismatch"):
+    with pytest.raises(BundleError, match="blake3 mismatch"):
         mount(tiny_model, bundle)
-    with pytest.raises(BundleError, match="sha256 mismatch"):
+    with pytest.raises(BundleError, match="blake3 mismatch"):
         mount(tiny_model, bundle, verify_full=True)
 
 
@@ -199,7 +199,8 @@ def test_a_bundle_of_the_previous_format_is_refused_with_the_fix(
     bundle = shutil.copytree(shop_bundle, tmp_path / "b")
     raw = json.loads((bundle / MANIFEST_FILE).read_text())
     raw["format_version"] = 1
-    del raw["cache"]["file_sha256"], raw["cache"]["file_bytes"]  # what format 1 wrote
+    for field in ("file_sha256", "file_blake3", "file_bytes"):  # what format 1 did not write
+        del raw["cache"][field]
     (bundle / MANIFEST_FILE).write_text(json.dumps(raw, sort_keys=True, indent=2) + "\n")
     (bundle / SUMS_FILE).write_text(
         "".join(f"{sha256_file(bundle / n)}  {n}\n" for n in (CACHE_FILE, MANIFEST_FILE))

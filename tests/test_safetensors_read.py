@@ -9,6 +9,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from blake3 import blake3
 
 from pipeline.format.safetensors_read import FormatError, read_data, read_header
 
@@ -29,7 +30,7 @@ def tensors_file(tmp_path: Path) -> Path:
 
 def read_all(path: Path, load: bool = True):
     header = read_header(path)
-    return header, read_data(path, header, hash_bytes=True, load=load)
+    return header, read_data(path, header, digests=("sha256", "blake3"), load=load)
 
 
 def test_reads_what_mx_load_reads_and_hashes_the_file(tensors_file: Path):
@@ -40,22 +41,27 @@ def test_reads_what_mx_load_reads_and_hashes_the_file(tensors_file: Path):
     for name, value in expected.items():
         assert data.arrays[name].dtype == value.dtype and data.arrays[name].shape == value.shape
         assert mx.array_equal(data.arrays[name], value).item()
-    assert data.digest == hashlib.sha256(tensors_file.read_bytes()).hexdigest()
+    raw = tensors_file.read_bytes()
+    assert data.digests == {
+        "sha256": hashlib.sha256(raw).hexdigest(),
+        "blake3": blake3(raw).hexdigest(),
+    }
     assert struct.unpack("<i", data.small["s"])[0] == 5
 
 
 def test_hash_only_pass_keeps_scalars_and_loads_nothing(tensors_file: Path):
     _, data = read_all(tensors_file, load=False)
     assert data.arrays == {} and struct.unpack("<i", data.small["s"])[0] == 5
-    assert data.digest == hashlib.sha256(tensors_file.read_bytes()).hexdigest()
+    assert data.digests["sha256"] == hashlib.sha256(tensors_file.read_bytes()).hexdigest()
 
 
 def test_a_changed_byte_changes_the_digest(tensors_file: Path):
-    before = read_all(tensors_file)[1].digest
+    before = read_all(tensors_file)[1].digests
     data = bytearray(tensors_file.read_bytes())
     data[-20] ^= 0xFF
     tensors_file.write_bytes(bytes(data))
-    assert read_all(tensors_file)[1].digest != before
+    after = read_all(tensors_file)[1].digests
+    assert after["sha256"] != before["sha256"] and after["blake3"] != before["blake3"]
 
 
 def test_truncated_file_is_refused(tensors_file: Path):
@@ -70,7 +76,7 @@ def test_file_changed_after_the_header_was_read_is_refused(tensors_file: Path):
     raw[10] = ord(" ") if raw[10] != ord(" ") else ord("\t")
     tensors_file.write_bytes(bytes(raw))
     with pytest.raises(FormatError, match="header changed"):
-        read_data(tensors_file, header, hash_bytes=True, load=False)
+        read_data(tensors_file, header, digests=("sha256",), load=False)
 
 
 def test_overlapping_tensors_are_refused(tmp_path: Path):

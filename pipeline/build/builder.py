@@ -40,6 +40,7 @@ from pipeline.build.writer import (
 )
 from pipeline.format.errors import BuildError, BundleError, ModelError
 from pipeline.format.fingerprint import (
+    FileDigests,
     ModelIdentity,
     canonical_json,
     model_identity,
@@ -236,7 +237,7 @@ def _write(job: Job, loaded, cut: StableCut, cache, stats, tmp: Path, needed: in
     )
     del cache
 
-    def finish(staged: Path, file_sha256: str, file_bytes: int) -> Manifest:
+    def finish(staged: Path, digests: FileDigests) -> Manifest:
         fidelity = FidelityInfo(checked=False)
         if job.check:
             written = load_prompt_cache(str(staged / CACHE_FILE))
@@ -252,7 +253,7 @@ def _write(job: Job, loaded, cut: StableCut, cache, stats, tmp: Path, needed: in
             fidelity = fidelity.model_copy(update={"serving": serving, "serving_skipped": skipped})
         facts = BuildFacts(
             job.identity, job.rendered, cut, final, dtype_name(loaded.serving_dtype),
-            job.builder, job.key, file_sha256, file_bytes,
+            job.builder, job.key, digests,
         )  # fmt: skip
         return make_manifest(job.target, facts, fidelity)
 
@@ -295,8 +296,7 @@ class BuildFacts:
     dtype: str
     builder: BuilderInfo
     key: str
-    file_sha256: str
-    file_bytes: int
+    digests: FileDigests
 
 
 def make_manifest(target: Target, facts: BuildFacts, fidelity: FidelityInfo) -> Manifest:
@@ -327,8 +327,9 @@ def make_manifest(target: Target, facts: BuildFacts, fidelity: FidelityInfo) -> 
             kv_group_size=opts.kv_group_size,
             prefill_step_size=opts.prefill_step_size,
             nbytes=cache_nbytes(facts.cache),
-            file_sha256=facts.file_sha256,
-            file_bytes=facts.file_bytes,
+            file_sha256=facts.digests.sha256,
+            file_blake3=facts.digests.blake3,
+            file_bytes=facts.digests.size,
         ),
         builder=facts.builder,
         fidelity=fidelity,

@@ -74,7 +74,7 @@ def load_model(model_dir: Path, compute: str | None = None) -> LoadedModel:
 
 
 def resolve_compute(compute: str | None) -> str:
-    """"model" or "float32": the choice, or the default for this device."""
+    """The compute choice ("model" or "float32"), or the default for this device."""
     if compute is not None:
         return compute
     return "float32" if mx.default_device().type == mx.DeviceType.cpu else "model"

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.format.errors import BuildError
-from pipeline.format.fingerprint import sha256_file
+from pipeline.format.fingerprint import FileDigests, file_digests, sha256_file
 from pipeline.format.layout import (
     CACHE_FILE,
     CHECKSUMMED,
@@ -61,7 +61,7 @@ def write_files(
     tmp: Path,
     cache: list[Any],
     tokens: list[int],
-    finish: Callable[[Path, str, int], Manifest],
+    finish: Callable[[Path, FileDigests], Manifest],
     report: dict[str, Any],
     metadata: dict[str, str],
 ) -> Manifest:
@@ -70,8 +70,7 @@ def write_files(
 
     user = {**metadata, "token_ids": json.dumps(tokens, separators=(",", ":"))}
     save_prompt_cache(str(tmp / CACHE_FILE), cache, user)
-    cache_path = tmp / CACHE_FILE
-    manifest = finish(tmp, sha256_file(cache_path), cache_path.stat().st_size)
+    manifest = finish(tmp, file_digests(tmp / CACHE_FILE))
     (tmp / MANIFEST_FILE).write_bytes(manifest_bytes(manifest))
     digests = {name: sha256_file(tmp / name) for name in CHECKSUMMED}
     (tmp / SUMS_FILE).write_text(sums_text(digests))

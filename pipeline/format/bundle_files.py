@@ -81,10 +81,12 @@ def read_sums(bundle: Path) -> dict[str, str]:
     return sums
 
 
-def digest_mismatch(bundle: Path, name: str, expected: str, found: str) -> BundleError:
+def digest_mismatch(
+    bundle: Path, name: str, expected: str, found: str, algorithm: str = "sha256"
+) -> BundleError:
     return refuse(
         bundle,
-        f"{name} sha256 mismatch (expected {expected[:12]}.., found {found[:12]}..); "
+        f"{name} {algorithm} mismatch (expected {expected[:12]}.., found {found[:12]}..); "
         "the file is corrupt or was edited: rebuild it or copy it again",
         name,
     )

@@ -79,6 +79,28 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
+@dataclass(frozen=True)
+class FileDigests:
+    """A file's size and digests, from one read."""
+
+    sha256: str
+    blake3: str
+    size: int
+
+
+def file_digests(path: Path) -> FileDigests:
+    """sha256 and BLAKE3 of a file in one pass (the cache file's pins in the manifest)."""
+    from blake3 import blake3
+
+    sha, b3, size = hashlib.sha256(), blake3(max_threads=blake3.AUTO), 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(CHUNK):
+            sha.update(chunk)
+            b3.update(chunk)
+            size += len(chunk)
+    return FileDigests(sha.hexdigest(), b3.hexdigest(), size)
+
+
 def sha256_file_memo(path: Path) -> str:
     """sha256 of a large file, memoised by its stat so unchanged files are not re-read."""
     key = memo.stat_key(path)

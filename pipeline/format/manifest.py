@@ -62,6 +62,7 @@ class CacheInfo(Record):
     prefill_step_size: Annotated[int, Field(ge=1)]
     nbytes: Annotated[int, Field(ge=0)]  # bytes of the cache arrays
     file_sha256: Hex64  # of cache.safetensors: regenerating SHA256SUMS alone never passes
+    file_blake3: Hex64  # the same bytes, as mount checks them (BLAKE3: several GB/s per core)
     file_bytes: Annotated[int, Field(ge=8)]
 
 

@@ -85,31 +85,33 @@ def _prod(shape: tuple[int, ...]) -> int:
 
 @dataclass
 class DataRead:
-    digest: str | None  # sha256 of the whole file, when asked
+    digests: dict[str, str]  # hex digest of the whole file per algorithm asked for
     arrays: dict[str, Any]  # MLX arrays by tensor name, when asked to load
     small: dict[str, bytes]  # raw bytes of every tensor of at most SMALL bytes
 
 
-class _NoDigest:
-    def update(self, data: Any) -> None:
-        pass
+def _new_digest(name: str) -> Any:
+    if name == "blake3":
+        from blake3 import blake3
 
-    def hexdigest(self) -> None:
-        return None
+        return blake3(max_threads=blake3.AUTO)
+    return hashlib.new(name)
 
 
-def _hasher(digest: Any, chunks: queue.Queue) -> None:
+def _hasher(digests: dict[str, Any], chunks: queue.Queue) -> None:
     while (chunk := chunks.get()) is not None:
-        digest.update(chunk)
+        for digest in digests.values():
+            digest.update(chunk)
 
 
-def read_data(path: Path, header: Header, *, hash_bytes: bool, load: bool) -> DataRead:
-    """One front-to-back pass over the file: hash it, load the tensors, keep the scalars."""
-    digest = hashlib.sha256() if hash_bytes else _NoDigest()
+def read_data(path: Path, header: Header, *, digests: tuple[str, ...], load: bool) -> DataRead:
+    """One front-to-back pass over the file: hash it ("blake3", "sha256"), load the tensors, keep
+    the scalars."""
+    hashers = {name: _new_digest(name) for name in digests}
     chunks: queue.Queue = queue.Queue(maxsize=8)
-    worker = threading.Thread(target=_hasher, args=(digest, chunks), daemon=True)
+    worker = threading.Thread(target=_hasher, args=(hashers, chunks), daemon=True)
     worker.start()
-    result = DataRead(None, {}, {})
+    result = DataRead({}, {}, {})
     try:
         with open(path, "rb", buffering=0) as fh:
             raw = _read_exact(fh, len(header.raw))
@@ -129,7 +131,7 @@ def read_data(path: Path, header: Header, *, hash_bytes: bool, load: bool) -> Da
     finally:
         chunks.put(None)
         worker.join()
-    result.digest = digest.hexdigest()
+    result.digests = {name: h.hexdigest() for name, h in hashers.items()}
     return result
 
 

@@ -222,18 +222,23 @@ def _check_tokens(bundle: Path, header: Header, manifest: Manifest, shape: Model
 
 
 def _read_cache(bundle: Path, header: Header, manifest: Manifest, load: bool, trust_memo: bool):
-    """One pass over the cache file: hashed in full unless the memo vouches for this file state."""
-    path = bundle / CACHE_FILE
+    """One pass over the cache file, checked against the manifest's BLAKE3 pin (all cores); a full
+    verification (trust_memo False: verify, verify_full) checks its sha256 too. On a restart the
+    memo may vouch for an unchanged file instead."""
+    path, c = bundle / CACHE_FILE, manifest.cache
     key = memo.stat_key(path)
-    known = trust_memo and memo.lookup(key) == manifest.cache.file_sha256
+    known = trust_memo and memo.lookup(key) == c.file_blake3
+    algorithms = () if known else ("blake3",) if trust_memo else ("blake3", "sha256")
     try:
-        data = read_data(path, header, hash_bytes=not known, load=load)
+        data = read_data(path, header, digests=algorithms, load=load)
     except FormatError as exc:
         raise refuse(bundle, f"{CACHE_FILE} cannot be read ({exc})", CACHE_FILE) from None
+    for algorithm, expected in (("blake3", c.file_blake3), ("sha256", c.file_sha256)):
+        found = data.digests.get(algorithm)
+        if found is not None and found != expected:
+            raise digest_mismatch(bundle, CACHE_FILE, expected, found, algorithm)
     if not known:
-        if data.digest != manifest.cache.file_sha256:
-            raise digest_mismatch(bundle, CACHE_FILE, manifest.cache.file_sha256, data.digest)
-        memo.store(key, data.digest)
+        memo.store(key, data.digests["blake3"])
     return data
 
 
