@@ -2,9 +2,10 @@
 
 The header is parsed and checked by the `safetensors` library (length, JSON, dtypes, offsets that
 tile the data exactly, nothing past the end). The data pass reads the file front to back, straight
-into fresh MLX arrays when asked (no second copy), while a worker thread feeds the same memory to
-sha256 (hashlib releases the GIL), so a verified load costs about max(read, hash). The pass also
-re-reads the header bytes and requires them unchanged, so a file swapped in between is caught.
+into fresh MLX arrays when asked (no second copy), while worker threads feed the same memory to
+BLAKE3 and, for a full verification, sha256 (both release the GIL), so a verified load costs
+about max(read, hash). The pass also re-reads the header bytes and requires them unchanged, so a
+file swapped in between is caught.
 """
 
 from __future__ import annotations
@@ -98,19 +99,38 @@ def _new_digest(name: str) -> Any:
     return hashlib.new(name)
 
 
-def _hasher(digests: dict[str, Any], chunks: queue.Queue) -> None:
+class _Hashers:
+    """One thread per digest, each fed the same chunks (hashlib and blake3 release the GIL)."""
+
+    def __init__(self, digests: dict[str, Any]) -> None:
+        self.queues = {name: queue.Queue(maxsize=8) for name in digests}
+        self.threads = [
+            threading.Thread(target=_drain, args=(digests[n], q), daemon=True)
+            for n, q in self.queues.items()
+        ]
+        for t in self.threads:
+            t.start()
+
+    def put(self, chunk: Any) -> None:
+        for q in self.queues.values():
+            q.put(chunk)
+
+    def close(self) -> None:
+        self.put(None)
+        for t in self.threads:
+            t.join()
+
+
+def _drain(digest: Any, chunks: queue.Queue) -> None:
     while (chunk := chunks.get()) is not None:
-        for digest in digests.values():
-            digest.update(chunk)
+        digest.update(chunk)
 
 
 def read_data(path: Path, header: Header, *, digests: tuple[str, ...], load: bool) -> DataRead:
     """One front-to-back pass over the file: hash it ("blake3", "sha256"), load the tensors, keep
     the scalars."""
     hashers = {name: _new_digest(name) for name in digests}
-    chunks: queue.Queue = queue.Queue(maxsize=8)
-    worker = threading.Thread(target=_hasher, args=(hashers, chunks), daemon=True)
-    worker.start()
+    chunks = _Hashers(hashers)
     result = DataRead({}, {}, {})
     try:
         with open(path, "rb", buffering=0) as fh:
@@ -129,8 +149,7 @@ def read_data(path: Path, header: Header, *, digests: tuple[str, ...], load: boo
             if fh.read(1):
                 raise FormatError("file has bytes past its last tensor")
     finally:
-        chunks.put(None)
-        worker.join()
+        chunks.close()
     result.digests = {name: h.hexdigest() for name, h in hashers.items()}
     return result
 
@@ -157,7 +176,7 @@ def _new_array(t: Tensor) -> Any:
     return array
 
 
-def _read_into(fh: Any, nbytes: int, view: memoryview | None, chunks: queue.Queue) -> bytes:
+def _read_into(fh: Any, nbytes: int, view: memoryview | None, chunks: _Hashers) -> bytes:
     """Read nbytes (into view when given); return them when they are few (scalars)."""
     kept = b""
     for offset in range(0, nbytes, CHUNK):
