@@ -21,7 +21,7 @@ from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 from test_serve import cached, chat, server
 
-from pipeline.format.errors import BuildError, BundleError, PipelineError
+from pipeline.format.errors import BuildError, BundleError
 from pipeline.format.layout import MANIFEST_FILE
 from pipeline.format.manifest import Manifest
 from pipeline.runtime import PromptCacheManager, mount, verify
@@ -50,26 +50,8 @@ GREEDY = 8
 F32_BOUND = 1e-4
 BF16_BOUND = 0.1
 QUESTION, FOLLOW_UP = "Where is my order 12345?", "And my order 777?"
-# built with cache.compute_dtype = "model": with the CPU default (float32) they do not build
+# cells built with cache.compute_dtype = "model" (the CPU default, float32, has its own test below)
 COMPUTE_IN_MODEL_DTYPE = {("gemma3_text", "bfloat16")}
-
-# Genuine builder bugs these cells expose (pipeline/build/prefill.py finalize_cache,
-# pipeline/build/fidelity.py check_serving); see the tests that name them.
-ROTATING_DTYPE_BUG = (
-    "builder bug: for a bfloat16 model on a CPU builder (float32 compute) finalize_cache casts only "
-    "KVCache layers to the serving dtype; RotatingKVCache layers stay float32 and the builder's own "
-    "validation refuses the staged bundle ('tensor 0.0 is F32, expected BF16')"
-)
-ARRAYS_DTYPE_BUG = (
-    "builder bug: for a bfloat16 model on a CPU builder finalize_cache leaves ArraysCache state in "
-    "float32 (the validator accepts any float dtype there); a warm request then computes every "
-    "later layer in float32 by type promotion while a cold bfloat16 server computes in bfloat16"
-)
-MOE_SERVING_BUG = (
-    "builder bug: check.serving = true for a bfloat16 MoE on a CPU builder ends the build with "
-    "MLX's RuntimeError '[GatherMM::eval] Currently only supports float32' (a traceback at the "
-    "CLI) instead of recording the comparison as skipped or refusing with one error line"
-)
 
 
 @functools.cache
@@ -100,7 +82,7 @@ def arch_model(tmp_path_factory, tiny_model: Path):
 def build_cell(root: Path, model_dir: Path, arch: str, dtype: str, **cache) -> Path:
     """Build the shop prefix for one cell, the serving-path comparison forced where it can run."""
     forced = not (arch == "qwen3_moe" and dtype == "bfloat16" and not bf16_moe_runs_here())
-    if (arch, dtype) in COMPUTE_IN_MODEL_DTYPE:  # around ROTATING_DTYPE_BUG (its own test below)
+    if (arch, dtype) in COMPUTE_IN_MODEL_DTYPE:
         cache["compute_dtype"] = '"model"'
     path = write_definition(root, model_dir, **cache)
     if forced:
@@ -241,14 +223,6 @@ def test_every_layer_is_stored_in_the_served_dtype(cell: Cell):
 
     cache = load_prompt_cache(str(cell.bundle / "cache.safetensors"))
     stored = {type(layer).__name__: _float_dtypes(layer.state) for layer in cache}
-    if cell.dtype == "bfloat16" and cell.arch == "lfm2" and stored[A] == {mx.float32}:
-        manager = PromptCacheManager()
-        cell.mounted(manager)
-        hit = manager.fetch("m", cell.request(QUESTION))
-        warm = cell.model(mx.array(hit.remaining)[None], cache=hit.cache)
-        cold = cell.model(mx.array(cell.request(QUESTION))[None])
-        assert (warm.dtype, cold.dtype) == (mx.float32, mx.bfloat16)  # what the reason says
-        pytest.xfail(ARRAYS_DTYPE_BUG)
     assert all(found == {getattr(mx, cell.dtype)} for found in stored.values()), stored
 
 
@@ -413,18 +387,13 @@ def test_first_request_through_serve_reports_its_reuse_and_equals_a_cold_server(
     assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
 
 
-# --- Builder bugs the matrix exposes ----------------------------------------------------------
+# --- Builder cases the matrix once exposed as bugs ---------------------------------------------
 
 
 def test_a_bf16_sliding_window_model_builds_with_the_default_compute(tmp_path: Path, arch_model):
     model_dir = arch_model("gemma3_text", "bfloat16")
     write_definition(tmp_path, model_dir)
-    try:
-        manifest = verify(build_bundle(tmp_path, check=True), model_dir)
-    except BundleError as exc:
-        if "is F32, expected BF16" in str(exc):
-            pytest.xfail(ROTATING_DTYPE_BUG)
-        raise
+    manifest = verify(build_bundle(tmp_path, check=True), model_dir)  # rotating layers in bf16
     assert manifest.cache.classes == [R, R, K] and manifest.cache.dtype == "bfloat16"
 
 
@@ -435,12 +404,6 @@ def test_forcing_the_serving_check_for_a_bf16_moe_on_cpu_is_not_a_traceback(
         pytest.skip("a bf16 MoE runs on this device: the serving check is measured in the matrix")
     path = write_definition(tmp_path, arch_model("qwen3_moe", "bfloat16"))
     path.write_text(path.read_text() + "\n[check]\nserving = true\n")
-    try:
-        manifest = verify(build_bundle(tmp_path, check=True), arch_model("qwen3_moe", "bfloat16"))
-    except PipelineError:
-        return  # a one-line refusal is fine
-    except RuntimeError as exc:
-        if "GatherMM" in str(exc):
-            pytest.xfail(MOE_SERVING_BUG)
-        raise
-    assert manifest.fidelity.serving is None and manifest.fidelity.serving_skipped
+    manifest = verify(build_bundle(tmp_path, check=True), arch_model("qwen3_moe", "bfloat16"))
+    assert manifest.fidelity.serving is None
+    assert manifest.fidelity.serving_skipped.startswith("failed: the serving path cannot run")

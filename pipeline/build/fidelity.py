@@ -112,13 +112,17 @@ def check_serving(
             f"skipped: a {dtype_name(loaded.serving_dtype)} prefill on CPU is slow; "
             "set check.serving = true to run it"
         )
-    model = loaded.model if same else load_model(model_dir, "model").model
-    serving = LoadedModel(model, loaded.tokenizer, loaded.serving_dtype, loaded.serving_dtype)
-    steps = spec.check.greedy_tokens
     same_path = same and spec.cache.prefill_step_size == SERVER_CHUNK
-    cold_cache = reference if same_path else _server_prefill(model, tokens)
-    cold_logits, cold_tokens = continue_from(serving, cold_cache, probe, steps)
-    warm_logits, warm_tokens = continue_from(serving, written, probe, steps)
+    try:
+        model = loaded.model if same else load_model(model_dir, "model").model
+        serving = LoadedModel(model, loaded.tokenizer, loaded.serving_dtype, loaded.serving_dtype)
+        steps = spec.check.greedy_tokens
+        cold_cache = reference if same_path else _server_prefill(model, tokens)
+        cold_logits, cold_tokens = continue_from(serving, cold_cache, probe, steps)
+        warm_logits, warm_tokens = continue_from(serving, written, probe, steps)
+    except (RuntimeError, ValueError) as exc:  # e.g. MLX's CPU gather_mm is float32-only (MoE)
+        detail = " ".join(str(exc).split())[:160]
+        return None, f"failed: the serving path cannot run on this builder ({detail})"
     diff = float(mx.max(mx.abs(cold_logits - warm_logits)).item())
     margin = top2_margin(cold_logits)
     return (

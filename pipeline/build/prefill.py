@@ -11,6 +11,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import load as mlx_load
 
@@ -127,11 +128,12 @@ def estimate_bytes(tokens: int, shape: ModelShape, dtype: mx.Dtype, kv_bits: int
 def finalize_cache(
     cache: list[Any], dtype: mx.Dtype, kv_bits: int | None, group_size: int
 ) -> list[Any]:
-    """Cast KV to the serving dtype, optionally quantize, and drop the unused tail of buffers."""
+    """Cast every layer's state to the serving dtype (a server computing in that dtype holds it so),
+    quantize KVCache layers if asked, and drop the unused tail of buffers."""
     out = []
     for layer in cache:
-        if not isinstance(layer, KVCache):
-            out.append(layer)
+        if not isinstance(layer, KVCache):  # rotating windows, recurrent/conv state: cast only
+            out.append(type(layer).from_state(tree_map(lambda x: _cast(x, dtype), layer.state)))
             continue
         fresh = KVCache()
         fresh.keys = layer.keys[..., : layer.offset, :].astype(dtype)
@@ -140,6 +142,13 @@ def finalize_cache(
         out.append(_quantize(fresh, kv_bits, group_size) if kv_bits else fresh)
     mx.eval([c.state for c in out])
     return out
+
+
+def _cast(value: Any, dtype: mx.Dtype) -> Any:
+    """Floating arrays in the serving dtype; ints, offsets and None as they are."""
+    if isinstance(value, mx.array) and mx.issubdtype(value.dtype, mx.floating):
+        return value.astype(dtype)
+    return value
 
 
 def check_group_size(definition: Any, head_dim: int | None) -> None:
