@@ -448,3 +448,17 @@ def test_module_stays_thin():
     root = Path(__file__).resolve().parents[1]
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_cache_that_cannot_say_how_many_tokens_it_holds_is_not_stored():
+    import mlx.core as mx
+    from mlx_lm.models.cache import ArraysCache
+
+    from pipeline.runtime import PromptCacheManager
+
+    state = ArraysCache(size=1)
+    state[0] = mx.zeros((1, 3, 8))  # recurrent state only: no offset to tell 4 ids from 5
+    manager = PromptCacheManager()
+    manager.store("m", [1, 2, 3, 4, 5], [state])
+    assert manager.stats()["entries"] == 0
+    assert manager.fetch("m", [1, 2, 3, 4, 5, 6]).cache is None

@@ -219,7 +219,16 @@ class PromptCacheManager:
         return CacheHit(cache, request[keep:].tolist(), keep, best.source)
 
     def store(self, model_key: str, tokens: Sequence[int], cache: list) -> None:
-        """Keep a snapshot of a request's cache for reuse; evicts least recently used entries."""
+        """Keep a snapshot of a request's cache for reuse; evicts least recently used entries.
+
+        A cache none of whose layers reports how many tokens it holds (only recurrent state) is
+        not kept: the ids may include a last sampled token the state never saw, and a later
+        request would continue from the wrong state.
+        """
+        if isinstance(cache, list) and cache and not _offsets(cache):
+            with self._lock:
+                self._counts["rejected"] += 1
+            return
         entry = _make_entry(tokens, cache, "entry", f"prompt cache entry for {model_key}")
         if entry is None or entry.nbytes > self.max_bytes or self.max_entries == 0:
             with self._lock:
