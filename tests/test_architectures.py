@@ -407,3 +407,16 @@ def test_forcing_the_serving_check_for_a_bf16_moe_on_cpu_is_not_a_traceback(
     manifest = verify(build_bundle(tmp_path, check=True), arch_model("qwen3_moe", "bfloat16"))
     assert manifest.fidelity.serving is None
     assert manifest.fidelity.serving_skipped.startswith("failed: the serving path cannot run")
+
+
+def test_the_validator_knows_each_layers_cache_class_from_the_architecture(arch_model):
+    from pipeline.format.cache_layout import LayoutError, _check_classes
+    from pipeline.runtime.mount import identity_for
+
+    classes = identity_for(arch_model("gemma3_text", "float32")).shape.cache_classes
+    assert classes == (R, R, K)
+    _check_classes([R, R, "QuantizedKVCache"], classes, kv_bits=8)  # KV layers may be quantized
+    with pytest.raises(LayoutError, match="layer 0 holds a KVCache but the model builds a Rotat"):
+        _check_classes([K, R, K], classes, kv_bits=None)
+    with pytest.raises(LayoutError, match="2 cache layers but the model builds 3"):
+        _check_classes([R, K], classes, kv_bits=None)

@@ -51,6 +51,7 @@ class Expected:
 def expected_layout(manifest: Manifest, shape: ModelShape, header: Header) -> Expected:
     """The header a correct bundle for this manifest and model has, layer by layer."""
     c, t = manifest.cache, manifest.tokens.count
+    _check_classes(c.classes, shape.cache_classes, c.kv_bits)
     if shape.layers and len(c.classes) != shape.layers:
         raise LayoutError(
             f"the bundle has {len(c.classes)} cache layers but the model has {shape.layers}",
@@ -82,6 +83,23 @@ def expected_layout(manifest: Manifest, shape: ModelShape, header: Header) -> Ex
         else:  # ArraysCache: per-architecture state arrays (conv/ssm), batch 1, floating
             _arrays(out, i, header)
     return out
+
+
+def _check_classes(found: list[str], model: tuple[str, ...] | None, kv_bits: int | None) -> None:
+    """Each layer holds the cache class the model builds for it (KVCache may be quantized)."""
+    if model is None:
+        return
+    if len(found) != len(model):
+        raise LayoutError(
+            f"the bundle has {len(found)} cache layers but the model builds {len(model)}",
+            "cache.classes",
+        )
+    for i, (got, want) in enumerate(zip(found, model, strict=True)):
+        quantized = kv_bits is not None and want == "KVCache" and got == "QuantizedKVCache"
+        if got != want and not quantized:
+            raise LayoutError(
+                f"layer {i} holds a {got} but the model builds a {want} there", "cache.classes"
+            )
 
 
 def _quantized(out: Expected, i: int, manifest: Manifest, shape: ModelShape, dtype) -> None:

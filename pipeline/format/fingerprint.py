@@ -43,6 +43,9 @@ class ModelShape:
     vocab_size: int | None
     max_positions: int | None
     sliding_window: int | None
+    # the class of each layer's cache as the model builds it (runtime.identity derives it from the
+    # architecture's own code); None where unknown: the layer count above still applies
+    cache_classes: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ finds candidate folders, chooses which version to mount, and collects results.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import time
@@ -14,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.format.errors import BundleError
-from pipeline.format.fingerprint import ModelIdentity, model_identity
+from pipeline.format.fingerprint import ModelIdentity, model_config, model_identity
 from pipeline.format.layout import ALLOWED_FILES, STAGING_DIR
 from pipeline.format.manifest import Manifest
+from pipeline.runtime.identity import model_cache_classes
 from pipeline.runtime.prompt_cache import PromptCacheManager
 from pipeline.runtime.validate import validate
 
@@ -73,8 +75,13 @@ def model_bundles_dir(model_dir: Path) -> Path:
 
 
 def identity_for(model_dir: Path, chat_template: str | None = None) -> ModelIdentity:
-    """Fingerprints of the served model; pass the server's template override if it has one."""
-    return model_identity(Path(model_dir), chat_template)
+    """Fingerprints of the served model, and the cache classes its architecture builds; pass the
+    server's template override if it has one."""
+    identity = model_identity(Path(model_dir), chat_template)
+    classes = model_cache_classes(model_config(Path(model_dir)))
+    return dataclasses.replace(
+        identity, shape=dataclasses.replace(identity.shape, cache_classes=classes)
+    )
 
 
 def _is_bundle_folder(path: Path) -> bool:
