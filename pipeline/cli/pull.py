@@ -65,40 +65,20 @@ def run(args: argparse.Namespace) -> int:
 
 def _report(result: PullResult) -> PullReport:
     """Every bundle folder of the repo, pulled, skipped or refused, in repo_path order."""
+
+    def entry(x, status: str, **fields) -> PulledBundle:
+        return PulledBundle(
+            repo_path=x.repo_path, prefix=x.name, version=x.version, status=status, **fields
+        )
+
     entries = (
-        [
-            PulledBundle(
-                repo_path=b.repo_path,
-                prefix=b.name,
-                version=b.version,
-                status="pulled",
-                path=str(b.path),
-                tokens=b.tokens,
-            )
-            for b in result.pulled
-        ]
+        [entry(b, "pulled", path=str(b.path), tokens=b.tokens) for b in result.pulled]
         + [
-            PulledBundle(
-                repo_path=s.repo_path,
-                prefix=s.name,
-                version=s.version,
-                status="skipped",
-                path=None if s.path is None else str(s.path),
-                tokens=s.tokens,
-                reason=s.reason,
-            )
+            entry(s, "skipped", path=s.path and str(s.path), tokens=s.tokens, reason=s.reason)
             for s in result.skipped
         ]
         + [
-            PulledBundle(
-                repo_path=r.repo_path,
-                prefix=r.name,
-                version=r.version,
-                status="refused",
-                path=str(r.path),
-                tokens=None,
-                refusal=refusal_of(r.error),
-            )
+            entry(r, "refused", path=str(r.path), tokens=None, refusal=refusal_of(r.error))
             for r in result.refused
         ]
     )
