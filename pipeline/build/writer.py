@@ -19,10 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.format.errors import BuildError
-from pipeline.format.fingerprint import FileDigests, file_digests, sha256_file
+from pipeline.format.fingerprint import FileDigests, file_digests, sha256_bytes
 from pipeline.format.layout import (
     CACHE_FILE,
-    CHECKSUMMED,
     MANIFEST_FILE,
     REPORT_FILE,
     STAGING_DIR,
@@ -70,9 +69,11 @@ def write_files(
 
     user = {**metadata, "token_ids": json.dumps(tokens, separators=(",", ":"))}
     save_prompt_cache(str(tmp / CACHE_FILE), cache, user)
-    manifest = finish(tmp, file_digests(tmp / CACHE_FILE))
-    (tmp / MANIFEST_FILE).write_bytes(manifest_bytes(manifest))
-    digests = {name: sha256_file(tmp / name) for name in CHECKSUMMED}
+    cache_digests = file_digests(tmp / CACHE_FILE)
+    manifest = finish(tmp, cache_digests)
+    data = manifest_bytes(manifest)
+    (tmp / MANIFEST_FILE).write_bytes(data)
+    digests = {CACHE_FILE: cache_digests.sha256, MANIFEST_FILE: sha256_bytes(data)}
     (tmp / SUMS_FILE).write_text(sums_text(digests))
     (tmp / REPORT_FILE).write_text(json.dumps(report, sort_keys=True, indent=2) + "\n")
     _fsync_folder(tmp)

@@ -28,10 +28,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         return _run_json(bundle, args)
     manifest = read_manifest(bundle, None)  # shown even when invalid; validity is decided below
-    refusal = _validity(bundle, _identity(args, manifest))
+    identity = _identity(args, manifest)
+    refusal = _validity(bundle, identity)
     _print_manifest(bundle, manifest.model_dump(mode="json"))
     print("  files: " + ", ".join(f"{k} {v:,} B" for k, v in _sizes(bundle).items()))
-    _print_checks(manifest, args, refusal)
+    _print_checks(manifest, args, identity, refusal)
     return 0 if refusal is None else 1
 
 
@@ -116,10 +117,9 @@ def _validity(bundle: Path, identity):
     return None
 
 
-def _print_checks(manifest, args: argparse.Namespace, refusal) -> None:
+def _print_checks(manifest, args: argparse.Namespace, identity, refusal) -> None:
     """The validator's stages in order: ok up to the one that refused, which says why."""
     from pipeline.runtime.identity import identity_checks
-    from pipeline.runtime.mount import identity_for
     from pipeline.runtime.validate import CHECKS
 
     target = (
@@ -132,7 +132,6 @@ def _print_checks(manifest, args: argparse.Namespace, refusal) -> None:
     reached = True
     for name, detail in CHECKS:
         if name == "identity" and args.model and reached:
-            identity = identity_for(args.model, read_template(args.chat_template))
             for c in identity_checks(manifest, identity):
                 line = f"{(c.found or 'none')[:16]}.. matches" if c.ok else c.error(Path("")).reason
                 print(f"  {'ok  ' if c.ok else 'FAIL'} {c.what:<21} {line}")

@@ -38,9 +38,10 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
 
 def run(args: argparse.Namespace) -> int:
     template = read_template(args.chat_template)
+    identity = _served_identity(args.model, template)
     results = []
     for bundle in args.bundle or _next_to_model(args.model, results):
-        r = _verify_one(bundle, args.model, template)
+        r = _verify_one(bundle, identity)
         if r.status == "ok" and not args.json:
             print(f"ok {bundle} ({r.prefix}@{r.version}, {r.tokens} tokens)")
         results.append(r)
@@ -57,12 +58,24 @@ def run(args: argparse.Namespace) -> int:
     return 0 if ok == len(results) else 1
 
 
-def _verify_one(bundle: Path, model: Path, template: str | None) -> VerifiedBundle:
-    """Verify one bundle; a refusal is also the one `error:` line on stderr."""
-    from pipeline.runtime import verify
+def _served_identity(model: Path, template: str | None):
+    """The served model's identity, computed once for every bundle (or the error each reports)."""
+    from pipeline.runtime import identity_for
 
     try:
-        m = verify(bundle, model, template)
+        return identity_for(model, template)
+    except PipelineError as exc:
+        return exc
+
+
+def _verify_one(bundle: Path, identity) -> VerifiedBundle:
+    """Validate one bundle in full; a refusal is also the one `error:` line on stderr."""
+    from pipeline.runtime.validate import validate
+
+    try:
+        if isinstance(identity, PipelineError):
+            raise identity
+        m = validate(bundle, identity).manifest
     except PipelineError as exc:
         err(str(exc))
         return VerifiedBundle(path=str(bundle), status="refused", refusal=refusal_of(exc))
