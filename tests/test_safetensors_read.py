@@ -96,3 +96,40 @@ def test_not_safetensors_is_refused(tmp_path: Path):
     path.write_bytes(b"\xff" * 20)
     with pytest.raises(FormatError):
         read_header(path)
+
+
+def test_bytes_appended_after_the_header_was_read_are_refused(tensors_file: Path):
+    header = read_header(tensors_file)
+    with open(tensors_file, "ab") as fh:
+        fh.write(b"\0" * 16)
+    for load in (False, True):
+        with pytest.raises(FormatError, match="past its last tensor"):
+            read_data(tensors_file, header, digests=("blake3",), load=load)
+
+
+@pytest.mark.parametrize("swap", ["other data", "other layout"])
+def test_a_file_swapped_in_just_before_the_load_is_caught(tensors_file: Path, monkeypatch, swap):
+    """The loader reopens the file by name: a rename landing between the header check and the
+    load must not hand out other bytes under the pinned digest."""
+    header = read_header(tensors_file)
+    pristine = read_data(tensors_file, header, digests=("blake3",), load=False).digests
+    other = tensors_file.with_name("other.safetensors")
+    if swap == "other data":
+        raw = bytearray(tensors_file.read_bytes())
+        raw[-20] ^= 0xFF  # same header, one data byte changed
+        other.write_bytes(bytes(raw))
+    else:
+        mx.save_safetensors(str(other), {"b": mx.zeros((10, 300), dtype=mx.float32)})
+    real_load = mx.load
+
+    def swapped_load(path, *args, **kwargs):
+        other.replace(tensors_file)
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(mx, "load", swapped_load)
+    if swap == "other data":
+        data = read_data(tensors_file, header, digests=("blake3",), load=True)
+        assert data.digests != pristine  # the validator refuses on the pinned digest
+    else:
+        with pytest.raises(FormatError, match="changed while the file was being read"):
+            read_data(tensors_file, header, digests=("blake3",), load=True)
