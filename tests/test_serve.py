@@ -27,6 +27,13 @@ def free_port() -> int:
 
 @contextmanager
 def server(model: Path, bundles: Path, log: Path):
+    with server_process(model, bundles, log) as (_, port):
+        yield port
+
+
+@contextmanager
+def server_process(model: Path, bundles: Path, log: Path, *extra: str, env: dict | None = None):
+    """`build.py serve` (with extra options, under env) and its port, once it answers /health."""
     port = free_port()
     args = [
         sys.executable,
@@ -40,12 +47,13 @@ def server(model: Path, bundles: Path, log: Path):
         str(port),
         "--max-tokens",
         "12",
+        *extra,
     ]
     with open(log, "w") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
         try:
             wait_ready(port, proc, log)
-            yield port
+            yield proc, port
         finally:
             proc.terminate()
             proc.wait(timeout=30)

@@ -17,6 +17,7 @@ from typing import Any
 from pipeline.format.errors import PipelineError
 from pipeline.format.lockfile import locked_versions
 from pipeline.runtime.compat import SUPPORTED_RANGE, installed_mlx_lm, mlx_lm_supported
+from pipeline.runtime.hugepages import CHOICES, DEFAULT_HUGE_PAGES, ensure_huge_pages
 from pipeline.runtime.mount import MountResult, model_bundles_dir, mount
 from pipeline.runtime.prompt_cache import PromptCacheManager
 
@@ -107,6 +108,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         type=Path,
         help="mount the versions this prefixes.lock names instead of the newest",
     )
+    p.add_argument(
+        "--huge-pages",
+        choices=CHOICES,
+        default=DEFAULT_HUGE_PAGES,
+        help="on: restart serve with GLIBC_TUNABLES=glibc.malloc.hugetlb=1, so malloc uses "
+        f"transparent huge pages (Linux with glibc 2.35+; default: {DEFAULT_HUGE_PAGES})",
+    )
     return p
 
 
@@ -128,6 +136,7 @@ def main(argv: list[str]) -> int:
         level=getattr(logging, level, logging.INFO),
         format="%(asctime)s - %(levelname)s - %(message)s",
     )
+    ensure_huge_pages(args.huge_pages, argv)  # may re-execute: before anything is mounted
     if args.bundles is None:
         args.bundles = model_bundles_dir(args.model)
     try:
