@@ -271,16 +271,16 @@ def test_release_verify_groups_and_summary_read_build_json(
     monkeypatch.chdir(tmp_path)
     target = dict(prefix="shop", version=1, model=str(tiny_model), status="built",
                   path=str(shop_bundle), tokens=1234, bytes=56789, prefill_seconds=0.5,
-                  tokens_per_second=2468.0, error=None)  # fmt: skip
+                  tokens_per_second=2468.0, reused_tokens=1024, error=None)  # fmt: skip
     assert set(target) == set(BuiltTarget.model_fields)  # the build/1 document's fields
     failed = {**target, "status": "failed", "path": None, "tokens": None, "bytes": None,
-              "prefill_seconds": None, "error": "no space"}  # fmt: skip
+              "prefill_seconds": None, "reused_tokens": None, "error": "no space"}  # fmt: skip
     report = tmp_path / "build.json"
     report.write_text(json.dumps({"targets": [target, failed], "error": "no space"}))
     assert RELEASE["verify_groups"](report) == [f"{tiny_model.resolve()}\t{shop_bundle}"]
     assert RELEASE["summary"]([report])[2:] == [
-        f"| shop@1 | `{tiny_model}` | built | 1,234 | 56,789 | 0.50 |",
-        f"| shop@1 | `{tiny_model}` | failed | – | – | – |",
+        f"| shop@1 | `{tiny_model}` | built | 1,234 | 1,024 | 56,789 | 0.50 |",
+        f"| shop@1 | `{tiny_model}` | failed | – | – | – | – |",
         "",
         f"**{report}**: `error: no space`",
     ]

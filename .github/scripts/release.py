@@ -58,14 +58,17 @@ def model_dir(ref: str) -> Path:
 
 def summary(build_jsons: list[Path]) -> list[str]:
     """The job summary: one row per build target of every report, then any build error."""
-    rows = ["| prefix | model | status | tokens | bytes | prefill s |", "|---|---|---|--:|--:|--:|"]
+    rows = [
+        "| prefix | model | status | tokens | reused | bytes | prefill s |",
+        "|---|---|---|--:|--:|--:|--:|",
+    ]
     errors = []
     for path in build_jsons:
         report = json.loads(path.read_text(encoding="utf-8"))
         for t in report["targets"]:
             rows.append(
                 f"| {t['prefix']}@{t['version']} | `{t['model']}` | {t['status']} "
-                f"| {_number(t['tokens'])} | {_number(t['bytes'])} "
+                f"| {_number(t['tokens'])} | {_number(t.get('reused_tokens'))} | {_number(t['bytes'])} "
                 f"| {_number(t['prefill_seconds'], '{:.2f}')} |"
             )
         if report.get("error"):

@@ -14,6 +14,7 @@ from mlx_lm.models.cache import load_prompt_cache
 
 from pipeline import BLAS_STATUS, __version__
 from pipeline.build.fidelity import check_fidelity, check_serving
+from pipeline.build.incremental import Resume, Wanted, find_parent
 from pipeline.build.prefill import (
     Progress,
     cache_nbytes,
@@ -55,6 +56,7 @@ from pipeline.format.manifest import (
     FidelityInfo,
     Manifest,
     ModelInfo,
+    ParentInfo,
     PrefixInfo,
     TextInfo,
     TokenInfo,
@@ -155,8 +157,14 @@ def build(
     check: bool = False,
     progress: Progress | None = None,
     lock: Lockfile | None = None,
+    parent: Path | None = None,
+    incremental: bool = True,
 ) -> BuildResult:
-    """Build one bundle (or report it up to date); the folder appears complete or not at all."""
+    """Build one bundle (or report it up to date); the folder appears complete or not at all.
+
+    incremental: start from the bundle under bundles_root that shares the most whole prefill
+    chunks with these tokens, when one can give a byte-identical result (pipeline.build.
+    incremental); parent: start from this bundle or fail."""
     d = target.definition
     identity = model_identity(target.model_dir)
     if target.expected_fingerprint and target.expected_fingerprint != identity.model:
@@ -165,6 +173,8 @@ def build(
             f"definition's models.fingerprint {target.expected_fingerprint[:12]}..; "
             "update the pin if the new weights are intended"
         )
+    if parent is not None and not parent.is_dir():
+        raise BuildError(f"--parent {parent}: no such bundle folder; pass a bundle's folder")
     check_version(d, bundles_root, lock or Lockfile())
     check_group_size(d, identity.shape.head_dim)
     rendered = render_prefix(d, target.model_dir)
@@ -177,7 +187,8 @@ def build(
     current = None if force else existing_manifest(dest, identity)
     if current is not None and current.build_key == key:
         return BuildResult(dest, current, {}, up_to_date=True)
-    job = Job(target, identity, rendered, builder, key, dest, check, progress)
+    reuse = parent if parent is not None else incremental
+    job = Job(target, identity, rendered, builder, key, dest, check, progress, reuse)
     try:
         with target_lock(bundles_root, dest):
             return _build_locked(job, bundles_root)
@@ -204,6 +215,7 @@ class Job:
     dest: Path
     check: bool
     progress: Progress | None
+    reuse: Path | bool  # a parent bundle to start from, or whether to look for one
 
 
 def _build_locked(job: Job, bundles_root: Path) -> BuildResult:
@@ -219,8 +231,15 @@ def _build_locked(job: Job, bundles_root: Path) -> BuildResult:
             len(cut.tokens), job.identity.shape, loaded.serving_dtype, d.spec.cache.kv_bits
         )
         check_room(bundles_root, needed)
-        cache, stats = prefill(loaded, cut.tokens, d.spec.cache.prefill_step_size, job.progress)
-        manifest, report = _write(job, loaded, cut, cache, stats, tmp, needed)
+        resume, reuse_note = _resume(job, loaded, cut.tokens, bundles_root)
+        start = (resume.cache, resume.done) if resume else None
+        cache, stats = prefill(
+            loaded, cut.tokens, d.spec.cache.prefill_step_size, job.progress, start
+        )
+        parent = resume.parent if resume else None
+        del resume, start  # the parent's arrays: the prefill's cache holds what it needs
+        report_extra = {"reused_tokens": parent.reused_tokens if parent else 0, "reuse": reuse_note}
+        manifest, report = _write(job, loaded, cut, cache, stats, tmp, needed, parent, report_extra)
         validate(tmp, job.identity)  # the builder never ships what the one validator refuses
         publish(tmp, job.dest)
         return BuildResult(job.dest, manifest, report, up_to_date=False)
@@ -228,7 +247,22 @@ def _build_locked(job: Job, bundles_root: Path) -> BuildResult:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _write(job: Job, loaded, cut: StableCut, cache, stats, tmp: Path, needed: int):
+def _resume(job: Job, loaded, tokens: list[int], bundles_root: Path) -> tuple[Resume | None, str]:
+    """Where the prefill starts: a parent's cache at a chunk boundary, or token 0 (and why)."""
+    if job.reuse is False:
+        return None, "incremental builds off (--full)"
+    wanted = Wanted(
+        tokens, job.identity, job.builder, dtype_name(loaded.compute_dtype),
+        job.target.definition.spec.cache.prefill_step_size,
+    )  # fmt: skip
+    explicit = job.reuse if isinstance(job.reuse, Path) else None
+    return find_parent(bundles_root, wanted, job.dest, explicit)
+
+
+def _write(
+    job: Job, loaded, cut: StableCut, cache, stats, tmp: Path, needed: int,
+    parent: ParentInfo | None, report_extra: dict[str, Any],
+):  # fmt: skip
     d, opts = job.target.definition, job.target.definition.spec.cache
     reference = finalize_cache(cache, loaded.serving_dtype, None, opts.kv_group_size)
     final = (
@@ -254,7 +288,7 @@ def _write(job: Job, loaded, cut: StableCut, cache, stats, tmp: Path, needed: in
             fidelity = fidelity.model_copy(update={"serving": serving, "serving_skipped": skipped})
         facts = BuildFacts(
             job.identity, job.rendered, cut, final, dtype_name(loaded.serving_dtype),
-            job.builder, job.key, digests,
+            job.builder, job.key, digests, parent,
         )  # fmt: skip
         return make_manifest(job.target, facts, fidelity)
 
@@ -264,6 +298,7 @@ def _write(job: Job, loaded, cut: StableCut, cache, stats, tmp: Path, needed: in
         "peak_memory_bytes": stats.peak_memory_bytes,
         "peak_rss_bytes": peak_rss_bytes(),
         "blas": BLAS_STATUS.notice,
+        **report_extra,
     }
     # "model" and "tokenizer_config" let `mlx_lm.generate --prompt-cache-file` read the file too
     metadata = {"model": job.target.model_ref, "tokenizer_config": "{}"}
@@ -298,6 +333,7 @@ class BuildFacts:
     builder: BuilderInfo
     key: str
     digests: FileDigests
+    parent: ParentInfo | None
 
 
 def make_manifest(target: Target, facts: BuildFacts, fidelity: FidelityInfo) -> Manifest:
@@ -335,6 +371,7 @@ def make_manifest(target: Target, facts: BuildFacts, fidelity: FidelityInfo) -> 
         builder=facts.builder,
         fidelity=fidelity,
         build_key=facts.key,
+        parent=facts.parent,
     )
 
 

@@ -87,24 +87,30 @@ def encode(tokenizer: Any, text: str) -> list[int]:
 
 
 def prefill(
-    loaded: LoadedModel, tokens: list[int], step: int, progress: Progress | None = None
+    loaded: LoadedModel,
+    tokens: list[int],
+    step: int,
+    progress: Progress | None = None,
+    resume: tuple[list[Any], int] | None = None,
 ) -> tuple[list[Any], PrefillStats]:
-    """Run the tokens through the model in chunks of `step`, returning the filled cache."""
+    """Run the tokens through the model in chunks of `step`, returning the filled cache; from
+    `resume` = (a cache holding the first n tokens, n), n a multiple of step, when given."""
     if not tokens:
         raise BuildError("nothing to prefill: the rendered prefix has no tokens")
-    cache = make_prompt_cache(loaded.model)
+    cache, first = resume if resume else (make_prompt_cache(loaded.model), 0)
     mx.reset_peak_memory()
     if progress:
-        progress(0, len(tokens), 0.0)  # announce the size before the first chunk runs
+        progress(first, len(tokens), 0.0)  # announce the size before the first chunk runs
     start = time.perf_counter()
-    for done in range(0, len(tokens), step):
+    for done in range(first, len(tokens), step):
         chunk = mx.array(tokens[done : done + step])[None]
         loaded.model(chunk, cache=cache)  # logits stay lazy and are never computed
         mx.eval([c.state for c in cache])
         if progress:
             progress(min(done + step, len(tokens)), len(tokens), time.perf_counter() - start)
     seconds = time.perf_counter() - start
-    stats = PrefillStats(seconds, len(tokens) / max(seconds, 1e-9), mx.get_peak_memory())
+    computed = len(tokens) - first
+    stats = PrefillStats(seconds, computed / max(seconds, 1e-9), mx.get_peak_memory())
     return cache, stats
 
 

@@ -38,6 +38,18 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         default=True,
         help="warm-equals-cold fidelity check before shipping (default: on)",
     )
+    b.add_argument(
+        "--full",
+        action="store_true",
+        help="prefill from token 0; by default a build starts from the bundle under --bundles "
+        "sharing the most whole prefill chunks with its tokens, when that gives the same bytes",
+    )
+    b.add_argument(
+        "--parent",
+        type=Path,
+        metavar="BUNDLE",
+        help="start from this bundle's cache, or fail saying why it cannot give the same bytes",
+    )
     b.add_argument("--shard", type=_shard, metavar="I/N", help=SHARD_HELP)
     b.add_argument(
         "--json",
@@ -120,6 +132,8 @@ def _build_one(args: argparse.Namespace, target, ref: str, lock, done: list[Buil
             check=args.check,
             progress=progress(label),
             lock=lock,
+            parent=args.parent,
+            incremental=not args.full,
         )
     except (PipelineError, OSError) as exc:
         error = error_text(exc)
@@ -140,6 +154,7 @@ def _build_one(args: argparse.Namespace, target, ref: str, lock, done: list[Buil
             bytes=m.cache.file_bytes,
             prefill_seconds=r.get("prefill_seconds"),
             tokens_per_second=r.get("tokens_per_second"),
+            reused_tokens=r.get("reused_tokens"),
         )
     )
     _print_built(label, result, sys.stderr if args.json else sys.stdout)
@@ -176,3 +191,4 @@ def _print_built(label: str, result, out) -> None:
         f"peak {r['peak_memory_bytes'] / 2**20:,.0f} MiB{check} -> {result.bundle}",
         file=out,
     )
+    print(f"  {r['reuse']}", file=out)

@@ -172,3 +172,10 @@ def _print_manifest(bundle: Path, data: dict) -> None:
     print(f"  text: {data['text']['chars']} chars, sha256 {data['text']['sha256'][:16]}..")
     print("  preview: " + json.dumps(data["text"]["preview"], ensure_ascii=False))
     print(f"  build_key: {data['build_key']}")
+    if data.get("parent"):  # an incremental build: which bundle's cache it started from
+        p = data["parent"]
+        print(
+            f"  parent: {p['prefix']}@{p['version']}/{p['folder']} (cache sha256 "
+            f"{p['file_sha256'][:16]}..), {p['reused_tokens']} tokens reused; the cache file is "
+            "byte-identical to a build from token 0"
+        )

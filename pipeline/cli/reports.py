@@ -21,6 +21,7 @@ from pipeline.format.manifest import (
     CacheInfo,
     FidelityInfo,
     ModelInfo,
+    ParentInfo,
     PrefixInfo,
     TextInfo,
     TokenInfo,
@@ -95,6 +96,9 @@ class InspectReport(Report):
     builder: BuilderInfo | None
     fidelity: FidelityInfo | None
     build_key: str | None
+    parent: ParentInfo | None = Field(
+        description="the bundle an incremental build started from; null: built from token 0"
+    )
     validity: Validity
 
 
@@ -152,7 +156,12 @@ class BuiltTarget(Report):
     tokens: int | None = None
     bytes: int | None = Field(None, description="size of cache.safetensors")
     prefill_seconds: float | None = Field(None, description="null when nothing was prefilled")
-    tokens_per_second: float | None = None
+    tokens_per_second: float | None = Field(
+        None, description="over the tokens this build prefilled (not those reused)"
+    )
+    reused_tokens: int | None = Field(
+        None, description="tokens taken from a parent bundle instead of prefilled (0: none)"
+    )
     error: str | None = Field(None, description="the `error:` line's text (failed only)")
 
 

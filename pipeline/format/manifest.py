@@ -103,6 +103,18 @@ class FidelityInfo(Record):
     serving_skipped: Short | None = None  # why the serving-path comparison did not run
 
 
+class ParentInfo(Record):
+    """The bundle an incremental build started from (its cache file's sha256 pins the exact
+    bytes). Informational: the child's own pins cover the child, and its cache file is
+    byte-identical to a build from token 0."""
+
+    prefix: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]
+    version: Count
+    folder: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,127}$")]
+    file_sha256: Hex64
+    reused_tokens: Count
+
+
 class Manifest(Record):
     """Everything a bundle's validity depends on; deterministic for identical inputs."""
 
@@ -115,8 +127,11 @@ class Manifest(Record):
     builder: BuilderInfo
     fidelity: FidelityInfo
     build_key: Hex64
+    parent: ParentInfo | None = None  # absent for a build from token 0
 
 
 def manifest_bytes(manifest: Manifest) -> bytes:
-    """Canonical manifest bytes: sorted keys, two-space indent, trailing newline."""
-    return (json.dumps(manifest.model_dump(mode="json"), sort_keys=True, indent=2) + "\n").encode()
+    """Canonical manifest bytes: sorted keys, two-space indent, trailing newline; no `parent` key
+    for a build from token 0 (so such manifests are as before incremental builds existed)."""
+    data = manifest.model_dump(mode="json", exclude={"parent"} if manifest.parent is None else None)
+    return (json.dumps(data, sort_keys=True, indent=2) + "\n").encode()
