@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +12,7 @@ from pipeline.build.definition import PrefixDefinition
 from pipeline.build.prefill import LoadedModel, dtype_name, load_model
 from pipeline.format.errors import BuildError
 from pipeline.format.manifest import FidelityInfo, ServingCheck
+from pipeline.runtime.prompt_cache import fork_cache
 
 # Default bounds on the max |logit difference| (see README "Fidelity"): exact for full precision.
 DEFAULT_THRESHOLDS = {None: 0.0, 8: 0.5, 4: 2.0}
@@ -29,7 +29,7 @@ def continue_from(
     loaded: LoadedModel, cache: list[Any], probe: list[int], steps: int
 ) -> tuple[mx.array, list[int]]:
     """Next-token logits after `probe`, and `steps` greedy tokens, from a copy of `cache`."""
-    cache = copy.deepcopy(cache)  # build time only: the caller's caches stay untouched
+    cache = fork_cache(cache)  # the caller's caches stay untouched; one copy, at the first write
     logits = loaded.model(mx.array(probe)[None], cache=cache)[0, -1].astype(mx.float32)
     first = logits
     tokens = []

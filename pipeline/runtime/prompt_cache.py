@@ -162,14 +162,20 @@ def _best(candidates: list[_Entry], request: np.ndarray) -> tuple[_Entry | None,
 
 def _hand_out(entry: _Entry, keep: int) -> list:
     """A fresh cache over the entry's arrays covering its first `keep` tokens."""
-    cache = [_fork(layer) for layer in entry.cache]
-    excess = len(entry.tokens) - keep
-    for layer in cache:
-        if excess:
-            layer.trim(excess)
+    return fork_cache(entry.cache, len(entry.tokens) - keep)
+
+
+def fork_cache(cache: list, trim: int = 0) -> list:
+    """A copy-on-write copy of a prompt cache, less its last `trim` tokens: new handles over the
+    same buffers, KV buffers cut to their offset, so the first write copies only what is kept
+    (one copy, where copy.deepcopy and a first write make two) and `cache` is never written."""
+    out = [_fork(layer) for layer in cache]
+    for layer in out:
+        if trim:
+            layer.trim(trim)
         _narrow(layer)
-    mx.eval(list(_arrays(cache)))  # slices are views: cheap, and usable from any thread
-    return cache
+    mx.eval(list(_arrays(out)))  # slices are views: cheap, and usable from any thread
+    return out
 
 
 class PromptCacheManager:
