@@ -18,6 +18,7 @@ sys.path[:0] = [str(BENCH), str(BENCH.parent)]
 
 import case_arch  # noqa: E402
 import case_build  # noqa: E402
+import case_incremental  # noqa: E402
 import case_mount  # noqa: E402
 import case_sizes  # noqa: E402
 import case_ttft  # noqa: E402
@@ -29,7 +30,7 @@ from common import Context, ensure_models, run_worker, stat  # noqa: E402
 
 import pipeline  # noqa: E402  (its BLAS_STATUS names the OpenBLAS that workers load)
 
-CASES = ("build", "ttft", "mount", "sizes", "handout", "arch")
+CASES = ("build", "ttft", "mount", "sizes", "incremental", "handout", "arch")
 STEPS = (
     "setup",
     "calibration",
@@ -38,10 +39,17 @@ STEPS = (
     "ttft",
     "mount",
     "sizes",
+    "incremental",
     "handout",
     "arch",
 )
-BENCH_MODEL_CASES = {"build", "ttft", "mount", "sizes"}  # the ones that need models/bench-*
+BENCH_MODEL_CASES = {
+    "build",
+    "ttft",
+    "mount",
+    "sizes",
+    "incremental",
+}  # the ones that need models/bench-*
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -129,6 +137,8 @@ def run_all(ctx: Context, cases: set[str]) -> dict[str, Any]:
         timed(ctx, "mount", results, lambda: case_mount.run(ctx, bundles[-1]))
     if "sizes" in cases:
         timed(ctx, "sizes", results, lambda: case_sizes.run(ctx))
+    if "incremental" in cases:
+        timed(ctx, "incremental", results, lambda: case_incremental.run(ctx))
     results["memory"] = summary.memory(bundles, results.get("sizes"), results.get("mount"))
     if "handout" in cases:
         timed(ctx, "handout", results, lambda: handout(ctx.quick))
@@ -180,6 +190,7 @@ def markdown(results: dict[str, Any], total: float) -> str:
         ("ttft", lambda r: report.ttft_section(r, results.get("ttft_bundles") or [])),
         ("mount", report.mount_section),
         ("sizes", report.sizes_section),
+        ("incremental", case_incremental.section),
     ]
     for key, render in sections:
         if results.get(key):

@@ -130,4 +130,8 @@ def targets(results: dict[str, Any], quick: bool) -> list[dict[str, Any]]:
                 max(restart, first) <= 1.2,
             )
         )
+    if results.get("incremental"):
+        import case_incremental
+
+        out += case_incremental.targets(results["incremental"])
     return out

@@ -56,7 +56,10 @@ def task_build(args: dict[str, Any]) -> dict[str, Any]:
     definition = load_definition(project / "prefixes" / f"{args['name']}.toml", project)
     (target,) = targets(definition, project)
     start = time.perf_counter()
-    result = build(target, Path(args["bundles"]), force=True, check=args["check"])
+    incremental = args.get("incremental", False)  # a full build unless the case asks
+    result = build(
+        target, Path(args["bundles"]), force=True, check=args["check"], incremental=incremental
+    )
     seconds = time.perf_counter() - start
     m = result.manifest
     return {
@@ -71,6 +74,8 @@ def task_build(args: dict[str, Any]) -> dict[str, Any]:
         "build_seconds": seconds,
         "fidelity": m.fidelity.model_dump(),
         "blas": pipeline.BLAS_STATUS.notice,
+        "reused_tokens": result.report["reused_tokens"],
+        "file_sha256": m.cache.file_sha256,
         "rss_baseline": baseline,
         "rss_peak": max_rss(),
     }

@@ -65,18 +65,26 @@ def assert_same_as_full_build(result: BuildResult, root: Path, name: str, tmp_pa
     assert cache_sum(result.bundle) == cache_sum(full.bundle)
 
 
-def test_a_new_version_with_appended_text_starts_from_the_old_one(tmp_path: Path, tiny_model: Path):
+@pytest.mark.parametrize(
+    "step", [STEP, 256], ids=["chunks-replayed", "chunks-of-mlx-lm-growth-step"]
+)
+def test_a_new_version_with_appended_text_starts_from_the_old_one(
+    tmp_path: Path, tiny_model: Path, step: int
+):
+    """Chunks of 16 rebuild the buffers chunk by chunk; chunks of 256 (KVCache's growth step)
+    start from a view of the parent: both must give a full build's bytes."""
     root = tmp_path / "project"
-    define(root, tiny_model)
+    base = SYSTEM if step == STEP else " ".join([SYSTEM] * 12)  # spans whole chunks of 256
+    define(root, tiny_model, system=base, prefill_step_size=step)
     old = run_build(root)
-    define(root, tiny_model, version=2, system=SYSTEM + MORE)
+    define(root, tiny_model, version=2, system=base + MORE, prefill_step_size=step)
     new = run_build(root, check=True)
     parent = new.manifest.parent
     assert parent is not None and (parent.prefix, parent.version) == ("shop", 1)
     assert parent.folder == old.bundle.name
     assert parent.file_sha256 == old.manifest.cache.file_sha256
     assert parent.reused_tokens == new.report["reused_tokens"] > 0
-    assert parent.reused_tokens % STEP == 0 and parent.reused_tokens < new.manifest.tokens.count
+    assert parent.reused_tokens % step == 0 and parent.reused_tokens < new.manifest.tokens.count
     assert new.report["reuse"].startswith(f"reused {parent.reused_tokens:,} tokens from shop@1")
     assert new.manifest.fidelity.greedy_match  # warm from the bundle equals a cold prefill
     identity = replace(model_identity(tiny_model), template=new.manifest.model.template_sha256)

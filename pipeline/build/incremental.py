@@ -148,20 +148,24 @@ def _load(bundle: Path, wanted: Wanted) -> Resume | None:
 
 
 def _replay(layers: list[Any], done: int, step: int) -> list[Any]:
-    """Fresh KVCache layers holding the parent's first `done` positions, filled chunk by chunk
-    through mlx-lm's own update, so their buffers are exactly those of a full build there."""
+    """Fresh KVCache layers holding the parent's first `done` positions in the buffers a full
+    build has there: where each chunk grows mlx-lm's buffer by exactly `step` (a multiple of its
+    growth step), the buffer is `done` long and a view of the parent is it; otherwise the
+    positions are fed chunk by chunk through mlx-lm's own update."""
     import mlx.core as mx
     from mlx_lm.models.cache import KVCache
 
-    out = []
-    for layer in layers:
-        fresh = KVCache()
-        for start in range(0, done, step):
-            fresh.update_and_fetch(
-                layer.keys[..., start : start + step, :], layer.values[..., start : start + step, :]
-            )
-        out.append(fresh)
-    mx.eval([c.state for c in out])
+    out = [KVCache() for _ in layers]
+    if step % KVCache.step == 0:
+        for fresh, layer in zip(out, layers, strict=True):
+            fresh.keys, fresh.values = layer.keys[..., :done, :], layer.values[..., :done, :]
+            fresh.offset = done
+        return out
+    for start in range(0, done, step):  # as the prefill does: every layer, then evaluate
+        for fresh, layer in zip(out, layers, strict=True):
+            end = start + step
+            fresh.update_and_fetch(layer.keys[..., start:end, :], layer.values[..., start:end, :])
+        mx.eval([c.state for c in out])
     return out
 
 
