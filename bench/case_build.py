@@ -37,7 +37,7 @@ def sizes(quick: bool) -> dict[str, Any]:
             same_tokens=128, default_tokens=32, reps=2, default_reps=1, ab_pairs=2, extras=False
         )
     return dict(
-        same_tokens=512, default_tokens=192, reps=3, default_reps=3, ab_pairs=4, extras=True
+        same_tokens=512, default_tokens=192, reps=5, default_reps=3, ab_pairs=5, extras=True
     )
 
 

@@ -21,6 +21,8 @@ MODEL_F32 = REPO / "models" / "bench-qwen3-0.6b-f32"
 QUESTION = (
     "Using the notes above, which three items matter most today, and why? Answer in one line."
 )
+QUESTION2 = "Which of the notes above is the oldest, and who wrote it? Answer in one line."
+HUGE_PAGES = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}  # what `serve --huge-pages on` sets
 RESULT_TAG = "BENCH-RESULT "
 
 

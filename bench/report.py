@@ -187,6 +187,7 @@ def ttft_section(r: dict[str, Any], builds: list[dict[str, Any]]) -> list[str]:
         for x in r["rows"]
     ]
     lines += table(header, rows)
+    lines += restart_vs_hit(r)
     n = r["crossover_after_load"]
     if n is not None:
         lines.append(
@@ -213,6 +214,47 @@ def ttft_section(r: dict[str, Any], builds: list[dict[str, Any]]) -> list[str]:
         + fidelity(b["fidelity"])
         for b in builds
     ]
+    return lines + table(header, rows)
+
+
+def restart_vs_hit(r: dict[str, Any]) -> list[str]:
+    """The first request after a restart (bundle mounted) vs the same process's next request
+    after the same prefix (an in-memory hit), for the long prefixes; with huge pages on and off."""
+    lines = [
+        "",
+        "First request after a restart vs an in-memory hit: *request* = fetch from the manager + "
+        "suffix prefill + first token of the first request after startup (bundle mounted); *hit* "
+        "= the same for the next request in the same process, another question after the same "
+        "prefix, served from request 1's stored cache (serve's path); *store* = keeping request "
+        "1's cache (copy-on-write). *huge pages* = the same runs with "
+        "`GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (`serve --huge-pages on`). Seconds, median "
+        "(min–max); faults = minor page faults.",
+        "",
+    ]
+    rows = []
+    for x in [y for y in r["rows"] if "bundle_hugepages" in y] + (
+        [r["long"]] if r.get("long") else []
+    ):
+        for kind in ("bundle", "bundle_hugepages"):
+            if kind not in x:
+                continue
+            k = x[kind]
+            rows.append(
+                [
+                    x["prefix_tokens"],
+                    "huge pages" if kind == "bundle_hugepages" else "default",
+                    cell(k["mount"]),
+                    cell(k["request"]),
+                    cell(k["hit_request"]),
+                    f"**{k['request_over_hit']:.2f}×**",
+                    cell(k["store"]),
+                    f"{k['request_faults']['median']:,.0f}",
+                    f"{k['hit_faults']['median']:,.0f}",
+                    k["request"]["n"],
+                ]
+            )
+    header = ["prefix tokens", "malloc", "mount", "request", "hit", "request / hit", "store"]
+    header += ["faults in request", "faults in hit (incl. store)", "n"]
     return lines + table(header, rows)
 
 
@@ -290,8 +332,14 @@ def memory_section(m: dict[str, Any]) -> list[str]:
             [x["what"], f"{x['peak_above'] / GB:.3f}", f"{model / GB:.3f}" if model else "–"]
             + [f"{x['bundle_bytes'] / GB:.3f}", f"{x['peak_above'] / model:.2f}×" if model else "–"]
             + [f"{x['peak_above'] / x['bundle_bytes']:.2f}×"]
+            + [
+                f"{x['peak_above'] / (x['compute_model_bytes'] + x['bundle_bytes']):.2f}×"
+                if "compute_model_bytes" in x
+                else "–"
+            ]
         )
     header = ["what", "peak above baseline GB", "model GB", "bundle GB", "/ model", "/ bundle"]
+    header += ["/ (model in compute dtype + bundle)"]
     return lines + table(header, rows)
 
 
@@ -301,13 +349,22 @@ def targets_section(targets: list[dict[str, Any]]) -> list[str]:
 
 
 def handout_section(h: dict[str, Any] | None) -> list[str]:
-    lines = ["## 6. Hand-out benchmark (`bench/bench_handout.py`)", ""]
+    lines = ["## 7. Hand-out benchmark (`bench/bench_handout.py`)", ""]
     if h is None:
         return lines + [
             "HOOK: `bench/bench_handout.py` (`run(quick) -> dict`) not found; nothing ran.",
             "",
         ]
-    return lines + [h.get("markdown") or f"```\n{h['result']}\n```", ""]
+    lines += [h.get("markdown") or f"```\n{h['result']}\n```", ""]
+    if h.get("hugepages"):
+        lines += [
+            "The same, in a process started with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` "
+            "(`serve --huge-pages on`):",
+            "",
+            h["hugepages"]["markdown"],
+            "",
+        ]
+    return lines
 
 
 ARCH_INTRO = (

@@ -26,7 +26,7 @@ import chart  # noqa: E402
 import report  # noqa: E402
 import summary  # noqa: E402
 from common import BENCH as BENCH_DIR  # noqa: E402
-from common import Context, ensure_models, run_worker, stat  # noqa: E402
+from common import HUGE_PAGES, Context, ensure_models, run_worker, stat  # noqa: E402
 
 import pipeline  # noqa: E402  (its BLAS_STATUS names the OpenBLAS that workers load)
 
@@ -97,7 +97,13 @@ def handout(quick: bool) -> dict[str, Any] | None:
     if not (BENCH_DIR / "bench_handout.py").is_file():
         return None
     r = run_worker("handout", {"quick": quick})
-    return {"result": r["result"], "markdown": r["markdown"], "seconds": r["process_seconds"]}
+    huge = run_worker("handout", {"quick": quick}, **HUGE_PAGES)  # serve --huge-pages on
+    return {
+        "result": r["result"],
+        "markdown": r["markdown"],
+        "seconds": r["process_seconds"],
+        "hugepages": {"result": huge["result"], "markdown": huge["markdown"]},
+    }
 
 
 def prime(ctx: Context) -> dict[str, Path]:
