@@ -177,8 +177,8 @@ def ttft_section(r: dict[str, Any], builds: list[dict[str, Any]]) -> list[str]:
         "of fresh 4 KiB pages):",
         "",
     ]
-    phases = ("startup", "load", "mount", "fetch", "suffix")
-    header = ["prefix tokens", "imports", "model load", "mount", "render + fetch"]
+    phases = ("startup", "load", "mount", "warmup", "fetch", "suffix")
+    header = ["prefix tokens", "imports", "model load", "mount", "warm-up", "render + fetch"]
     header += ["suffix prefill + 1st token", "faults in mount", "faults in request"]
     rows = [
         [x["prefix_tokens"]]
@@ -217,6 +217,13 @@ def ttft_section(r: dict[str, Any], builds: list[dict[str, Any]]) -> list[str]:
     return lines + table(header, rows)
 
 
+KINDS = {
+    "bundle": "serve defaults (warm-up on)",
+    "bundle_hugepages": "warm-up + huge pages",
+    "bundle_no_warmup": "no warm-up",
+}
+
+
 def restart_vs_hit(r: dict[str, Any]) -> list[str]:
     """The first request after a restart (bundle mounted) vs the same process's next request
     after the same prefix (an in-memory hit), for the long prefixes; with huge pages on and off."""
@@ -226,24 +233,27 @@ def restart_vs_hit(r: dict[str, Any]) -> list[str]:
         "suffix prefill + first token of the first request after startup (bundle mounted); *hit* "
         "= the same for the next request in the same process, another question after the same "
         "prefix, served from request 1's stored cache (serve's path); *store* = keeping request "
-        "1's cache (copy-on-write). *huge pages* = the same runs with "
-        "`GLIBC_TUNABLES=glibc.malloc.hugetlb=1` (`serve --huge-pages on`). Seconds, median "
-        "(min–max); faults = minor page faults.",
+        "1's cache (copy-on-write); *warm-up* = `serve`'s one throwaway decode step from the "
+        "mounted bundle after the model loads (`--warm-up`, default on), before the first "
+        "request. *huge pages* = the same runs with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` "
+        "(`serve --huge-pages on`); *no warm-up* = `--no-warm-up`. Seconds, median (min–max); "
+        "faults = minor page faults.",
         "",
     ]
     rows = []
     for x in [y for y in r["rows"] if "bundle_hugepages" in y] + (
         [r["long"]] if r.get("long") else []
     ):
-        for kind in ("bundle", "bundle_hugepages"):
+        for kind, how in KINDS.items():
             if kind not in x:
                 continue
             k = x[kind]
             rows.append(
                 [
                     x["prefix_tokens"],
-                    "huge pages" if kind == "bundle_hugepages" else "default",
+                    how,
                     cell(k["mount"]),
+                    cell(k["warmup"]),
                     cell(k["request"]),
                     cell(k["hit_request"]),
                     f"**{k['request_over_hit']:.2f}×**",
@@ -253,7 +263,8 @@ def restart_vs_hit(r: dict[str, Any]) -> list[str]:
                     k["request"]["n"],
                 ]
             )
-    header = ["prefix tokens", "malloc", "mount", "request", "hit", "request / hit", "store"]
+    header = ["prefix tokens", "runs", "mount", "warm-up", "request", "hit", "request / hit"]
+    header += ["store"]
     header += ["faults in request", "faults in hit (incl. store)", "n"]
     return lines + table(header, rows)
 

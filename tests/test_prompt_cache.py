@@ -462,3 +462,16 @@ def test_a_cache_that_cannot_say_how_many_tokens_it_holds_is_not_stored():
     manager.store("m", [1, 2, 3, 4, 5], [state])
     assert manager.stats()["entries"] == 0
     assert manager.fetch("m", [1, 2, 3, 4, 5, 6]).cache is None
+
+
+def test_warm_up_runs_a_step_from_the_longest_bundle_and_leaves_it_untouched(model):
+    short, long = ids(12), ids(24)
+    manager = pinned(model, short, "short")
+    manager.pin("m", long, prefill(model, long)[0], "long")
+    before = [mx.array(a) for a in _arrays(manager._pinned["m"]["long"].cache)]
+    assert manager.warm_up("m", model) == "bundle:long"
+    after = list(_arrays(manager._pinned["m"]["long"].cache))
+    assert all(mx.array_equal(a, b).item() for a, b in zip(before, after, strict=True))
+    request = long + ids(3)
+    assert_fresh(model, manager.fetch("m", request), request)
+    assert manager.warm_up("other-model", model) is None

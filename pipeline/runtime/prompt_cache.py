@@ -224,6 +224,25 @@ class PromptCacheManager:
                 self._entries.move_to_end(key)
         return CacheHit(cache, request[keep:].tolist(), keep, best.source)
 
+    def warm_up(self, model_key: str, model: Any) -> str | None:
+        """One decode step from the longest bundle pinned for `model_key`, thrown away; the
+        bundle's source name, or None when none is pinned.
+
+        A fresh process's first forward pass and first copy-on-write copy are slower than every
+        later one (kernel and BLAS set-up, fresh memory faulted in); after this, MLX's kernels are
+        ready and a copy of that cache's size sits in MLX's buffer cache, so the first request
+        costs what an in-memory hit costs. Call it once the model is loaded, before serving.
+        """
+        with self._lock:
+            pinned = list(self._pinned.get(model_key, {}).values())
+        if not pinned:
+            return None
+        entry = max(pinned, key=lambda e: (len(e.tokens), e.nbytes, e.source))
+        cache = fork_cache(entry.cache)
+        logits = model(mx.array([[int(entry.tokens[-1])]]), cache=cache)
+        mx.eval(logits, list(_arrays(cache)))
+        return entry.source
+
     def store(self, model_key: str, tokens: Sequence[int], cache: list) -> None:
         """Keep a snapshot of a request's cache for reuse; evicts least recently used entries.
 

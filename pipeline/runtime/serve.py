@@ -11,6 +11,7 @@ import argparse
 import datetime
 import logging
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,32 @@ def bundled_prompt_cache_class(manager: PromptCacheManager, model_path: str) -> 
             return cache, rest
 
     return BundledPromptCache
+
+
+def warming_model_provider_class(manager: PromptCacheManager, enabled: bool) -> type:
+    """mlx_lm.server's ModelProvider, warming up from the longest mounted bundle once the default model
+    is loaded (in the generation thread, before it takes the first request)."""
+    from mlx_lm.server import ModelProvider
+
+    class WarmingModelProvider(ModelProvider):
+        warmed = False
+
+        def load_default(self) -> None:
+            super().load_default()
+            if not enabled or self.warmed or self.model is None:
+                return
+            self.warmed = True
+            start = time.perf_counter()
+            source = manager.warm_up(BUNDLE_KEY, self.model)
+            if source is not None:
+                log.info(
+                    "warmed up from %s in %.1f ms (the first request now costs what an "
+                    "in-memory hit costs)",
+                    source.removeprefix("bundle:"),
+                    (time.perf_counter() - start) * 1000,
+                )
+
+    return WarmingModelProvider
 
 
 def log_mounts(result: MountResult) -> None:
@@ -102,6 +129,13 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--verify-full",
         action="store_true",
         help="hash every cache file in full, even one this user already verified unchanged",
+    )
+    p.add_argument(
+        "--warm-up",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after loading the model, run one throwaway decode step from the longest mounted "
+        "bundle, so the first request is as fast as an in-memory hit (default: on)",
     )
     p.add_argument(
         "--lockfile",
@@ -162,6 +196,7 @@ def main(argv: list[str]) -> int:
     import mlx_lm.server as server
 
     server.LRUPromptCache = bundled_prompt_cache_class(manager, args.model)
+    server.ModelProvider = warming_model_provider_class(manager, args.warm_up)
     sys.argv = ["mlx_lm.server", "--model", args.model, *rest]
     server.main()
     return 0
