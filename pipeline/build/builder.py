@@ -10,10 +10,9 @@ from pathlib import Path
 from typing import Any
 
 from filelock import Timeout as LockTimeout
-from mlx_lm.models.cache import load_prompt_cache
 
 from pipeline import BLAS_STATUS, __version__
-from pipeline.build.fidelity import check_fidelity, check_serving
+from pipeline.build.fidelity import run_checks
 from pipeline.build.incremental import Resume, Wanted, find_parent
 from pipeline.build.prefill import (
     Progress,
@@ -26,6 +25,7 @@ from pipeline.build.prefill import (
     finalize_cache,
     load_model,
     prefill,
+    quantize_cache,
     resolve_compute,
 )
 from pipeline.build.render import Rendered, check_rendered, render_prefix
@@ -37,7 +37,8 @@ from pipeline.build.writer import (
     new_staging_folder,
     publish,
     target_lock,
-    write_files,
+    write_cache,
+    write_manifest,
 )
 from pipeline.format.errors import BuildError, BundleError, ModelError
 from pipeline.format.fingerprint import (
@@ -262,53 +263,57 @@ def _resume(job: Job, loaded, tokens: list[int], bundles_root: Path) -> tuple[Re
 def _write(
     job: Job, loaded, cut: StableCut, cache, stats, tmp: Path, needed: int,
     parent: ParentInfo | None, report_extra: dict[str, Any],
-):  # fmt: skip
+) -> tuple[Manifest, dict[str, Any]]:  # fmt: skip
+    """The cache file, the fidelity record, then manifest and sums, holding as little as can be:
+    the prefill's buffers go as the exact-size reference is made, the quantized copy once
+    written, the reference once the checks have run from it."""
     d, opts = job.target.definition, job.target.definition.spec.cache
-    reference = finalize_cache(cache, loaded.serving_dtype, None, opts.kv_group_size)
-    final = (
-        finalize_cache(cache, loaded.serving_dtype, opts.kv_bits, opts.kv_group_size)
-        if opts.kv_bits
-        else reference
-    )
+    reference = finalize_cache(cache, loaded.serving_dtype)
     del cache
-
-    def finish(staged: Path, digests: FileDigests) -> Manifest:
-        fidelity = FidelityInfo(checked=False)
-        if job.check:
-            written = load_prompt_cache(str(staged / CACHE_FILE))
-            fidelity = check_fidelity(loaded, reference, written, d.spec, cut.probe_tokens)
-            serving, skipped = check_serving(
-                loaded,
-                job.target.model_dir,
-                (reference, written),
-                cut.tokens,
-                cut.probe_tokens,
-                d.spec,
-            )
-            fidelity = fidelity.model_copy(update={"serving": serving, "serving_skipped": skipped})
-        facts = BuildFacts(
-            job.identity, job.rendered, cut, final, dtype_name(loaded.serving_dtype),
-            job.builder, job.key, digests, parent,
-        )  # fmt: skip
-        return make_manifest(job.target, facts, fidelity)
-
+    final = (
+        quantize_cache(reference, opts.kv_bits, opts.kv_group_size) if opts.kv_bits else reference
+    )
+    layers = CacheSummary([type(c).__name__ for c in final], cache_nbytes(final))
+    # "model" and "tokenizer_config" let `mlx_lm.generate --prompt-cache-file` read the file too
+    metadata = {"model": job.target.model_ref, "tokenizer_config": "{}"}
     report = {
         "prefill_seconds": round(stats.seconds, 4),
         "tokens_per_second": round(stats.tokens_per_second, 2),
         "peak_memory_bytes": stats.peak_memory_bytes,
-        "peak_rss_bytes": peak_rss_bytes(),
         "blas": BLAS_STATUS.notice,
         **report_extra,
     }
-    # "model" and "tokenizer_config" let `mlx_lm.generate --prompt-cache-file` read the file too
-    metadata = {"model": job.target.model_ref, "tokenizer_config": "{}"}
     try:
-        manifest = write_files(tmp, final, cut.tokens, finish, report, metadata)
+        digests = write_cache(tmp, final, cut.tokens, metadata)
+        held = [reference]
+        del final, reference
+        fidelity = FidelityInfo(checked=False)
+        if job.check:
+            fidelity = run_checks(
+                loaded, job.target.model_dir, held, tmp / CACHE_FILE, cut.tokens,
+                cut.probe_tokens, d.spec,
+            )  # fmt: skip
+        held.clear()
+        facts = BuildFacts(
+            job.identity, job.rendered, cut, layers, dtype_name(loaded.serving_dtype),
+            job.builder, job.key, digests, parent,
+        )  # fmt: skip
+        manifest = make_manifest(job.target, facts, fidelity)
+        report["peak_rss_bytes"] = peak_rss_bytes()
+        write_manifest(tmp, manifest, digests, report)
     except OSError as exc:
         raise BuildError(
             f"cannot write {job.dest}: {exc.strerror} (needs about {needed / 1e6:,.0f} MB)"
         ) from None
     return manifest, report
+
+
+@dataclass(frozen=True)
+class CacheSummary:
+    """What the manifest records of the cache layers."""
+
+    classes: list[str]
+    nbytes: int
 
 
 def check_room(bundles_root: Path, needed: int) -> None:
@@ -328,7 +333,7 @@ class BuildFacts:
     identity: ModelIdentity
     rendered: Rendered
     cut: StableCut
-    cache: list[Any]
+    cache: CacheSummary
     dtype: str
     builder: BuilderInfo
     key: str
@@ -358,12 +363,12 @@ def make_manifest(target: Target, facts: BuildFacts, fidelity: FidelityInfo) -> 
             template_date=d.spec.template.date.isoformat() if d.spec.template.date else None,
         ),
         cache=CacheInfo(
-            classes=[type(c).__name__ for c in facts.cache],
+            classes=facts.cache.classes,
             dtype=facts.dtype,
             kv_bits=opts.kv_bits,
             kv_group_size=opts.kv_group_size,
             prefill_step_size=opts.prefill_step_size,
-            nbytes=cache_nbytes(facts.cache),
+            nbytes=facts.cache.nbytes,
             file_sha256=facts.digests.sha256,
             file_blake3=facts.digests.blake3,
             file_bytes=facts.digests.size,

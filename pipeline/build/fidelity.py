@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 
 from pipeline.build.definition import PrefixDefinition
 from pipeline.build.prefill import LoadedModel, dtype_name, load_model
@@ -40,19 +41,57 @@ def continue_from(
     return first, tokens
 
 
-def check_fidelity(
+def run_checks(
     loaded: LoadedModel,
-    reference: list[Any],
-    written: list[Any],
-    spec: PrefixDefinition,
+    model_dir: Path,
+    held: list[list[Any]],
+    written_path: Path,
+    tokens: list[int],
     probe: list[int],
+    spec: PrefixDefinition,
 ) -> FidelityInfo:
-    """Compare the bundle as written against the full-precision in-memory cache; raise beyond the bound."""
+    """The fidelity record: the bundle as written against the builder's in-memory cache (raises
+    beyond the bound), and against the serving path (recorded, never a refusal).
+
+    held: [the builder's reference cache], taken out and dropped once its runs are done, before
+    the written file is loaded: at most one bundle-sized cache and one working copy coexist with
+    the model (builder peak memory, bench case 5).
+    """
     if not probe:
         raise BuildError("fidelity check needs at least one probe token after the prefix")
     steps = spec.check.greedy_tokens
-    ref_logits, ref_tokens = continue_from(loaded, reference, probe, steps)
-    got_logits, got_tokens = continue_from(loaded, written, probe, steps)
+    reference = held.pop()
+    ref = continue_from(loaded, reference, probe, steps)
+    plan = serving_plan(loaded, spec)
+    # where the serving path is the builder's path, the reference is that cold prefill already
+    cold = ref if plan.runs and plan.same_path else None
+    del reference
+    written = load_prompt_cache(str(written_path))
+    got = continue_from(loaded, written, probe, steps)
+    info = fidelity_info(loaded, spec, probe, ref, got)
+    if not plan.runs:
+        return info.model_copy(update={"serving_skipped": plan.skipped})
+    try:
+        serving = serving_model(loaded, model_dir, plan)
+        warm = got if plan.same_dtype else continue_from(serving, written, probe, steps)
+        del written
+        if cold is None:
+            cold = continue_from(serving, _server_prefill(serving.model, tokens), probe, steps)
+    except (RuntimeError, ValueError) as exc:  # e.g. MLX's CPU gather_mm is float32-only (MoE)
+        detail = " ".join(str(exc).split())[:160]
+        skipped = f"failed: the serving path cannot run on this builder ({detail})"
+        return info.model_copy(update={"serving_skipped": skipped})
+    return info.model_copy(update={"serving": serving_check(loaded, plan, cold, warm)})
+
+
+Run = tuple[mx.array, list[int]]  # next-token logits after the probe, greedy tokens after it
+
+
+def fidelity_info(
+    loaded: LoadedModel, spec: PrefixDefinition, probe: list[int], ref: Run, got: Run
+) -> FidelityInfo:
+    """Compare the run from the written bundle with the builder's own; raise beyond the bound."""
+    (ref_logits, ref_tokens), (got_logits, got_tokens) = ref, got
     diff = float(mx.max(mx.abs(ref_logits - got_logits)).item())
     margin = top2_margin(ref_logits)
     bound = threshold_for(spec)
@@ -60,7 +99,7 @@ def check_fidelity(
         checked=True,
         max_abs_logit_diff=diff,
         threshold=bound,
-        greedy_tokens=steps,
+        greedy_tokens=spec.check.greedy_tokens,
         greedy_match=ref_tokens == got_tokens,
         probe=f"{len(probe)} tokens",
         reference=builder_reference(loaded, spec.cache.prefill_step_size),
@@ -89,54 +128,50 @@ def builder_reference(loaded: LoadedModel, step: int) -> str:
     )
 
 
-def check_serving(
-    loaded: LoadedModel,
-    model_dir: Path,
-    caches: tuple[list[Any], list[Any]],
-    tokens: list[int],
-    probe: list[int],
-    spec: PrefixDefinition,
-) -> tuple[ServingCheck | None, str | None]:
-    """(the serving-path comparison, or None and why it was skipped); recorded, never a refusal.
+@dataclass(frozen=True)
+class ServingPlan:
+    """Whether and how the serving-path comparison runs."""
 
-    caches: (the builder's reference cache, the bundle as written). Where the serving path is the
-    builder's path (same dtype, same chunks) the reference is that cold prefill already.
-    """
-    reference, written = caches
+    runs: bool
+    skipped: str | None  # why not, when it does not run
+    same_dtype: bool  # the builder computes in the serving dtype: same model object
+    same_path: bool  # ... and chunks as mlx_lm.server does: the builder's prefill is the cold one
+
+
+def serving_plan(loaded: LoadedModel, spec: PrefixDefinition) -> ServingPlan:
     same = loaded.compute_dtype == loaded.serving_dtype
+    same_path = same and spec.cache.prefill_step_size == SERVER_CHUNK
     on_cpu = mx.default_device().type == mx.DeviceType.cpu
     if spec.check.serving is False:
-        return None, "disabled by check.serving = false"
+        return ServingPlan(False, "disabled by check.serving = false", same, same_path)
     if spec.check.serving is None and on_cpu and not same:
-        return None, (
+        why = (
             f"skipped: a {dtype_name(loaded.serving_dtype)} prefill on CPU is slow; "
             "set check.serving = true to run it"
         )
-    same_path = same and spec.cache.prefill_step_size == SERVER_CHUNK
-    try:
-        model = loaded.model if same else load_model(model_dir, "model").model
-        serving = LoadedModel(model, loaded.tokenizer, loaded.serving_dtype, loaded.serving_dtype)
-        steps = spec.check.greedy_tokens
-        cold_cache = reference if same_path else _server_prefill(model, tokens)
-        cold_logits, cold_tokens = continue_from(serving, cold_cache, probe, steps)
-        warm_logits, warm_tokens = continue_from(serving, written, probe, steps)
-    except (RuntimeError, ValueError) as exc:  # e.g. MLX's CPU gather_mm is float32-only (MoE)
-        detail = " ".join(str(exc).split())[:160]
-        return None, f"failed: the serving path cannot run on this builder ({detail})"
+        return ServingPlan(False, why, same, same_path)
+    return ServingPlan(True, None, same, same_path)
+
+
+def serving_model(loaded: LoadedModel, model_dir: Path, plan: ServingPlan) -> LoadedModel:
+    """The model as a server computes with it: in its own dtype."""
+    model = loaded.model if plan.same_dtype else load_model(model_dir, "model").model
+    return LoadedModel(model, loaded.tokenizer, loaded.serving_dtype, loaded.serving_dtype)
+
+
+def serving_check(loaded: LoadedModel, plan: ServingPlan, cold: Run, warm: Run) -> ServingCheck:
+    (cold_logits, cold_tokens), (warm_logits, warm_tokens) = cold, warm
     diff = float(mx.max(mx.abs(cold_logits - warm_logits)).item())
     margin = top2_margin(cold_logits)
-    return (
-        ServingCheck(
-            dtype=dtype_name(loaded.serving_dtype),
-            device=mx.default_device().type.name,
-            chunk_tokens=SERVER_CHUNK,
-            same_as_builder=same_path,
-            max_abs_logit_diff=diff,
-            greedy_match=cold_tokens == warm_tokens,
-            top2_margin=margin,
-            tie_within_tolerance=margin <= diff,
-        ),
-        None,
+    return ServingCheck(
+        dtype=dtype_name(loaded.serving_dtype),
+        device=mx.default_device().type.name,
+        chunk_tokens=SERVER_CHUNK,
+        same_as_builder=plan.same_path,
+        max_abs_logit_diff=diff,
+        greedy_match=cold_tokens == warm_tokens,
+        top2_margin=margin,
+        tie_within_tolerance=margin <= diff,
     )
 
 

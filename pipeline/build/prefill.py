@@ -131,21 +131,32 @@ def estimate_bytes(tokens: int, shape: ModelShape, dtype: mx.Dtype, kv_bits: int
     return int(2 * max(shape.layers, 1) * tokens * width * per_value) + (1 << 20)
 
 
-def finalize_cache(
-    cache: list[Any], dtype: mx.Dtype, kv_bits: int | None, group_size: int
-) -> list[Any]:
-    """Cast every layer's state to the serving dtype (a server computing in that dtype holds it so),
-    quantize KVCache layers if asked, and drop the unused tail of buffers."""
+def finalize_cache(cache: list[Any], dtype: mx.Dtype) -> list[Any]:
+    """The prefill's cache as the bundle holds it: every layer's state in the serving dtype (a
+    server computing in that dtype holds it so), KV buffers cut to exactly the tokens held.
+
+    Consumes `cache`: each KVCache layer's buffers (rounded up to whole chunks) are released as
+    soon as its exact copy exists, so the two never coexist beyond one layer.
+    """
     out = []
     for layer in cache:
         if not isinstance(layer, KVCache):  # rotating windows, recurrent/conv state: cast only
             out.append(type(layer).from_state(tree_map(lambda x: _cast(x, dtype), layer.state)))
             continue
         fresh = KVCache()
-        fresh.keys = layer.keys[..., : layer.offset, :].astype(dtype)
-        fresh.values = layer.values[..., : layer.offset, :].astype(dtype)
+        fresh.keys = mx.contiguous(layer.keys[..., : layer.offset, :].astype(dtype))
+        fresh.values = mx.contiguous(layer.values[..., : layer.offset, :].astype(dtype))
         fresh.offset = layer.offset
-        out.append(_quantize(fresh, kv_bits, group_size) if kv_bits else fresh)
+        mx.eval(fresh.keys, fresh.values)
+        layer.keys = layer.values = None
+        out.append(fresh)
+    mx.eval([c.state for c in out])
+    return out
+
+
+def quantize_cache(cache: list[Any], bits: int, group_size: int) -> list[Any]:
+    """KVCache layers quantized to `bits` (the others as they are)."""
+    out = [_quantize(c, bits, group_size) if isinstance(c, KVCache) else c for c in cache]
     mx.eval([c.state for c in out])
     return out
 

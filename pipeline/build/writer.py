@@ -14,7 +14,6 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,28 +55,27 @@ def new_staging_folder(bundles_root: Path) -> Path:
     return tmp
 
 
-def write_files(
-    tmp: Path,
-    cache: list[Any],
-    tokens: list[int],
-    finish: Callable[[Path, FileDigests], Manifest],
-    report: dict[str, Any],
-    metadata: dict[str, str],
-) -> Manifest:
-    """cache.safetensors, then the manifest `finish` makes from it (sha256, size), then sums."""
+def write_cache(
+    tmp: Path, cache: list[Any], tokens: list[int], metadata: dict[str, str]
+) -> FileDigests:
+    """cache.safetensors (mlx-lm's layout, the token ids in its metadata), and its digests."""
     from mlx_lm.models.cache import save_prompt_cache
 
     user = {**metadata, "token_ids": json.dumps(tokens, separators=(",", ":"))}
     save_prompt_cache(str(tmp / CACHE_FILE), cache, user)
-    cache_digests = file_digests(tmp / CACHE_FILE)
-    manifest = finish(tmp, cache_digests)
+    return file_digests(tmp / CACHE_FILE)
+
+
+def write_manifest(
+    tmp: Path, manifest: Manifest, cache_digests: FileDigests, report: dict[str, Any]
+) -> None:
+    """manifest.json, SHA256SUMS over it and the cache file, build-report.json; all synced."""
     data = manifest_bytes(manifest)
     (tmp / MANIFEST_FILE).write_bytes(data)
     digests = {CACHE_FILE: cache_digests.sha256, MANIFEST_FILE: sha256_bytes(data)}
     (tmp / SUMS_FILE).write_text(sums_text(digests))
     (tmp / REPORT_FILE).write_text(json.dumps(report, sort_keys=True, indent=2) + "\n")
     _fsync_folder(tmp)
-    return manifest
 
 
 def publish(tmp: Path, dest: Path) -> None:
