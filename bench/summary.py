@@ -79,6 +79,23 @@ def targets(results: dict[str, Any], quick: bool) -> list[dict[str, Any]]:
                     over_cat <= 2.0,
                 )
             )
+        if "first_hp_over_cat" in m:
+            hp_unchecked, hp_cat = m["first_hp_over_unchecked_hp"], m["first_hp_over_cat"]
+            label = "first mount after deploy, huge pages (serve --huge-pages on)"
+            out.append(
+                _row(
+                    f"verified mount ≤ 1.1× unchecked load_prompt_cache — {label}",
+                    f"{hp_unchecked:.2f}× ({at})",
+                    hp_unchecked <= 1.1,
+                )
+            )
+            out.append(
+                _row(
+                    f"verified mount ≤ 2× raw read (cat) — {label}",
+                    f"{hp_cat:.2f}× ({at})",
+                    hp_cat <= 2.0,
+                )
+            )
     b = results.get("build")
     if b:
         same, ab, default = b["ratio_same_blas"], b["ab"]["ratio"], b["ratio_default"]
