@@ -389,6 +389,8 @@ def handout_section(h: dict[str, Any] | None) -> list[str]:
             h["hugepages"]["markdown"],
             "",
         ]
+    if h.get("frozen_base"):
+        lines += [h["frozen_base"]["markdown"], ""]
     return lines
 
 

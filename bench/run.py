@@ -26,7 +26,7 @@ import chart  # noqa: E402
 import report  # noqa: E402
 import summary  # noqa: E402
 from common import BENCH as BENCH_DIR  # noqa: E402
-from common import HUGE_PAGES, Context, ensure_models, run_worker, stat  # noqa: E402
+from common import HUGE_PAGES, MODEL_F32, Context, ensure_models, run_worker, stat  # noqa: E402
 
 import pipeline  # noqa: E402  (its BLAS_STATUS names the OpenBLAS that workers load)
 
@@ -98,11 +98,15 @@ def handout(quick: bool) -> dict[str, Any] | None:
         return None
     r = run_worker("handout", {"quick": quick})
     huge = run_worker("handout", {"quick": quick}, **HUGE_PAGES)  # serve --huge-pages on
+    frozen = run_worker(
+        "frozen_base", {"model": str(MODEL_F32), "tokens": 2048 if quick else 16384}
+    )
     return {
         "result": r["result"],
         "markdown": r["markdown"],
         "seconds": r["process_seconds"],
         "hugepages": {"result": huge["result"], "markdown": huge["markdown"]},
+        "frozen_base": {"result": frozen["result"], "markdown": frozen["markdown"]},
     }
 
 

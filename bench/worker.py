@@ -309,6 +309,15 @@ def task_handout(args: dict[str, Any]) -> dict[str, Any]:
     return {"result": result, "markdown": table(result) if table else None}
 
 
+def task_frozen_base(args: dict[str, Any]) -> dict[str, Any]:
+    """The frozen-base cache evaluation (bench/frozen_base.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import frozen_base
+
+    result = frozen_base.run(args["model"], args["tokens"])
+    return {"result": result, "markdown": frozen_base.table(result)}
+
+
 TASKS = {
     "build": task_build,
     "ttft": task_ttft,
@@ -316,6 +325,7 @@ TASKS = {
     "prefill_ab": task_prefill_ab,
     "touch": task_touch,
     "handout": task_handout,
+    "frozen_base": task_frozen_base,
 }
 
 if __name__ == "__main__":
