@@ -102,7 +102,7 @@ def one_run(bundle: dict[str, Any], kind: str) -> dict[str, float]:
             "question": QUESTION,
             "question2": QUESTION2,
             "step": STEP,
-            "warm_up": kind in ("bundle", "bundle_hugepages"),  # serve's default
+            "warm_up": kind in ("bundle", "bundle_hugepages"),  # serve --warm-up
         },
         **(HUGE_PAGES if kind == "bundle_hugepages" else {}),
     )

@@ -62,7 +62,7 @@ PHASES = (
     ("startup", "process start + imports", "tab:gray"),
     ("load", "model load", "tab:olive"),
     ("mount", "mount (verified)", "tab:blue"),
-    ("warmup", "warm-up step (serve default)", "tab:purple"),
+    ("warmup", "warm-up step (--warm-up)", "tab:purple"),
     ("fetch", "render + fetch", "tab:cyan"),
     ("suffix", "suffix prefill + 1st token", "tab:orange"),
 )

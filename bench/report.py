@@ -218,9 +218,9 @@ def ttft_section(r: dict[str, Any], builds: list[dict[str, Any]]) -> list[str]:
 
 
 KINDS = {
-    "bundle": "serve defaults (warm-up on)",
+    "bundle": "warm-up on (serve --warm-up)",
     "bundle_hugepages": "warm-up + huge pages",
-    "bundle_no_warmup": "no warm-up",
+    "bundle_no_warmup": "no warm-up (serve default)",
 }
 
 
@@ -234,7 +234,7 @@ def restart_vs_hit(r: dict[str, Any]) -> list[str]:
         "= the same for the next request in the same process, another question after the same "
         "prefix, served from request 1's stored cache (serve's path); *store* = keeping request "
         "1's cache (copy-on-write); *warm-up* = `serve`'s one throwaway decode step from the "
-        "mounted bundle after the model loads (`--warm-up`, default on), before the first "
+        "mounted bundle after the model loads (`--warm-up`, off by default), before the first "
         "request. *huge pages* = the same runs with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1` "
         "(`serve --huge-pages on`); *no warm-up* = `--no-warm-up`. Seconds, median (min–max); "
         "faults = minor page faults.",

@@ -127,9 +127,9 @@ def targets(results: dict[str, Any], quick: bool) -> list[dict[str, Any]]:
     if t:
         for x in [y for y in t["rows"] if y["length"] == 4096] + [t["long"]] * bool(t.get("long")):
             for kind, how in (
-                ("bundle", ""),
-                ("bundle_hugepages", ", huge pages"),
-                ("bundle_no_warmup", ", no warm-up"),
+                ("bundle", ", warm-up"),
+                ("bundle_hugepages", ", warm-up + huge pages"),
+                ("bundle_no_warmup", ", serve defaults (no warm-up)"),
             ):
                 if kind in x:
                     got = x[kind]["request_over_hit"]

@@ -111,7 +111,7 @@ def task_ttft(args: dict[str, Any]) -> dict[str, Any]:
         mount(Path(args["model"]), Path(args["bundle"]), manager=manager, model_key="m")
     stamps["mounted"], faults["mounted"] = time.time(), minor_faults()
     if args.get("warm_up"):
-        manager.warm_up("m", model)  # what serve does once the model is loaded (--warm-up)
+        manager.warm_up("m", model)  # what serve --warm-up does once the model is loaded
     stamps["warmed"], faults["warmed"] = time.time(), minor_faults()
     conversation = [*args["messages"], {"role": "user", "content": args["question"]}]
     text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)

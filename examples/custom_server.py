@@ -19,7 +19,6 @@ manager = PromptCacheManager(max_entries=16, max_bytes=2 << 30)
 mounted = mount(MODEL, BUNDLES, manager=manager, model_key=MODEL, skip_refused=True)
 for refusal in mounted.refused:
     print(f"refused {refusal.path}: {refusal.reason}")
-manager.warm_up(MODEL, model)  # one throwaway step: the first request costs what a hit costs
 
 
 def answer(messages: list[dict], tools: list[dict] | None = None) -> tuple[str, int]:

@@ -133,9 +133,10 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--warm-up",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=False,
         help="after loading the model, run one throwaway decode step from the longest mounted "
-        "bundle, so the first request is as fast as an in-memory hit (default: on)",
+        "bundle before the first request (default: off; on a 2-core CPU it cost more at startup "
+        "than it saved: bench/README.md)",
     )
     p.add_argument(
         "--lockfile",
