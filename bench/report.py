@@ -370,11 +370,14 @@ def memory_section(m: dict[str, Any]) -> list[str]:
 
 def targets_section(targets: list[dict[str, Any]]) -> list[str]:
     rows = [[t["target"], t["measured"], "yes" if t["met"] else "**no**"] for t in targets]
-    return ["## Targets (issue 5)", ""] + table(["target", "measured", "met"], rows)
+    return ["## Targets (issues 5 and 12)", ""] + table(["target", "measured", "met"], rows)
 
 
 def handout_section(h: dict[str, Any] | None) -> list[str]:
-    lines = ["## 7. Hand-out benchmark (`bench/bench_handout.py`)", ""]
+    lines = [
+        "## 7. Hand-out and first decode step (`bench/bench_handout.py`, `bench/frozen_base.py`)",
+        "",
+    ]
     if h is None:
         return lines + [
             "HOOK: `bench/bench_handout.py` (`run(quick) -> dict`) not found; nothing ran.",
@@ -422,7 +425,7 @@ def classes_cell(classes: list[str]) -> str:
 
 
 def arch_section(r: dict[str, Any]) -> list[str]:
-    lines = ["## 7. Architectures (tiny models, issue 11)", ""]
+    lines = ["## 8. Architectures (tiny models, issue 11)", ""]
     kv_mb = max((x["cache_bytes"] for x in r["rows"] if "cache_bytes" in x), default=0) / 1e6
     intro = ARCH_INTRO.format(dtype=r["dtype"], reps=r["reps"], step=r["step"], kv_mb=kv_mb)
     lines += [intro, ""]

@@ -200,13 +200,15 @@ def markdown(results: dict[str, Any], total: float) -> str:
         ("ttft", lambda r: report.ttft_section(r, results.get("ttft_bundles") or [])),
         ("mount", report.mount_section),
         ("sizes", report.sizes_section),
-        ("incremental", case_incremental.section),
     ]
     for key, render in sections:
         if results.get(key):
             lines += render(results[key])
     if results["memory"]["rows"]:
         lines += report.memory_section(results["memory"])
+    if results.get("incremental"):
+        lines += case_incremental.section(results["incremental"])
+
     if "handout" in results.get("cases", []):
         lines += report.handout_section(results.get("handout"))
     if results.get("arch"):
@@ -251,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
 def render(results: dict[str, Any], out: Path) -> int:
     """RESULTS.md and ttft.png from a results dict (as stored in results.json)."""
     out.mkdir(parents=True, exist_ok=True)
+    results["targets"] = summary.targets(results, results["quick"])  # the current definitions
     (out / "RESULTS.md").write_text(markdown(results, results["total_seconds"]))
     if results.get("ttft"):
         chart.draw(results["ttft"], out / "ttft.png", results["quick"])

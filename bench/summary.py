@@ -112,19 +112,42 @@ def targets(results: dict[str, Any], quick: bool) -> list[dict[str, Any]]:
         )
         out.append(
             _row(
-                "restart TTFT ≥ 50× faster than cold — after model load (mount + request)",
+                "restart TTFT ≥ 50× faster than cold — after model load (mount + warm-up + request)",
                 f"{x['speedup_after_load']:.1f}× {at}",
                 x["speedup_after_load"] >= 50,
             )
         )
         out.append(
             _row(
-                "restart TTFT ≥ 50× faster than cold — process start → first token",
+                "restart TTFT ≥ 50× faster than cold — process start → first token, with warm-up",
                 f"{x['speedup_restart']:.1f}× {at}",
                 x["speedup_restart"] >= 50,
             )
         )
     if t:
+        for x in (y for y in t["rows"] if "bundle_no_warmup" in y and y["length"] == 4096):
+            nw, cold = x["bundle_no_warmup"], x["cold"]
+            for metric, label in (
+                ("after_load", "after model load"),
+                ("restart", "process start → first token"),
+            ):
+                got = cold[metric]["median"] / nw[metric]["median"]
+                out.append(
+                    _row(
+                        f"restart TTFT ≥ 50× faster than cold — {label}, serve defaults (no warm-up)",
+                        f"{got:.1f}× at {x['prefix_tokens']} tokens",
+                        got >= 50,
+                    )
+                )
+            share = (nw["fetch"]["median"] + nw["store"]["median"]) / nw["request"]["median"]
+            out.append(
+                _row(
+                    "serve's request work outside the forward pass (render, tokenize, fetch, store) "
+                    "≤ 5 % of the request",
+                    f"{share:.1%} at {x['prefix_tokens']} tokens",
+                    share <= 0.05,
+                )
+            )
         for x in [y for y in t["rows"] if y["length"] == 4096] + [t["long"]] * bool(t.get("long")):
             for kind, how in (
                 ("bundle", ", warm-up"),
