@@ -127,7 +127,7 @@ def test_a_prefix_below_the_measured_crossover_gets_a_warning(
         == 0
     )
     err = capsys.readouterr().err
-    assert "tokens, below the measured crossover of 81 tokens" in err and "warning: " in err
+    assert "tokens, below the measured crossover of 82 tokens" in err and "warning: " in err
 
 
 def test_every_command_and_option_has_help():
