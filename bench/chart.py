@@ -8,12 +8,12 @@ from typing import Any
 
 STYLES = {
     ("cold", "restart"): ("tab:red", "-", "cold: process start → 1st token"),
-    ("bundle", "restart"): ("tab:blue", "-", "bundle: process start → 1st token"),
+    ("bundle", "restart"): ("tab:blue", "-", "bundle + warm-up: process start → 1st token"),
     ("cold", "after_load"): ("tab:red", "--", "cold: model loaded → 1st token"),
     ("bundle", "after_load"): (
         "tab:blue",
         "--",
-        "bundle: model loaded → 1st token (mount + request)",
+        "bundle + warm-up: model loaded → 1st token",
     ),
 }
 
@@ -62,7 +62,6 @@ PHASES = (
     ("startup", "process start + imports", "tab:gray"),
     ("load", "model load", "tab:olive"),
     ("mount", "mount (verified)", "tab:blue"),
-    ("warmup", "warm-up step (--warm-up)", "tab:purple"),
     ("fetch", "render + fetch", "tab:cyan"),
     ("suffix", "suffix prefill + 1st token", "tab:orange"),
 )
@@ -71,15 +70,16 @@ PHASES = (
 def draw_breakdown(ax: Any, ttft: dict[str, Any]) -> None:
     """Stacked bars: each phase of a restart with the bundle, per prefix length (medians), and
     the in-memory hit of the same process's next request for comparison."""
-    rows = [x for x in ttft["rows"] if x["length"] >= 1024]
+    rows = [x for x in ttft["rows"] if "bundle_no_warmup" in x]
     rows += [ttft["long"]] if ttft.get("long") else []
+    kind = "bundle_no_warmup"  # serve's defaults
     labels, bottoms = [str(x["prefix_tokens"]) for x in rows], [0.0] * len(rows)
     positions = list(range(len(rows)))
     for key, label, color in PHASES:
-        heights = [x["bundle"][key]["median"] for x in rows]
+        heights = [x[kind][key]["median"] for x in rows]
         ax.bar(positions, heights, 0.38, bottom=bottoms, color=color, label=label)
         bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
-    hits = [x["bundle"]["hit_request"]["median"] for x in rows]
+    hits = [x[kind]["hit_request"]["median"] for x in rows]
     ax.bar(
         [p + 0.4 for p in positions],
         hits,
@@ -90,6 +90,6 @@ def draw_breakdown(ax: Any, ttft: dict[str, Any]) -> None:
     ax.set_xticks([p + 0.2 for p in positions], labels)
     ax.set_xlabel("prefix tokens")
     ax.set_ylabel("seconds (median)")
-    ax.set_title("Restart with a bundle: where the time goes", fontsize=10)
+    ax.set_title("Restart with a bundle, serve defaults: where the time goes", fontsize=10)
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=7)

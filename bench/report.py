@@ -172,6 +172,13 @@ def ttft_section(r: dict[str, Any], builds: list[dict[str, Any]]) -> list[str]:
     header = ["prefix tokens", "cold restart", "bundle restart", "×", "cold after load"]
     header += ["bundle after load", "×", "bundle request", "×", "n cold/bundle", "same 1st token"]
     lines += table(header, rows)
+    if any(x["bundle"].get("warmup", {}).get("median", 0) > 0.01 for x in r["rows"]):
+        lines += [
+            "The *bundle* runs above include the warm-up step (`serve --warm-up`, off by default "
+            "since this run measured it): serve's defaults are the *no warm-up* rows of the "
+            "restart-vs-hit table below and the targets table.",
+            "",
+        ]
     lines += [
         "Where the bundle runs' time goes (medians; seconds, and minor page faults = first touches "
         "of fresh 4 KiB pages):",
