@@ -4,6 +4,7 @@ records its parent, and refuses a parent that could not give those bytes."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -187,3 +188,21 @@ def test_cli_reports_the_reuse_and_full_turns_it_off(tmp_path: Path, tiny_model:
     errors = [ln for ln in bad.stderr.splitlines() if ln.startswith("error:")]
     assert bad.returncode == 1 and errors == [bad.stderr.splitlines()[-1]]
     assert errors[0].startswith(f"error: --parent {root / 'nowhere'}: no such bundle folder")
+
+
+def test_a_candidate_with_special_files_is_passed_over_without_reading_them(
+    tmp_path: Path, tiny_model: Path
+):
+    """Discovery reads only regular files: a FIFO as a candidate's cache file (which would block
+    an open) or a symlinked one is skipped, and the build goes on from token 0."""
+    root = tmp_path / "project"
+    define(root, tiny_model)
+    base = run_build(root).bundle
+    cache = base / CACHE_FILE
+    cache.unlink()
+    os.mkfifo(cache)
+    define(root, tiny_model, version=2, system=SYSTEM + MORE)
+    new = run_build(root)
+    assert new.manifest.parent is None and new.report["reused_tokens"] == 0
+    with pytest.raises(BuildError, match=r"cannot be reused \(.*not a regular file"):
+        run_build(root, parent=base, force=True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.format.bundle_files import read_manifest, read_sums
+from pipeline.format.bundle_files import check_folder, read_manifest, read_sums
 from pipeline.format.errors import BuildError, BundleError
 from pipeline.format.fingerprint import ModelIdentity
 from pipeline.format.layout import CACHE_FILE, MANIFEST_FILE
@@ -56,8 +56,8 @@ def find_parent(
     """The usable parent reusing the most tokens (explicit: that one, else BuildError), and a
     line saying what was reused or why nothing was."""
     if explicit is not None:
-        reason = unusable(explicit, wanted)
-        resume = None if reason else _load(explicit, wanted)
+        manifest, reason = examine(explicit, wanted)
+        resume = None if manifest is None else _load(explicit, manifest, wanted)
         if resume is None:
             raise BuildError(
                 f"--parent {explicit}: cannot be reused ({reason or 'refused by the validator'}); "
@@ -70,13 +70,14 @@ def find_parent(
         return None, "no earlier bundles to start from"
     candidates = []
     for path in found:
-        if path.resolve() == exclude.resolve() or unusable(path, wanted):
-            continue
-        candidates.append((reusable_tokens(_token_ids(path), wanted), str(path), path))
-    for reused, _, path in sorted(candidates, key=lambda c: (-c[0], c[1])):
+        manifest = None if path.resolve() == exclude.resolve() else examine(path, wanted)[0]
+        if manifest is not None:
+            reused = reusable_tokens(_token_ids(path), wanted)
+            candidates.append((reused, str(path), path, manifest))
+    for reused, _, path, manifest in sorted(candidates, key=lambda c: (-c[0], c[1])):
         if reused == 0:
             break
-        resume = _load(path, wanted)
+        resume = _load(path, manifest, wanted)
         if resume is not None:
             return resume, _reused_line(resume)
     return None, "no earlier bundle shares a whole prefill chunk with these tokens"
@@ -92,12 +93,14 @@ def reusable_tokens(parent_tokens: list[int], wanted: Wanted) -> int:
     return shared - shared % wanted.step
 
 
-def unusable(bundle: Path, wanted: Wanted) -> str | None:
-    """Why a bundle's recorded facts rule it out as a parent (None: worth validating)."""
+def examine(bundle: Path, wanted: Wanted) -> tuple[Manifest | None, str | None]:
+    """A bundle's manifest when its recorded facts allow it as a parent (worth validating), else
+    None and why not. Only regular files are opened (check_folder first: a FIFO would block)."""
     try:
+        check_folder(bundle)
         m = read_manifest(bundle, read_sums(bundle)[MANIFEST_FILE])
     except (BundleError, KeyError, OSError) as exc:
-        return f"unreadable ({exc})"
+        return None, f"unreadable ({exc})"
     b = m.builder
     checks = (
         (m.model.fingerprint == wanted.identity.model, "built for other weights"),
@@ -116,7 +119,8 @@ def unusable(bundle: Path, wanted: Wanted) -> str | None:
             f"built with mlx {b.mlx}, mlx-lm {b.mlx_lm} on {b.device}",
         ),
     )  # fmt: skip
-    return next((why for ok, why in checks if not ok), None)
+    reason = next((why for ok, why in checks if not ok), None)
+    return (None, reason) if reason else (m, None)
 
 
 def _token_ids(bundle: Path) -> list[int]:
@@ -130,9 +134,8 @@ def _token_ids(bundle: Path) -> list[int]:
     return ids if isinstance(ids, list) else []
 
 
-def _load(bundle: Path, wanted: Wanted) -> Resume | None:
+def _load(bundle: Path, manifest: Manifest, wanted: Wanted) -> Resume | None:
     """The parent validated in full and loaded, its cache replayed up to the reusable tokens."""
-    manifest = read_manifest(bundle, read_sums(bundle)[MANIFEST_FILE])
     # the template changes the text, not the cache of given tokens: check the parent as built
     identity = dataclasses.replace(wanted.identity, template=manifest.model.template_sha256)
     try:

@@ -161,8 +161,6 @@ def _stream_tensors(fh: Any, header: Header, chunks: _Hashers, result: DataRead)
         data = _read_into(fh, t.end - t.start, chunks)
         if t.end - t.start <= SMALL:
             result.small[t.name] = data
-    if fh.read(1):
-        raise FormatError("file has bytes past its last tensor")
 
 
 def _load_tensors(path: Path, header: Header, chunks: _Hashers, result: DataRead) -> None:
