@@ -1,6 +1,6 @@
 """Case 1, build throughput: our builder vs `mlx_lm cache_prompt` on the same model and prompt.
 
-Fresh processes: ours is `pipeline.build.builder.build` (library call, fidelity check off, since
+Fresh processes: ours is `pipeline.builder.builder.build` (library call, fidelity check off, since
 cache_prompt checks nothing), its rate the builder's own prefill timer; theirs is the real CLI,
 its rate its own timer ("Processed N tokens (X tok/s)") once all N tokens are in the cache. Rows
 run in alternating order (A B … B A) against order effects. A same-process A/B (one model, the
@@ -42,7 +42,7 @@ def sizes(quick: bool) -> dict[str, Any]:
 
 
 def run_ours(ctx: Context, model: Path, text: str, tag: str) -> dict[str, Any]:
-    """pipeline.build.builder.build on a definition whose one user message is `text`."""
+    """pipeline.builder.builder.build on a definition whose one user message is `text`."""
     project = ctx.work / "build-throughput" / tag
     write_definition(project, tag, model, [{"role": "user", "content": text}])
     args = {
@@ -119,7 +119,7 @@ def one(ctx: Context, row: dict[str, Any], text: str) -> dict[str, Any]:
 def summarize(row: dict[str, Any], got: list[dict[str, Any]]) -> dict[str, Any]:
     out = {
         "key": row["key"],
-        "who": "pipeline.build.builder.build"
+        "who": "pipeline.builder.builder.build"
         if row["who"] == "ours"
         else "mlx_lm cache_prompt (CLI)",
         "model_dtype": "float32" if row["model"] == MODEL_F32 else "bfloat16",

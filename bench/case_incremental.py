@@ -3,7 +3,7 @@
 Float32 bench model (the prefill's dtype is the serving dtype, so a stored cache is the prefill's
 own state and can be resumed byte-identically), chunks of STEP tokens, fidelity check off on both
 sides (the check's serving-path comparison re-prefills from token 0 when the chunks differ from
-mlx_lm.server's 2048). Each build is `pipeline.build.builder.build` in a fresh process; the
+mlx_lm.server's 2048). Each build is `pipeline.builder.builder.build` in a fresh process; the
 figure is its wall time (model load, render, tokenize, prefill, write, hash), alternating full
 and incremental runs.
 

@@ -62,7 +62,7 @@ def messages_for(length: int) -> list[dict[str, str]]:
 
 
 def build_bundles(ctx: Context, extra: list[int] | None = None) -> list[dict[str, Any]]:
-    """Build one bundle per length with pipeline.build.builder.build, each in a fresh process;
+    """Build one bundle per length with pipeline.builder.builder.build, each in a fresh process;
     the `extra` lengths without the fidelity check (its cold prefill would double the cost)."""
     project = ctx.work / "ttft"
     built = []

@@ -90,7 +90,7 @@ def fidelity(f: dict[str, Any]) -> list[str]:
 
 
 BUILD_INTRO = (
-    "Ours = `pipeline.build.builder.build` (library call in a fresh process, fidelity check off, since "
+    "Ours = `pipeline.builder.builder.build` (library call in a fresh process, fidelity check off, since "
     "cache_prompt checks nothing; prefill chunks of {step}, its default). cache_prompt = the real CLI "
     "`python -m mlx_lm cache_prompt --model DIR --prompt - --prompt-cache-file F` (its chunks: "
     "2048). **prefill tok/s** = each tool's own prefill timer, model load excluded (cache_prompt: "

@@ -46,10 +46,10 @@ def emit(result: dict[str, Any]) -> None:
 
 
 def task_build(args: dict[str, Any]) -> dict[str, Any]:
-    """Our builder as a library call: pipeline.build.builder.build on one definition."""
-    from pipeline.build.builder import build
-    from pipeline.build.definition import load_definition
-    from pipeline.build.targets import targets
+    """Our builder as a library call: pipeline.builder.builder.build on one definition."""
+    from pipeline.builder.builder import build
+    from pipeline.builder.definition import load_definition
+    from pipeline.builder.targets import targets
 
     baseline = reset_peak()
     project = Path(args["project"])
@@ -183,8 +183,8 @@ def _read_prefaulted(args: dict[str, Any]) -> Any:
 
 def _mount_phases(args: dict[str, Any]) -> Any:
     """mount_one's two parts, timed one by one: the model's fingerprints, then validate + load."""
+    from pipeline.format.validate import validate
     from pipeline.runtime.mount import identity_for
-    from pipeline.runtime.validate import validate
 
     bundle, phases = Path(args["bundle"]), {}
     start = time.perf_counter()
@@ -246,8 +246,8 @@ def task_prefill_ab(args: dict[str, Any]) -> dict[str, Any]:
     from mlx_lm.generate import generate_step
     from mlx_lm.models.cache import make_prompt_cache
 
-    from pipeline.build.definition import CacheSpec
-    from pipeline.build.prefill import encode, load_model, prefill
+    from pipeline.builder.definition import CacheSpec
+    from pipeline.builder.prefill import encode, load_model, prefill
 
     step = CacheSpec().prefill_step_size  # the builder's default chunk
     loaded = load_model(Path(args["model"]))

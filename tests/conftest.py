@@ -83,9 +83,9 @@ def project(tmp_path: Path, tiny_model: Path) -> Path:
 
 def build_bundle(project_root: Path, name: str = "shop", **kwargs) -> Path:
     """Build one definition of a test project; return the bundle folder."""
-    from pipeline.build.builder import build
-    from pipeline.build.definition import load_definition
-    from pipeline.build.targets import targets
+    from pipeline.builder.builder import build
+    from pipeline.builder.definition import load_definition
+    from pipeline.builder.targets import targets
 
     definition = load_definition(project_root / "prefixes" / f"{name}.toml", project_root)
     (target,) = targets(definition, project_root)

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.format.bundle_folder import CACHE_FILE, MANIFEST_FILE, REPORT_FILE, SUMS_FILE
 from pipeline.format.fingerprint import file_digests, sha256_file
-from pipeline.format.layout import CACHE_FILE, MANIFEST_FILE, REPORT_FILE, SUMS_FILE
 
 Mutation = Callable[[Path], None]
 SEALS = ("raw", "sums", "resealed")

@@ -21,11 +21,11 @@ from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 from test_serve import cached, chat, server
 
+from pipeline.format.bundle_folder import MANIFEST_FILE
+from pipeline.format.compat import ALLOWED_CACHE_CLASSES
 from pipeline.format.errors import BuildError, BundleError
-from pipeline.format.layout import MANIFEST_FILE
 from pipeline.format.manifest import Manifest
 from pipeline.runtime import PromptCacheManager, mount, verify
-from pipeline.runtime.compat import ALLOWED_CACHE_CLASSES
 from pipeline.testmodels.arch import DTYPES, generate_arch_model
 
 from conftest import SYSTEM, TOOLS, build_bundle, write_definition
@@ -410,7 +410,7 @@ def test_forcing_the_serving_check_for_a_bf16_moe_on_cpu_is_not_a_traceback(
 
 
 def test_the_validator_knows_each_layers_cache_class_from_the_architecture(arch_model):
-    from pipeline.format.cache_layout import LayoutError, _check_classes
+    from pipeline.format.cache_header import LayoutError, _check_classes
     from pipeline.runtime.mount import identity_for
 
     classes = identity_for(arch_model("gemma3_text", "float32")).shape.cache_classes

@@ -13,7 +13,7 @@ from mlx_lm import load
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 
-from pipeline.format.layout import CACHE_FILE, MANIFEST_FILE, STAGING_DIR, SUMS_FILE
+from pipeline.format.bundle_folder import CACHE_FILE, MANIFEST_FILE, STAGING_DIR, SUMS_FILE
 from pipeline.runtime import PromptCacheManager, mount
 
 from conftest import SYSTEM, TOOLS, build_bundle, write_definition
@@ -78,9 +78,9 @@ def test_same_inputs_give_identical_bytes(project: Path):
 
 
 def test_unchanged_definition_is_up_to_date(project: Path):
-    from pipeline.build.builder import build
-    from pipeline.build.definition import load_definition
-    from pipeline.build.targets import targets
+    from pipeline.builder.builder import build
+    from pipeline.builder.definition import load_definition
+    from pipeline.builder.targets import targets
 
     build_bundle(project)
     definition = load_definition(project / "prefixes" / "shop.toml", project)
@@ -110,7 +110,7 @@ def test_build_killed_mid_write_leaves_no_bundle(project: Path):
     assert not (bundles / "shop").exists()
     assert list((bundles / STAGING_DIR).iterdir())  # the half-written staging folder
     build_bundle(project)  # the next build succeeds; its CLI run also sweeps dead staging folders
-    from pipeline.build.writer import clean_staging
+    from pipeline.builder.writer import clean_staging
 
     clean_staging(bundles)
     assert [p.name for p in (bundles / STAGING_DIR).iterdir()] == ["locks"]
@@ -138,8 +138,8 @@ def test_quantized_bundle_mounts_and_stays_close(tmp_path: Path, tiny_model: Pat
 def test_runtime_import_is_thin():
     code = (
         "import sys, pipeline.runtime; "
-        "heavy = [m for m in ('jinja2', 'transformers', 'pipeline.build.builder', 'pipeline.build.template', "
-        "'pipeline.build.prefill', 'pipeline.build.definition') if m in sys.modules]; print(heavy)"
+        "heavy = [m for m in ('jinja2', 'transformers', 'pipeline.builder.builder', 'pipeline.builder.template', "
+        "'pipeline.builder.prefill', 'pipeline.builder.definition') if m in sys.modules]; print(heavy)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.build.definition import load_definition
-from pipeline.build.render import check_rendered, render_prefix
-from pipeline.build.writer import (
+from pipeline.builder.definition import load_definition
+from pipeline.builder.render import check_rendered, render_prefix
+from pipeline.builder.writer import (
     clean_staging,
     new_staging_folder,
     publish,
@@ -26,9 +26,9 @@ from pipeline.build.writer import (
     target_lock,
 )
 from pipeline.cli import main
+from pipeline.format.bundle_folder import CACHE_FILE, MANIFEST_FILE, STAGING_DIR, model_folder
 from pipeline.format.errors import BuildError, DefinitionError, ModelError, TemplateError
 from pipeline.format.fingerprint import model_fingerprint, sha256_text
-from pipeline.format.layout import CACHE_FILE, MANIFEST_FILE, STAGING_DIR, model_folder
 from pipeline.format.lockfile import LOCK_NAME
 
 from conftest import SYSTEM, build_bundle, write_definition
@@ -433,7 +433,7 @@ def test_read_only_bundles_folder_is_one_line_before_prefill(project: Path, caps
 
 
 def test_not_enough_space_is_refused_before_prefill(project: Path, monkeypatch):
-    monkeypatch.setattr("pipeline.build.builder.free_bytes", lambda root: 1000)
+    monkeypatch.setattr("pipeline.builder.builder.free_bytes", lambda root: 1000)
     calls: list = []
     with pytest.raises(BuildError) as exc:
         build_bundle(project, progress=lambda *a: calls.append(a))

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from pipeline.cli import main
-from pipeline.format.layout import MANIFEST_FILE
+from pipeline.format.bundle_folder import MANIFEST_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,7 +86,7 @@ def test_inspect_explains_why_a_bundle_is_invalid(
 
 
 def test_demo_builds_verifies_and_mounts_every_definition(project: Path, tiny_model: Path):
-    from pipeline.build.demo import run_demo
+    from pipeline.builder.demo import run_demo
 
     rows = run_demo(project / "prefixes", project / "bundles", tiny_model)
     assert [(r["prefix"], r["status"]) for r in rows] == [("shop", "built")]
@@ -134,10 +134,9 @@ def test_every_command_and_option_has_help():
     import argparse
 
     from pipeline.cli import setup_arg_parser
-    from pipeline.runtime.serve import setup_arg_parser as serve_parser
 
     sub = next(a for a in setup_arg_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    parsers = {**sub.choices, "serve": serve_parser()}
+    parsers = dict(sub.choices)
     missing = [
         f"{name} {a.option_strings or a.dest}"
         for name, parser in parsers.items()

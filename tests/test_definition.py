@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pipeline import BLAS_STATUS
-from pipeline.build.definition import (
+from pipeline.builder.definition import (
     NAME_PATTERN,
     ModelSpec,
     find_definitions,
@@ -438,7 +438,8 @@ def test_cli_list_reports_a_bad_definition_as_broken(tmp_path: Path, capsys) -> 
     ],
     ids=["no command", "unknown command", "unknown option", "missing --model", "bad choice"],
 )
-def test_cli_bad_argv_exits_2(argv: list[str], capsys) -> None:
+def test_cli_bad_argv_exits_2(argv: list[str], capsys, monkeypatch) -> None:
+    monkeypatch.setattr("sys.argv", ["/venv/bin/build.py"])  # the program names itself as invoked
     with pytest.raises(SystemExit) as caught:
         main(argv)
     out, err = capsys.readouterr()

@@ -19,7 +19,7 @@ from pipeline.cli.reports import PullReport, PushReport
 from pipeline.distribute import hub
 from pipeline.distribute.pull import HELD_BACK
 from pipeline.distribute.push import HELD_BACK as push_held_back
-from pipeline.format.layout import CACHE_FILE
+from pipeline.format.bundle_folder import CACHE_FILE
 from pipeline.runtime import mount
 
 from conftest import build_bundle, document, write_definition

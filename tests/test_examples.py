@@ -7,7 +7,7 @@ import runpy
 import sys
 from pathlib import Path
 
-from pipeline.format.layout import MANIFEST_FILE
+from pipeline.format.bundle_folder import MANIFEST_FILE
 
 from conftest import SYSTEM, TOOLS
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.format.layout import MANIFEST_FILE
+from pipeline.format.bundle_folder import MANIFEST_FILE
 from pipeline.testmodels.model import generate_model
 
 from conftest import build_bundle, write_definition

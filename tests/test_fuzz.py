@@ -20,8 +20,8 @@ from hypothesis import strategies as st
 from mlx_lm import load
 
 from pipeline.cli import main
+from pipeline.format.bundle_folder import CACHE_FILE
 from pipeline.format.errors import BundleError
-from pipeline.format.layout import CACHE_FILE
 from pipeline.runtime import PromptCacheManager, mount, verify
 
 SUMMARY: dict[str, int] = {}

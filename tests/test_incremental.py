@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.build.builder import BuildResult, build
-from pipeline.build.definition import load_definition
-from pipeline.build.targets import targets
+from pipeline.builder.builder import BuildResult, build
+from pipeline.builder.definition import load_definition
+from pipeline.builder.targets import targets
+from pipeline.format.bundle_folder import CACHE_FILE, MANIFEST_FILE, SUMS_FILE
 from pipeline.format.errors import BuildError
 from pipeline.format.fingerprint import model_identity
-from pipeline.format.layout import CACHE_FILE, MANIFEST_FILE, SUMS_FILE
-from pipeline.runtime.validate import validate
+from pipeline.format.validate import validate
 
 from conftest import SYSTEM, write_definition
 

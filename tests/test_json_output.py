@@ -21,7 +21,7 @@ from pipeline.cli.reports import (
     VerifyReport,
     schema_text,
 )
-from pipeline.format.layout import CACHE_FILE, MANIFEST_FILE
+from pipeline.format.bundle_folder import CACHE_FILE, MANIFEST_FILE
 
 from conftest import build_bundle, document, write_definition
 

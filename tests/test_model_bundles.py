@@ -69,9 +69,9 @@ def test_verify_without_bundles_and_none_found_fails_with_one_line(model: Path, 
 
 
 def test_serve_strict_without_bundles_next_to_the_model_fails_with_one_line(model: Path, capsys):
-    from pipeline.runtime.serve import main as serve_main
+    from pipeline.cli import main as cli_main
 
-    assert serve_main(["--model", str(model), "--strict"]) == 1
+    assert cli_main(["serve", "--model", str(model), "--strict"]) == 1
     err = capsys.readouterr().err
     assert err.startswith(
         f"error: bundle {model / 'prefix-bundles'}: bundles folder does not exist"
@@ -84,14 +84,14 @@ def test_serve_mounts_the_bundles_next_to_the_model_by_default(
 ):
     import mlx_lm.server as server
 
-    from pipeline.runtime.serve import main as serve_main
+    from pipeline.cli import main as cli_main
 
     started = []
     monkeypatch.setattr(server, "main", lambda: started.append(list(sys.argv)))
     monkeypatch.setattr(server, "LRUPromptCache", server.LRUPromptCache)
     monkeypatch.setattr(sys, "argv", sys.argv)
     caplog.set_level(logging.INFO, logger="prefix-bundles")
-    assert serve_main(["--model", str(model), "--strict", "--port", "0"]) == 0
+    assert cli_main(["serve", "--model", str(model), "--strict", "--port", "0"]) == 0
     assert started == [["mlx_lm.server", "--model", str(model), "--port", "0"]]
     assert (
         "mounted shop@2" in caplog.text

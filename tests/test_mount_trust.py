@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.cli import main as cli_main
+from pipeline.format.bundle_folder import CACHE_FILE, MANIFEST_FILE
 from pipeline.format.errors import BundleError
-from pipeline.format.layout import CACHE_FILE, MANIFEST_FILE
 from pipeline.runtime import PromptCacheManager, mount, verify
-from pipeline.runtime.serve import main as serve_main
 
 from conftest import build_bundle, write_definition
 
@@ -105,14 +105,18 @@ def test_serve_strict_refuses_a_missing_or_empty_bundles_folder(
     tiny_model: Path, tmp_path: Path, capsys
 ):
     assert (
-        serve_main(["--model", str(tiny_model), "--bundles", str(tmp_path / "nope"), "--strict"])
+        cli_main(
+            ["serve", "--model", str(tiny_model), "--bundles", str(tmp_path / "nope"), "--strict"]
+        )
         == 1
     )
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and err[0].startswith("error: bundle ") and "does not exist" in err[0]
     (tmp_path / "empty").mkdir()
     assert (
-        serve_main(["--model", str(tiny_model), "--bundles", str(tmp_path / "empty"), "--strict"])
+        cli_main(
+            ["serve", "--model", str(tiny_model), "--bundles", str(tmp_path / "empty"), "--strict"]
+        )
         == 1
     )
     assert "no bundle for" in capsys.readouterr().err
@@ -121,8 +125,9 @@ def test_serve_strict_refuses_a_missing_or_empty_bundles_folder(
 def test_serve_strict_refuses_when_any_bundle_is_refused(
     shop_bundle: Path, tiny_model_other_weights: Path, capsys
 ):
-    code = serve_main(
+    code = cli_main(
         [
+            "serve",
             "--model",
             str(tiny_model_other_weights),
             "--bundles",
@@ -170,7 +175,7 @@ def imported_modules(path: Path) -> set[str]:
 @pytest.mark.parametrize("side", ["runtime", "format"])
 def test_runtime_and_format_never_import_the_build_side(side: str):
     for path in sorted((ROOT / "pipeline" / side).glob("*.py")):
-        bad = {m for m in imported_modules(path) if m.startswith(("pipeline.build", "jinja2"))}
+        bad = {m for m in imported_modules(path) if m.startswith(("pipeline.builder", "jinja2"))}
         assert not bad, f"{path.name} imports {bad}"
         if side == "format":
             assert not {m for m in imported_modules(path) if m.startswith("pipeline.runtime")}
@@ -178,8 +183,8 @@ def test_runtime_and_format_never_import_the_build_side(side: str):
 
 def test_importing_the_runtime_loads_no_build_module():
     code = (
-        "import sys, pipeline.runtime, pipeline.runtime.serve, pipeline.runtime.validate; "
-        "print([m for m in sys.modules if m.startswith(('pipeline.build', 'jinja2', 'transformers'))])"
+        "import sys, pipeline.runtime, pipeline.runtime.serve, pipeline.format.validate; "
+        "print([m for m in sys.modules if m.startswith(('pipeline.builder', 'jinja2', 'transformers'))])"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

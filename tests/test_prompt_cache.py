@@ -442,7 +442,7 @@ def test_pin_refuses_a_cache_longer_than_its_tokens(model):
 def test_module_stays_thin():
     code = (
         "import sys, pipeline.runtime.prompt_cache; "
-        "bad = {'jinja2', 'transformers', 'mlx_lm', 'pipeline.build.builder'} & set(sys.modules); "
+        "bad = {'jinja2', 'transformers', 'mlx_lm', 'pipeline.builder.builder'} & set(sys.modules); "
         "sys.exit(sorted(bad) or 0)"
     )
     root = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.build.writer import staging_root, target_lock
+from pipeline.builder.writer import staging_root, target_lock
 from pipeline.cli import main
 from pipeline.cli.reports import PruneReport
 from pipeline.format.lockfile import LockedPrefix, Lockfile, write_lock
@@ -129,7 +129,7 @@ def test_keep_two_keeps_both_versions(project: Path, shop, capsys):
 
 
 def test_a_bundle_is_never_half_deleted_in_place(project: Path, shop, capsys, monkeypatch):
-    import pipeline.build.retention as retention
+    import pipeline.builder.retention as retention
 
     def fail(path, *args, **kwargs):
         raise PermissionError(13, "Permission denied", str(path))

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.cli import main
+from pipeline.format.bundle_folder import CACHE_FILE, MANIFEST_FILE, SUMS_FILE
 from pipeline.format.errors import BundleError
 from pipeline.format.fingerprint import sha256_file
-from pipeline.format.layout import CACHE_FILE, MANIFEST_FILE, SUMS_FILE
 from pipeline.runtime import PromptCacheManager, mount
 
 

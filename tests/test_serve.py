@@ -12,7 +12,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
-from pipeline.format.layout import MANIFEST_FILE
+from pipeline.format.bundle_folder import MANIFEST_FILE
 
 from conftest import SYSTEM, TOOLS
 

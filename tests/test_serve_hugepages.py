@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from test_serve import cached, chat, server_process
 
-from pipeline.format.layout import MANIFEST_FILE
+from pipeline.format.bundle_folder import MANIFEST_FILE
 from pipeline.runtime import hugepages
 from pipeline.runtime.hugepages import (
     REEXEC_MARKER,

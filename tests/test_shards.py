@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.build.definition import load_definition
-from pipeline.build.shards import Shard, pair_key, shard_refs
+from pipeline.builder.definition import load_definition
+from pipeline.builder.shards import Shard, pair_key, shard_refs
 from pipeline.cli import main
 from pipeline.cli.reports import BuildReport
 

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 from mlx_lm import load
 
-from pipeline.build.stability import common_prefix_length, stable_prefix
-from pipeline.build.template import render
+from pipeline.builder.stability import common_prefix_length, stable_prefix
+from pipeline.builder.template import render
+from pipeline.format.bundle_folder import MANIFEST_FILE
 from pipeline.format.errors import BuildError, TemplateError
 from pipeline.format.fingerprint import sha256_text
-from pipeline.format.layout import MANIFEST_FILE
 from pipeline.runtime import PromptCacheManager, mount
 
 from conftest import build_bundle

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.build.definition import ModelSpec
-from pipeline.build.targets import resolve_model
+from pipeline.builder.definition import ModelSpec
+from pipeline.builder.targets import resolve_model
 from pipeline.format.errors import ModelError, PipelineError
 
 from conftest import build_bundle, write_definition

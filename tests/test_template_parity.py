@@ -1,4 +1,4 @@
-"""pipeline.build.template renders byte-identical to transformers' apply_chat_template(tokenize=False)."""
+"""pipeline.builder.template renders byte-identical to transformers' apply_chat_template(tokenize=False)."""
 
 import dataclasses
 import datetime
@@ -9,7 +9,7 @@ from pathlib import Path
 import jinja2
 import pytest
 
-from pipeline.build.template import check_pin, render, template_sha256, uses_date
+from pipeline.builder.template import check_pin, render, template_sha256, uses_date
 from pipeline.format.errors import TemplateError
 
 transformers = pytest.importorskip("transformers", minversion="5.0")

@@ -30,8 +30,7 @@ import yaml
 
 from pipeline.cli import setup_arg_parser
 from pipeline.cli.reports import BuiltTarget
-from pipeline.format.layout import CACHE_FILE
-from pipeline.runtime.serve import setup_arg_parser as serve_arg_parser
+from pipeline.format.bundle_folder import CACHE_FILE
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKFLOWS = ROOT / ".github" / "workflows"
@@ -162,7 +161,9 @@ def problem(argv: tuple[str, ...]) -> str | None:
 
 def _serve_problem(args: list[str]) -> str | None:
     parsed = []
-    error = _parse_problem(lambda a: parsed.extend(serve_arg_parser().parse_known_args(a)[1]), args)
+    error = _parse_problem(
+        lambda a: parsed.extend(setup_arg_parser().parse_known_args(["serve", *a])[1]), args
+    )
     unknown = [a.split("=", 1)[0] for a in parsed if a.startswith("-")]
     unknown = [a for a in unknown if a not in mlx_lm_server_options()]
     if unknown:

@@ -46,8 +46,8 @@ def verify_groups(build_json: Path) -> list[str]:
 
 def model_dir(ref: str) -> Path:
     """The folder of a model as `build --json` names it: models.path, or models.repo@revision."""
-    from pipeline.build.definition import ModelSpec
-    from pipeline.build.targets import resolve_model
+    from pipeline.builder.definition import ModelSpec
+    from pipeline.builder.targets import resolve_model
 
     root = PREFIXES.resolve().parent
     repo, at, revision = ref.rpartition("@")

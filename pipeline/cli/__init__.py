@@ -20,59 +20,63 @@ from pipeline.cli import (
     pull,
     push,
     schema,
+    serve,
     verify,
 )
 from pipeline.cli.common import err
 from pipeline.format.errors import PipelineError
 
-COMMANDS = (build, verify, inspect, listing, prune, new, match, push, pull, schema, demo)
-# The global --bundles default, compared by identity: `pull` puts bundles in <model>/prefix-bundles
-# unless --bundles is given.
+COMMANDS = (build, verify, inspect, listing, prune, new, match, push, pull, schema, demo, serve)
+DEFAULT_PREFIXES = Path("prefixes")
+# `pull` and `serve` put or look for bundles in <model>/prefix-bundles unless --bundles is given.
 DEFAULT_BUNDLES = Path("bundles")
 
 
 def global_options(suppress: bool) -> argparse.ArgumentParser:
     """--prefixes/--bundles, accepted before and after the command (defaults set once, up front)."""
     p = argparse.ArgumentParser(add_help=False)
+    # Subcommands must not reset a value given before the command: their copy has no default.
     default = argparse.SUPPRESS if suppress else None
     p.add_argument(
-        "--prefixes",
-        type=Path,
-        default=default or Path("prefixes"),
-        help="definitions folder (default: prefixes)",
+        "--prefixes", type=Path, default=default, help="definitions folder (default: prefixes)"
     )
     p.add_argument(
         "--bundles",
         type=Path,
-        default=default or DEFAULT_BUNDLES,
-        help="bundles folder (default: bundles)",
+        default=default,
+        help="bundles folder (default: bundles; for pull and serve: <model>/prefix-bundles)",
     )
     return p
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
+    # prog: argparse names the program as it was invoked (build.py, prefix-bundles)
     p = argparse.ArgumentParser(
-        prog="build.py",
         description="Build, verify and serve MLX prefix-cache bundles.",
         parents=[global_options(suppress=False)],
-        epilog="serve --model DIR --bundles DIR [mlx_lm.server options]: mlx_lm.server with "
-        "bundles mounted (python build.py serve --help)",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(sub, [global_options(suppress=True)])
-    sub.add_parser("serve", help="mlx_lm.server with bundles mounted (serve --help for options)")
     return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse argv; only a command that passes options through (serve) may leave some unparsed."""
+    parser = setup_arg_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and not getattr(args, "passes_through", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.passthrough, args.argv = rest, argv
+    args.prefixes = args.prefixes or DEFAULT_PREFIXES
+    if args.bundles is None and not getattr(args, "bundles_near_model", False):
+        args.bundles = DEFAULT_BUNDLES
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: one-line 'error: ...' and exit 1 on failure, 2 on usage errors."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["serve"]:
-        from pipeline.runtime.serve import main as serve_main
-
-        return serve_main(argv[1:])
-    args = setup_arg_parser().parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else list(argv))
     try:
         return args.func(args)
     except PipelineError as exc:

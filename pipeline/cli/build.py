@@ -62,7 +62,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
 
 
 def _shard(text: str):
-    from pipeline.build.shards import Shard
+    from pipeline.builder.shards import Shard
 
     try:
         return Shard.parse(text)
@@ -86,12 +86,12 @@ def run(args: argparse.Namespace) -> int:
 
 def _build_all(args: argparse.Namespace, done: list[BuiltTarget]) -> None:
     from pipeline import BLAS_STATUS
-    from pipeline.build.shards import shard_refs
-    from pipeline.build.targets import targets
-    from pipeline.build.versioning import check_locked, locked_entry
-    from pipeline.build.writer import clean_staging
+    from pipeline.builder.shards import shard_refs
+    from pipeline.builder.targets import targets
+    from pipeline.builder.versioning import check_locked, locked_entry
+    from pipeline.builder.writer import clean_staging
+    from pipeline.format.bundle_folder import model_folder
     from pipeline.format.fingerprint import model_fingerprint
-    from pipeline.format.layout import model_folder
     from pipeline.format.lockfile import lock_path, read_lock, write_lock
 
     definitions = load_definitions(args.prefixes, args.prefix)
@@ -120,7 +120,7 @@ def _build_all(args: argparse.Namespace, done: list[BuiltTarget]) -> None:
 
 def _build_one(args: argparse.Namespace, target, ref: str, lock, done: list[BuiltTarget]):
     """Build one target, record it in `done` (built, up to date, or failed and re-raised)."""
-    from pipeline.build.builder import build
+    from pipeline.builder.builder import build
 
     d = target.definition
     label = f"{d.name}@{d.version} -> {target.slug}"

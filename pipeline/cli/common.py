@@ -84,7 +84,7 @@ def _lines(label: str):
 
 def load_definitions(prefix_dir: Path, names: list[str]) -> list:
     """The named definitions (all when none are named); a warning for any *.toml in a subfolder."""
-    from pipeline.build.definition import find_definitions, load_definition, stray_definitions
+    from pipeline.builder.definition import find_definitions, load_definition, stray_definitions
 
     for stray in stray_definitions(prefix_dir):
         warn(f"{stray}: definitions in subfolders are not loaded; move it to {prefix_dir}/")
@@ -108,7 +108,7 @@ def read_template(path: Path | None) -> str | None:
     """The text of a --chat-template file (a regular UTF-8 file), or None."""
     if path is None:
         return None
-    from pipeline.format.files import FileProblem, read_text
+    from pipeline.format.regular_files import FileProblem, read_text
 
     try:
         return read_text(Path(path), 16 << 20)
@@ -122,10 +122,10 @@ def integrity_identity(bundle: Path):
     When manifest.json cannot be read, a placeholder that is never compared: the validator then
     refuses at the files or checksums stage, before the identity stage, and says which.
     """
-    from pipeline.format.bundle_files import read_manifest
+    from pipeline.format.bundle_folder import read_manifest
     from pipeline.format.errors import BundleError
     from pipeline.format.fingerprint import ModelIdentity, ModelShape
-    from pipeline.runtime.validate import recorded_identity
+    from pipeline.format.validate import recorded_identity
 
     try:
         return recorded_identity(read_manifest(bundle, None))

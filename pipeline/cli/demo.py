@@ -33,7 +33,7 @@ def run_demo_model(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.build.demo import run_demo
+    from pipeline.builder.demo import run_demo
 
     rows = run_demo(args.prefixes, args.bundles, DEMO_MODEL, progress=progress)
     header = f"{'prefix':<22}{'tokens':>8}{'bytes':>13}{'prefill s':>11}{'mount ms':>10}  status"

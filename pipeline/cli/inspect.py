@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.format.bundle_files import read_manifest
+    from pipeline.format.bundle_folder import read_manifest
 
     bundle = Path(args.bundle)
     if args.json:
@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_json(bundle: Path, args: argparse.Namespace) -> int:
     """inspect/1: the manifest's fields (null when unreadable) and every reason it is refused."""
-    from pipeline.format.bundle_files import read_manifest
+    from pipeline.format.bundle_folder import read_manifest
     from pipeline.format.errors import BundleError
     from pipeline.format.manifest import Manifest
 
@@ -63,7 +63,7 @@ def _run_json(bundle: Path, args: argparse.Namespace) -> int:
 
 def _refusals(bundle: Path, manifest, identity, refusal) -> list[Refusal]:
     """Every reason: each mismatching fingerprint when identity refused, else the one refusal."""
-    from pipeline.runtime.identity import identity_checks
+    from pipeline.format.identity import identity_checks
 
     if refusal is None:
         return []
@@ -77,7 +77,7 @@ def _refusals(bundle: Path, manifest, identity, refusal) -> list[Refusal]:
 
 def _check_results(refusal) -> list[CheckResult]:
     """The validator's stages in order: ok up to the one that refused, then not reached."""
-    from pipeline.runtime.validate import CHECKS
+    from pipeline.format.validate import CHECKS
 
     failed = refusal.check if refusal is not None else None
     results, reached = [], True
@@ -97,8 +97,8 @@ def _sizes(bundle: Path) -> dict[str, int]:
 
 def _identity(args: argparse.Namespace, manifest):
     """The served model's identity with --model, else the one the manifest records."""
+    from pipeline.format.validate import recorded_identity
     from pipeline.runtime.mount import identity_for
-    from pipeline.runtime.validate import recorded_identity
 
     if args.model:
         return identity_for(args.model, read_template(args.chat_template))
@@ -108,7 +108,7 @@ def _identity(args: argparse.Namespace, manifest):
 def _validity(bundle: Path, identity):
     """The validator's verdict: None when valid, else the BundleError."""
     from pipeline.format.errors import BundleError
-    from pipeline.runtime.validate import validate
+    from pipeline.format.validate import validate
 
     try:
         validate(bundle, identity)
@@ -119,8 +119,8 @@ def _validity(bundle: Path, identity):
 
 def _print_checks(manifest, args: argparse.Namespace, identity, refusal) -> None:
     """The validator's stages in order: ok up to the one that refused, which says why."""
-    from pipeline.runtime.identity import identity_checks
-    from pipeline.runtime.validate import CHECKS
+    from pipeline.format.identity import identity_checks
+    from pipeline.format.validate import CHECKS
 
     target = (
         f" for model {args.model}"

@@ -19,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.build.definition import find_definitions
+    from pipeline.builder.definition import find_definitions
 
     root = Path(args.prefixes).resolve().parent
     listed = [
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _definition(path: Path, root: Path, bundles_root: Path) -> ListedDefinition:
-    from pipeline.build.definition import load_definition
+    from pipeline.builder.definition import load_definition
 
     name, file = path.stem, str(path)
     try:
@@ -57,7 +57,7 @@ def _definition(path: Path, root: Path, bundles_root: Path) -> ListedDefinition:
 def _bundle(bundle: Path) -> ListedBundle:
     """Built or broken, by the validator against the identity the bundle records (integrity)."""
     from pipeline.format.errors import BundleError
-    from pipeline.runtime.validate import validate
+    from pipeline.format.validate import validate
 
     path, folder = str(bundle), bundle.name
     try:

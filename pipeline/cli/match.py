@@ -24,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
 
 
 def _request(args: argparse.Namespace) -> tuple[list[dict], list[dict] | None]:
-    from pipeline.format.files import FileProblem, read_text
+    from pipeline.format.regular_files import FileProblem, read_text
 
     try:
         raw = read_text(args.prompt_file, 64 << 20) if args.prompt_file else args.messages
@@ -41,10 +41,10 @@ def _request(args: argparse.Namespace) -> tuple[list[dict], list[dict] | None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.build.authoring import match_request
+    from pipeline.builder.authoring import match_request
     from pipeline.format.errors import BundleError
+    from pipeline.format.validate import validate
     from pipeline.runtime.mount import choose_versions, find_bundles, identity_for
-    from pipeline.runtime.validate import validate
 
     messages, tools = _request(args)
     identity = identity_for(args.model)

@@ -20,9 +20,9 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.build.authoring import new_definition
-    from pipeline.build.prefill import encode
-    from pipeline.build.render import render_prefix
+    from pipeline.builder.authoring import new_definition
+    from pipeline.builder.prefill import encode
+    from pipeline.builder.render import render_prefix
 
     path = new_definition(args.prefixes, args.name, args.model, args.system_file, args.tools)
     (definition,) = load_definitions(args.prefixes, [args.name])

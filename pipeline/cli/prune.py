@@ -38,7 +38,7 @@ def _at_least_one(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.build.retention import plan
+    from pipeline.builder.retention import plan
 
     todo = plan(args.bundles, args.prefixes, args.keep)
     folders = [_folder(c, args) for c in todo.delete]
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _folder(candidate, args: argparse.Namespace) -> PrunedFolder:
     """One planned deletion, carried out with --apply (a failure is one `error:` line)."""
-    from pipeline.build.retention import delete
+    from pipeline.builder.retention import delete
 
     c, status, error = candidate, "would-delete", None
     if args.apply:

@@ -40,16 +40,14 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         action="store_true",
         help="print one pull/1 JSON document on stdout (refusals still go to stderr)",
     )
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, bundles_near_model=True)  # default: <model>/prefix-bundles
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.cli import DEFAULT_BUNDLES
     from pipeline.distribute.pull import pull
 
-    # --bundles not given: pull() puts them next to the model, in <model>/prefix-bundles
-    bundles = None if args.bundles is DEFAULT_BUNDLES else args.bundles
-    result = pull(args.repo, args.model, bundles, args.revision, args.prefix)
+    # --bundles not given (None): pull() puts them next to the model, in <model>/prefix-bundles
+    result = pull(args.repo, args.model, args.bundles, args.revision, args.prefix)
     for refused in result.refused:
         err(f"{refused.error} (nothing was published)")
     if args.json:

@@ -70,7 +70,7 @@ def _served_identity(model: Path, template: str | None):
 
 def _verify_one(bundle: Path, identity) -> VerifiedBundle:
     """Validate one bundle in full; a refusal is also the one `error:` line on stderr."""
-    from pipeline.runtime.validate import validate
+    from pipeline.format.validate import validate
 
     try:
         if isinstance(identity, PipelineError):

@@ -8,11 +8,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.build.definition import NAME_PATTERN
+from pipeline.builder.definition import NAME_PATTERN
+from pipeline.format.bundle_folder import FINGERPRINT_CHARS, LAYOUT_FOLDER
 from pipeline.format.errors import PipelineError
-from pipeline.format.layout import FINGERPRINT_CHARS
 from pipeline.hubnet import require_hub
-from pipeline.runtime.validate import LAYOUT_FOLDER
 
 REPO_TYPE = "model"  # bundles live in a (private) model repo: the hub's plain file store
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")

@@ -14,12 +14,12 @@ from pathlib import Path
 
 from filelock import Timeout as LockTimeout
 
-from pipeline.build.writer import clean_staging, new_staging_folder, publish, target_lock
+from pipeline.builder.writer import clean_staging, new_staging_folder, publish, target_lock
 from pipeline.distribute.hub import REPO_TYPE, RemoteBundle, connect, hub_errors, remote_bundles
+from pipeline.format.bundle_folder import FINGERPRINT_CHARS
 from pipeline.format.errors import BundleError, PipelineError
-from pipeline.format.layout import FINGERPRINT_CHARS
+from pipeline.format.validate import validate
 from pipeline.runtime.mount import identity_for, model_bundles_dir
-from pipeline.runtime.validate import validate
 
 OFFLINE_FIX = (
     "pull where the hub is reachable (HF_HUB_OFFLINE unset, network up), or copy the bundles into "

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.distribute.hub import REPO_TYPE, connect, hub_errors
-from pipeline.format.bundle_files import read_manifest
+from pipeline.format.bundle_folder import CACHE_FILE, model_folder, read_manifest
 from pipeline.format.errors import PipelineError
-from pipeline.format.layout import CACHE_FILE, model_folder
-from pipeline.runtime.validate import recorded_identity, validate
+from pipeline.format.validate import recorded_identity, validate
 
 OFFLINE_FIX = (
     "push where the hub is reachable (HF_HUB_OFFLINE unset, network up); nothing was pushed"

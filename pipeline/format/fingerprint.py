@@ -14,7 +14,7 @@ from typing import Any
 
 from pipeline.format import memo
 from pipeline.format.errors import ModelError
-from pipeline.format.files import FileProblem, read_regular
+from pipeline.format.regular_files import FileProblem, read_regular
 
 TOKENIZER_FILES = (
     "tokenizer.json",

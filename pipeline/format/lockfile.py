@@ -15,7 +15,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.format.errors import PipelineError
-from pipeline.format.files import FileProblem, read_regular
+from pipeline.format.regular_files import FileProblem, read_regular
 
 LOCK_NAME = "prefixes.lock"
 Hex64 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]

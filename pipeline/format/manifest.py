@@ -1,4 +1,4 @@
-"""Manifest schema v1: everything a bundle's validity depends on, as a strict, frozen record.
+"""Manifest schema (format v2): everything a bundle's validity depends on, as a strict, frozen record.
 
 Strict on purpose: the runtime parses manifests it did not write (copied, edited, forged), so every
 field has the type and range a builder can produce, and nothing else is accepted.

@@ -1,6 +1,6 @@
 """The thin runtime loader a server imports: validate, mount, prompt-cache manager, serve.
 
-Imports pipeline.format only: never pipeline.build, never jinja2 (tests/test_layout.py guards it).
+Imports pipeline.format only: never pipeline.builder, never jinja2 (tests/test_import_boundaries.py guards it).
 """
 
 from pipeline.format.errors import BundleError, PipelineError
@@ -15,7 +15,7 @@ from pipeline.runtime.mount import (
     mount,
     verify,
 )
-from pipeline.runtime.prompt_cache import CacheHit, PromptCacheManager
+from pipeline.runtime.prompt_cache import CacheHit, PromptCacheManager, fork_cache
 
 __all__ = [
     "BundleError",
@@ -26,6 +26,7 @@ __all__ = [
     "PromptCacheManager",
     "Refusal",
     "find_bundles",
+    "fork_cache",
     "identity_for",
     "model_bundles",
     "model_bundles_dir",

@@ -1,6 +1,6 @@
 """Mount bundles for a served model at startup: find them, pick the newest version, validate, load.
 
-Every decision about validity is the validator's (pipeline.runtime.validate); this module only
+Every decision about validity is the validator's (pipeline.format.validate); this module only
 finds candidate folders, chooses which version to mount, and collects results.
 """
 
@@ -14,13 +14,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipeline.format.bundle_folder import ALLOWED_FILES, STAGING_DIR
 from pipeline.format.errors import BundleError
 from pipeline.format.fingerprint import ModelIdentity, model_config, model_identity
-from pipeline.format.layout import ALLOWED_FILES, STAGING_DIR
+from pipeline.format.identity import model_cache_classes
 from pipeline.format.manifest import Manifest
-from pipeline.runtime.identity import model_cache_classes
+from pipeline.format.validate import validate
 from pipeline.runtime.prompt_cache import PromptCacheManager
-from pipeline.runtime.validate import validate
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,7 @@
 """`serve`: mlx_lm.server with bundles mounted before the first request is accepted.
 
+Errors are raised (PipelineError); the CLI (pipeline.cli.serve) parses options and prints.
+
 The hook is one name: mlx_lm.server builds its prompt cache with `LRUPromptCache(size)`; we put
 a subclass there that answers from the mounted bundles when they cover more of the prompt than
 the server's own entries. Everything else (options, HTTP, generation) is mlx_lm.server's.
@@ -12,13 +14,12 @@ import datetime
 import logging
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
+from pipeline.format.compat import SUPPORTED_RANGE, installed_mlx_lm, mlx_lm_supported
 from pipeline.format.errors import PipelineError
 from pipeline.format.lockfile import locked_versions
-from pipeline.runtime.compat import SUPPORTED_RANGE, installed_mlx_lm, mlx_lm_supported
-from pipeline.runtime.hugepages import CHOICES, DEFAULT_HUGE_PAGES, ensure_huge_pages
+from pipeline.runtime.hugepages import ensure_huge_pages
 from pipeline.runtime.mount import MountResult, model_bundles_dir, mount
 from pipeline.runtime.prompt_cache import PromptCacheManager
 
@@ -108,51 +109,6 @@ def log_mounts(result: MountResult) -> None:
     )
 
 
-def setup_arg_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="build.py serve",
-        description="mlx_lm.server with prefix bundles mounted at startup. "
-        "Options not listed here are passed to mlx_lm.server unchanged.",
-    )
-    p.add_argument("--model", required=True, help="the MLX model folder the bundles were built for")
-    p.add_argument(
-        "--bundles",
-        type=Path,
-        help="folder holding bundles, searched recursively (default: <model>/prefix-bundles)",
-    )
-    p.add_argument(
-        "--strict",
-        action="store_true",
-        help="exit non-zero when any bundle is refused or none is mounted",
-    )
-    p.add_argument(
-        "--verify-full",
-        action="store_true",
-        help="hash every cache file in full, even one this user already verified unchanged",
-    )
-    p.add_argument(
-        "--warm-up",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="after loading the model, run one throwaway decode step from the longest mounted "
-        "bundle before the first request (default: off; on a 2-core CPU it cost more at startup "
-        "than it saved: bench/README.md)",
-    )
-    p.add_argument(
-        "--lockfile",
-        type=Path,
-        help="mount the versions this prefixes.lock names instead of the newest",
-    )
-    p.add_argument(
-        "--huge-pages",
-        choices=CHOICES,
-        default=DEFAULT_HUGE_PAGES,
-        help="on: restart serve with GLIBC_TUNABLES=glibc.malloc.hugetlb=1, so malloc uses "
-        f"transparent huge pages (Linux with glibc 2.35+; default: {DEFAULT_HUGE_PAGES})",
-    )
-    return p
-
-
 def _passed_option(rest: list[str], name: str) -> str | None:
     """The value of an mlx_lm.server option passed through (`--name V` or `--name=V`), if any."""
     for i, arg in enumerate(rest):
@@ -163,9 +119,12 @@ def _passed_option(rest: list[str], name: str) -> str | None:
     return None
 
 
-def main(argv: list[str]) -> int:
-    """Mount, install the hook, then hand over to mlx_lm.server's own main."""
-    args, rest = setup_arg_parser().parse_known_args(argv)
+def serve(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
+    """Mount, install the hook, then hand over to mlx_lm.server's own main.
+
+    `args` holds serve's own options (pipeline.cli.serve), `rest` the server's, `argv` the whole
+    command line (to re-execute it for huge pages).
+    """
     level = (_passed_option(rest, "--log-level") or "INFO").upper()
     logging.basicConfig(
         level=getattr(logging, level, logging.INFO),
@@ -174,25 +133,21 @@ def main(argv: list[str]) -> int:
     ensure_huge_pages(args.huge_pages, argv)  # may re-execute: before anything is mounted
     if args.bundles is None:
         args.bundles = model_bundles_dir(args.model)
-    try:
-        check_mlx_lm()
-        manager = PromptCacheManager()
-        result = mount(
-            args.model,
-            args.bundles,
-            skip_refused=not args.strict,
-            chat_template=_passed_option(rest, "--chat-template"),
-            manager=manager,
-            model_key=BUNDLE_KEY,
-            verify_full=args.verify_full,
-            versions=locked_versions(args.lockfile) if args.lockfile else None,
-        )
-        log_mounts(result)
-        if args.strict and not result.bundles:
-            raise PipelineError(f"--strict: no bundle for {args.model} was found in {args.bundles}")
-    except PipelineError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
+    check_mlx_lm()
+    manager = PromptCacheManager()
+    result = mount(
+        args.model,
+        args.bundles,
+        skip_refused=not args.strict,
+        chat_template=_passed_option(rest, "--chat-template"),
+        manager=manager,
+        model_key=BUNDLE_KEY,
+        verify_full=args.verify_full,
+        versions=locked_versions(args.lockfile) if args.lockfile else None,
+    )
+    log_mounts(result)
+    if args.strict and not result.bundles:
+        raise PipelineError(f"--strict: no bundle for {args.model} was found in {args.bundles}")
 
     import mlx_lm.server as server
 

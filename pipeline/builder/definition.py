@@ -14,8 +14,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.format.errors import DefinitionError
-from pipeline.format.files import FileProblem, read_text
 from pipeline.format.fingerprint import canonical_json
+from pipeline.format.regular_files import FileProblem, read_text
 
 if sys.version_info >= (3, 11):
     import tomllib

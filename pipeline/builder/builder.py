@@ -12,9 +12,9 @@ from typing import Any
 from filelock import Timeout as LockTimeout
 
 from pipeline import BLAS_STATUS, __version__
-from pipeline.build.fidelity import run_checks
-from pipeline.build.incremental import Resume, Wanted, find_parent
-from pipeline.build.prefill import (
+from pipeline.builder.fidelity import run_checks
+from pipeline.builder.incremental import Resume, Wanted, find_parent
+from pipeline.builder.prefill import (
     Progress,
     cache_nbytes,
     check_context,
@@ -28,11 +28,11 @@ from pipeline.build.prefill import (
     quantize_cache,
     resolve_compute,
 )
-from pipeline.build.render import Rendered, check_rendered, render_prefix
-from pipeline.build.stability import StableCut, stable_prefix
-from pipeline.build.targets import Target
-from pipeline.build.versioning import check_version
-from pipeline.build.writer import (
+from pipeline.builder.render import Rendered, check_rendered, render_prefix
+from pipeline.builder.stability import StableCut, stable_prefix
+from pipeline.builder.targets import Target
+from pipeline.builder.versioning import check_version
+from pipeline.builder.writer import (
     free_bytes,
     new_staging_folder,
     publish,
@@ -40,6 +40,7 @@ from pipeline.build.writer import (
     write_cache,
     write_manifest,
 )
+from pipeline.format.bundle_folder import CACHE_FILE, bundle_path
 from pipeline.format.errors import BuildError, BundleError, ModelError
 from pipeline.format.fingerprint import (
     FileDigests,
@@ -48,7 +49,6 @@ from pipeline.format.fingerprint import (
     model_identity,
     sha256_bytes,
 )
-from pipeline.format.layout import CACHE_FILE, bundle_path
 from pipeline.format.lockfile import Lockfile
 from pipeline.format.manifest import (
     FORMAT_VERSION,
@@ -62,7 +62,7 @@ from pipeline.format.manifest import (
     TextInfo,
     TokenInfo,
 )
-from pipeline.runtime.validate import validate
+from pipeline.format.validate import validate
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ def builder_info(compute: str | None = None) -> BuilderInfo:
     import mlx.core as mx
     from mlx_lm import __version__ as mlx_lm_version
 
-    from pipeline.build.prefill import device_label
+    from pipeline.builder.prefill import device_label
 
     return BuilderInfo(
         pipeline=__version__,
@@ -164,7 +164,7 @@ def build(
     """Build one bundle (or report it up to date); the folder appears complete or not at all.
 
     incremental: start from the bundle under bundles_root that shares the most whole prefill
-    chunks with these tokens, when one can give a byte-identical result (pipeline.build.
+    chunks with these tokens, when one can give a byte-identical result (pipeline.builder.
     incremental); parent: start from this bundle or fail."""
     d = target.definition
     identity = model_identity(target.model_dir)

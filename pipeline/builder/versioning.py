@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pipeline.build.definition import LoadedDefinition
-from pipeline.format.bundle_files import read_manifest
+from pipeline.builder.definition import LoadedDefinition
+from pipeline.format.bundle_folder import MANIFEST_FILE, read_manifest
 from pipeline.format.errors import BuildError, BundleError
-from pipeline.format.layout import MANIFEST_FILE
 from pipeline.format.lockfile import LockedPrefix, LockError, Lockfile
 
 

@@ -7,12 +7,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.build.builder import build
-from pipeline.build.definition import find_definitions, load_definition
-from pipeline.build.prefill import Progress
-from pipeline.build.targets import targets
+from pipeline.builder.builder import build
+from pipeline.builder.definition import find_definitions, load_definition
+from pipeline.builder.prefill import Progress
+from pipeline.builder.targets import targets
+from pipeline.format.bundle_folder import REPORT_FILE
 from pipeline.format.errors import PipelineError
-from pipeline.format.layout import REPORT_FILE
 from pipeline.format.manifest import Manifest
 from pipeline.runtime import PromptCacheManager, mount, verify
 from pipeline.testmodels.model import generate_model

@@ -1,7 +1,11 @@
-"""Reading a bundle folder's small files strictly: the folder listing, SHA256SUMS, manifest.json.
+"""A bundle folder (format v2): its layout, file names, the SHA256SUMS text, and strict readers.
 
-Used by the validator (pipeline.runtime.validate), and by the build side to read old manifests.
-Each reader refuses with a BundleError naming the file and the fix; none opens a special file.
+bundles/<name>/<version>/<model-slug>-<fingerprint[:12]>/
+    cache.safetensors  manifest.json  SHA256SUMS  [build-report.json]
+
+The readers (folder listing, SHA256SUMS, manifest.json) are used by the validator
+(pipeline.format.validate) and by the build side to read old manifests. Each refuses with a
+BundleError naming the file and the fix; none opens a special file.
 """
 
 from __future__ import annotations
@@ -14,16 +18,38 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from pipeline.format.errors import BundleError
-from pipeline.format.files import FileProblem, kind_of, read_regular
 from pipeline.format.fingerprint import sha256_bytes
-from pipeline.format.layout import (
-    ALLOWED_FILES,
-    CHECKSUMMED,
-    MANIFEST_FILE,
-    MAX_SUMS_BYTES,
-    SUMS_FILE,
-)
 from pipeline.format.manifest import FORMAT_VERSION, MAX_MANIFEST_BYTES, Manifest
+from pipeline.format.regular_files import FileProblem, kind_of, read_regular
+
+CACHE_FILE = "cache.safetensors"
+MANIFEST_FILE = "manifest.json"
+SUMS_FILE = "SHA256SUMS"
+REPORT_FILE = "build-report.json"  # measurements; informational, not checksummed (varies per run)
+CHECKSUMMED = (CACHE_FILE, MANIFEST_FILE)
+ALLOWED_FILES = frozenset({*CHECKSUMMED, SUMS_FILE, REPORT_FILE})
+STAGING_DIR = ".staging"  # under the bundles root; never read as bundles
+MAX_SUMS_BYTES = 4096
+FINGERPRINT_CHARS = 12
+LAYOUT_FOLDER = re.compile(  # <slug>-<fingerprint12>
+    r"^[a-z0-9][a-z0-9._-]*-[0-9a-f]{12}$"
+)
+
+
+def sums_text(digests: dict[str, str]) -> str:
+    """`sha256sum -c` lines, one per checksummed file, in a fixed order."""
+    return "".join(f"{digests[name]}  {name}\n" for name in CHECKSUMMED)
+
+
+def model_folder(slug: str, fingerprint: str) -> str:
+    """A bundle's model part: unique per model fingerprint, readable by its slug."""
+    return f"{slug}-{fingerprint[:FINGERPRINT_CHARS]}"
+
+
+def bundle_path(bundles_root: Path, name: str, version: int, slug: str, fingerprint: str) -> Path:
+    """bundles/<name>/<version>/<slug>-<fingerprint prefix>."""
+    return Path(bundles_root) / name / str(version) / model_folder(slug, fingerprint)
+
 
 SUMS_LINE = re.compile(r"^([0-9a-f]{64}) [ *](\S+)$")
 

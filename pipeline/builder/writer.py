@@ -17,9 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pipeline.format.errors import BuildError
-from pipeline.format.fingerprint import FileDigests, file_digests, sha256_bytes
-from pipeline.format.layout import (
+from pipeline.format.bundle_folder import (
     CACHE_FILE,
     MANIFEST_FILE,
     REPORT_FILE,
@@ -27,6 +25,8 @@ from pipeline.format.layout import (
     SUMS_FILE,
     sums_text,
 )
+from pipeline.format.errors import BuildError
+from pipeline.format.fingerprint import FileDigests, file_digests, sha256_bytes
 from pipeline.format.manifest import Manifest, manifest_bytes
 
 LOCKS_DIR = "locks"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.build.definition import LoadedDefinition, ModelSpec, model_slug, slugify
+from pipeline.builder.definition import LoadedDefinition, ModelSpec, model_slug, slugify
 from pipeline.format.errors import ModelError
 
 HUB_PATTERNS = [
@@ -87,10 +87,10 @@ def targets(
 ) -> list[Target]:
     """The models a definition is built for, or the one model given on the command line.
 
-    `only` keeps the models whose reference (pipeline.build.shards.model_refs) it lists; the
+    `only` keeps the models whose reference (pipeline.builder.shards.model_refs) it lists; the
     others are never resolved (no hub download for another shard's model).
     """
-    from pipeline.build.shards import model_ref
+    from pipeline.builder.shards import model_ref
 
     if only is not None and model_override is not None and str(model_override) not in only:
         return []

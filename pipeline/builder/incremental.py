@@ -19,14 +19,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.format.bundle_files import check_folder, read_manifest, read_sums
+from pipeline.format.bundle_folder import (
+    CACHE_FILE,
+    MANIFEST_FILE,
+    check_folder,
+    read_manifest,
+    read_sums,
+)
 from pipeline.format.errors import BuildError, BundleError
 from pipeline.format.fingerprint import ModelIdentity
-from pipeline.format.layout import CACHE_FILE, MANIFEST_FILE
 from pipeline.format.manifest import BuilderInfo, Manifest, ParentInfo
 from pipeline.format.safetensors_read import FormatError, read_header
+from pipeline.format.validate import validate
 from pipeline.runtime.mount import find_bundles
-from pipeline.runtime.validate import validate
 
 
 @dataclass(frozen=True)

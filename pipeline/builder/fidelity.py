@@ -9,11 +9,11 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 
-from pipeline.build.definition import PrefixDefinition
-from pipeline.build.prefill import LoadedModel, dtype_name, load_model
+from pipeline.builder.definition import PrefixDefinition
+from pipeline.builder.prefill import LoadedModel, dtype_name, load_model
 from pipeline.format.errors import BuildError
 from pipeline.format.manifest import FidelityInfo, ServingCheck
-from pipeline.runtime.prompt_cache import fork_cache
+from pipeline.runtime import fork_cache
 
 # Default bounds on the max |logit difference| (see README "Fidelity"): exact for full precision.
 DEFAULT_THRESHOLDS = {None: 0.0, 8: 0.5, 4: 2.0}

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pipeline.build.definition import find_definitions
-from pipeline.build.writer import abandoned_staging, is_abandoned, staging_root, target_lock
+from pipeline.builder.definition import find_definitions
+from pipeline.builder.writer import abandoned_staging, is_abandoned, staging_root, target_lock
+from pipeline.format.bundle_folder import STAGING_DIR
 from pipeline.format.errors import PipelineError
-from pipeline.format.layout import STAGING_DIR
 from pipeline.format.lockfile import lock_path, read_lock
 
 Kind = Literal["older-version", "no-definition", "staging"]

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.build.definition import LoadedDefinition, ModelSpec
+from pipeline.builder.definition import LoadedDefinition, ModelSpec
 
 SHARD = re.compile(r"^(\d+)/(\d+)$")
 

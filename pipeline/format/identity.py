@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.format.bundle_files import refuse
+from pipeline.format.bundle_folder import refuse
 from pipeline.format.errors import BundleError
 from pipeline.format.fingerprint import ModelIdentity
 from pipeline.format.manifest import Manifest

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.build.definition import LoadedDefinition
-from pipeline.build.template import check_pin, render, template_sha256, uses_date
+from pipeline.builder.definition import LoadedDefinition
+from pipeline.builder.template import check_pin, render, template_sha256, uses_date
 from pipeline.format.errors import TemplateError
 from pipeline.format.fingerprint import model_chat_template
 

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.build.definition import NAME_PATTERN, _parse_tools, load_definition
-from pipeline.build.stability import common_prefix_length
+from pipeline.builder.definition import NAME_PATTERN, _parse_tools, load_definition
+from pipeline.builder.stability import common_prefix_length
 from pipeline.format.errors import DefinitionError, TemplateError
-from pipeline.format.files import FileProblem, read_text
 from pipeline.format.fingerprint import model_chat_template, sha256_text
-from pipeline.runtime.validate import Validated
+from pipeline.format.regular_files import FileProblem, read_text
+from pipeline.format.validate import Validated
 
 STARTER_SYSTEM = "You are a helpful assistant. Replace this text with the prefix's system prompt.\n"
 

@@ -9,36 +9,37 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pipeline.format import memo
-from pipeline.format.bundle_files import (
+from pipeline.format.bundle_folder import (
+    CACHE_FILE,
+    LAYOUT_FOLDER,
+    MANIFEST_FILE,
+    SUMS_FILE,
     check_folder,
     digest_mismatch,
+    model_folder,
     read_manifest,
     read_sums,
     refuse,
 )
-from pipeline.format.cache_layout import (
+from pipeline.format.cache_header import (
     Expected,
     LayoutError,
     check_header,
     check_scalars,
     expected_layout,
 )
+from pipeline.format.compat import SUPPORTED_RANGE, installed_mlx_lm, mlx_lm_supported
 from pipeline.format.errors import BundleError
 from pipeline.format.fingerprint import ModelIdentity, ModelShape, canonical_json, sha256_bytes
-from pipeline.format.layout import CACHE_FILE, MANIFEST_FILE, SUMS_FILE, model_folder
+from pipeline.format.identity import check_identity
 from pipeline.format.manifest import Manifest
 from pipeline.format.safetensors_read import FormatError, Header, read_data, read_header
-from pipeline.runtime.compat import SUPPORTED_RANGE, installed_mlx_lm, mlx_lm_supported
-from pipeline.runtime.identity import check_identity
-
-LAYOUT_FOLDER = re.compile(r"^[a-z0-9][a-z0-9._-]*-[0-9a-f]{12}$")
 
 
 @dataclass(frozen=True)
@@ -250,7 +251,7 @@ def _rebuild(header: Header, arrays: dict, expected: Expected, manifest: Manifes
     """Cache objects from the checked arrays, classes from the allow-list (as load_prompt_cache)."""
     from mlx.utils import tree_unflatten
 
-    from pipeline.runtime.compat import cache_classes
+    from pipeline.format.compat import cache_classes
 
     values = dict(arrays)
     kinds = dict(expected.scalars)

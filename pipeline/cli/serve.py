@@ -1,0 +1,60 @@
+"""`serve`: mlx_lm.server with bundles mounted; options it does not know go to the server."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from pipeline.runtime.hugepages import CHOICES, DEFAULT_HUGE_PAGES
+
+
+def add_parser(sub: argparse._SubParsersAction, parents: list) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "serve",
+        parents=parents,
+        help="mlx_lm.server with bundles mounted (serve --help for options)",
+        description="mlx_lm.server with prefix bundles mounted at startup. "
+        "Options not listed here are passed to mlx_lm.server unchanged.",
+        allow_abbrev=False,  # a server option must never be taken for an abbreviation of ours
+    )
+    p.add_argument("--model", required=True, help="the MLX model folder the bundles were built for")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit non-zero when any bundle is refused or none is mounted",
+    )
+    p.add_argument(
+        "--verify-full",
+        action="store_true",
+        help="hash every cache file in full, even one this user already verified unchanged",
+    )
+    p.add_argument(
+        "--warm-up",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="after loading the model, run one throwaway decode step from the longest mounted "
+        "bundle before the first request (default: off; on a 2-core CPU it cost more at startup "
+        "than it saved: bench/README.md)",
+    )
+    p.add_argument(
+        "--lockfile",
+        type=Path,
+        help="mount the versions this prefixes.lock names instead of the newest",
+    )
+    p.add_argument(
+        "--huge-pages",
+        choices=CHOICES,
+        default=DEFAULT_HUGE_PAGES,
+        help="on: restart serve with GLIBC_TUNABLES=glibc.malloc.hugetlb=1, so malloc uses "
+        f"transparent huge pages (Linux with glibc 2.35+; default: {DEFAULT_HUGE_PAGES})",
+    )
+    # unknown options belong to the server; bundles default to <model>/prefix-bundles
+    p.set_defaults(func=run, passes_through=True, bundles_near_model=True)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Mount (the global --bundles, default <model>/prefix-bundles), then run the server."""
+    from pipeline.runtime.serve import serve
+
+    return serve(args, args.passthrough, args.argv)
