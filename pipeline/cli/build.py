@@ -6,7 +6,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from pipeline.cli.common import emit_json, error_text, load_definitions, progress, warn
+from pipeline.cli.common import (
+    add_json_option,
+    emit_json,
+    error_text,
+    load_definitions,
+    progress,
+    warn,
+)
 from pipeline.cli.reports import BuildReport, BuildTotals, BuiltTarget
 from pipeline.cli.reports import Shard as ShardInfo
 from pipeline.format.errors import PipelineError
@@ -51,12 +58,10 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         help="start from this bundle's cache, or fail saying why it cannot give the same bytes",
     )
     b.add_argument("--shard", type=_shard, metavar="I/N", help=SHARD_HELP)
-    b.add_argument(
-        "--json",
-        action="store_true",
-        help="print one build/1 JSON document on stdout (per-target lines go to stderr); on an "
-        "error it lists what was done and the failed target, and the error is also the one "
-        "'error:' line on stderr",
+    add_json_option(
+        b,
+        "build",
+        "; per-target lines go to stderr; on an error it lists what was done and the failed target",
     )
     b.set_defaults(func=run)
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,24 @@ def emit_json(document: Any) -> None:
     has_dump = hasattr(document, "model_dump")
     data = document.model_dump(mode="json", by_alias=True) if has_dump else document
     print(json.dumps(data, indent=2, sort_keys=True))
+
+
+def add_json_option(parser: argparse.ArgumentParser, schema: str, note: str = "") -> None:
+    """The one --json option: a `<schema>/1` document on stdout instead of text (`note` adds)."""
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help=f"print one {schema}/1 JSON document on stdout instead of text (its JSON Schema: "
+        f"'schema {schema}'); warnings and errors stay on stderr{note}",
+    )
+
+
+def emit(args: argparse.Namespace, report: Any, print_text: Callable[[Any], None]) -> None:
+    """The report as JSON with --json, else as text."""
+    if args.json:
+        emit_json(report)
+    else:
+        print_text(report)
 
 
 def progress(label: str):

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from pipeline.cli.common import emit_json, integrity_identity, read_template
+from pipeline.cli.common import add_json_option, emit_json, integrity_identity, read_template
 from pipeline.cli.reports import CheckResult, InspectReport, Refusal, Validity, refusal_of
 
 
@@ -17,7 +17,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
     i.add_argument("bundle", type=Path, help="a bundle folder")
     i.add_argument("--model", type=Path, help="also check validity for this model folder")
     i.add_argument("--chat-template", type=Path, help="the template file the server will use")
-    i.add_argument("--json", action="store_true", help="print one inspect/1 JSON document")
+    add_json_option(i, "inspect")
     i.set_defaults(func=run)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.cli.common import emit_json, integrity_identity
+from pipeline.cli.common import add_json_option, emit, integrity_identity
 from pipeline.cli.reports import ListedBundle, ListedDefinition, ListReport, ListTotals, refusal_of
 from pipeline.format.errors import PipelineError
 
@@ -14,7 +14,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
     p = sub.add_parser(
         "list", parents=parents, help="definitions and their bundles: built, missing or broken"
     )
-    p.add_argument("--json", action="store_true", help="print one list/1 JSON document")
+    add_json_option(p, "list")
     p.set_defaults(func=run)
 
 
@@ -31,10 +31,7 @@ def run(args: argparse.Namespace) -> int:
         definitions=listed,
         totals=_totals(listed),
     )
-    if args.json:
-        emit_json(report)
-    else:
-        _print(report)
+    emit(args, report, _print)
     t = report.totals
     return 1 if t.broken_definitions or t.broken else 0
 

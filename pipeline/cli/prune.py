@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pipeline.cli.common import emit_json, err, error_text
+from pipeline.cli.common import add_json_option, emit, err, error_text
 from pipeline.cli.reports import KeptFolder, PrunedFolder, PruneReport, PruneTotals
 from pipeline.format.errors import PipelineError
 
@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         help="versions to keep per prefix and model folder (default: 1)",
     )
     p.add_argument("--apply", action="store_true", help="delete what the dry run lists")
-    p.add_argument("--json", action="store_true", help="print one prune/1 JSON document")
+    add_json_option(p, "prune")
     p.set_defaults(func=run)
 
 
@@ -61,10 +61,7 @@ def run(args: argparse.Namespace) -> int:
         kept=kept,
         totals=_totals(folders),
     )
-    if args.json:
-        emit_json(report)
-    else:
-        _print(report)
+    emit(args, report, _print)
     return 1 if report.totals.failed else 0
 
 

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.cli.common import emit_json, err
+from pipeline.cli.common import add_json_option, emit_json, err
 from pipeline.cli.reports_base import refusal_of
 from pipeline.cli.reports_fleet import PulledBundle, PullReport, PullTotals
 
@@ -35,11 +35,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         metavar="NAME[@VERSION]",
         help="only this prefix (repeatable; default: every prefix, highest version)",
     )
-    p.add_argument(
-        "--json",
-        action="store_true",
-        help="print one pull/1 JSON document on stdout (refusals still go to stderr)",
-    )
+    add_json_option(p, "pull")
     p.set_defaults(func=run, bundles_near_model=True)  # default: <model>/prefix-bundles
 
 

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.cli.common import emit_json, err
+from pipeline.cli.common import add_json_option, emit_json, err
 from pipeline.cli.reports_base import refusal_of
 from pipeline.cli.reports_fleet import PushedBundle, PushReport, PushTotals
 from pipeline.format.errors import PipelineError
@@ -24,11 +24,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
     p.add_argument("bundle", nargs="+", type=Path, help="bundle folders")
     p.add_argument("--repo", required=True, help="hub model repo ORG/NAME (create it, private)")
     p.add_argument("--revision", help="branch to commit to (default: main; created if missing)")
-    p.add_argument(
-        "--json",
-        action="store_true",
-        help="print one push/1 JSON document on stdout (refusals still go to stderr)",
-    )
+    add_json_option(p, "push")
     p.set_defaults(func=run)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.cli.common import emit_json, err, read_template
+from pipeline.cli.common import add_json_option, emit_json, err, read_template
 from pipeline.cli.reports import Refusal, VerifiedBundle, VerifyReport, VerifyTotals, refusal_of
 from pipeline.format.errors import PipelineError
 
@@ -28,11 +28,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         type=Path,
         help="template file the server will use instead of the model's",
     )
-    v.add_argument(
-        "--json",
-        action="store_true",
-        help="print one verify/1 JSON document on stdout (refusals still go to stderr)",
-    )
+    add_json_option(v, "verify")
     v.set_defaults(func=run)
 
 
