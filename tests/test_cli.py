@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pipeline.cli import main
 from pipeline.format.bundle_folder import MANIFEST_FILE
 
@@ -157,3 +159,60 @@ def test_every_command_and_option_has_help():
         "match",
         "schema",
     }
+
+
+def _commands() -> list[str]:
+    import argparse
+
+    from pipeline.cli import setup_arg_parser
+
+    sub = next(a for a in setup_arg_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sorted(sub.choices)
+
+
+def _exit_code(argv: list[str]) -> int:
+    """main's exit code, argparse's SystemExit included; any other exception fails the test."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else 1
+
+
+@pytest.mark.parametrize("command", _commands())
+@pytest.mark.parametrize("place", ["first", "last", "help", "missing value"])
+def test_every_command_with_global_options_anywhere_ends_cleanly(
+    command: str, place: str, tmp_path: Path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)  # demo-model writes models/ here; no definitions, no bundles
+    (tmp_path / "prefixes").mkdir()
+    glob = ["--prefixes", "prefixes", "--bundles", "bundles"]
+    argv = {
+        "first": [*glob, command],
+        "last": [command, *glob],
+        "help": [*glob, command, "--help"],
+        "missing value": [command, "--bundles"],
+    }[place]
+    code = _exit_code(argv)
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    if place == "help":
+        assert code == 0 and out.startswith("usage: ") and f" {command} " in out.splitlines()[0]
+    elif code == 2:
+        assert err.startswith("usage: ") and f"{command}: error: " in err
+    elif code == 1:
+        assert err.splitlines()[-1].startswith("error: "), err
+    else:
+        assert code == 0, (code, err)
+
+
+def test_the_console_script_names_itself():
+    script = Path(sys.executable).with_name("prefix-bundles")
+    done = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.startswith("usage: prefix-bundles ")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "build.py"), "verify", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0 and done.stdout.startswith("usage: build.py verify ")
