@@ -1,15 +1,18 @@
 """Per-request cost of a PromptCacheManager hand-out vs copy.deepcopy on a 32k-token KV cache."""
 
-# ruff: noqa: I001  (pipeline must be imported before mlx: it loads OpenBLAS first)
+# ruff: noqa: I001, E402  (OpenBLAS is loaded before mlx is imported)
 from __future__ import annotations
 
 import argparse
 import copy
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
-import pipeline  # noqa: F401  (loads OpenBLAS before mlx)
+from pipeline.blas import ensure_fast_blas
+
+ensure_fast_blas(sys.argv[1:])
 from pipeline.runtime.prompt_cache import PromptCacheManager
 
 import mlx.core as mx

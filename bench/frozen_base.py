@@ -12,13 +12,15 @@ Not the default, and not in pipeline/: it needs mlx-lm's attention function repl
 module (`scaled_dot_product_attention`), and its output is not bit-identical to the standard path.
 """
 
-# ruff: noqa: I001  (pipeline must be imported before mlx: it loads OpenBLAS first)
+# ruff: noqa: I001, E402  (OpenBLAS is loaded before mlx is imported)
 from __future__ import annotations
 
 import time
 from typing import Any
 
-import pipeline  # noqa: F401
+from pipeline.blas import ensure_fast_blas
+
+ensure_fast_blas()
 
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache

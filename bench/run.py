@@ -28,7 +28,7 @@ import summary  # noqa: E402
 from common import BENCH as BENCH_DIR  # noqa: E402
 from common import HUGE_PAGES, MODEL_F32, Context, ensure_models, run_worker, stat  # noqa: E402
 
-import pipeline  # noqa: E402  (its BLAS_STATUS names the OpenBLAS that workers load)
+from pipeline.blas import blas_status, ensure_fast_blas  # noqa: E402
 
 CASES = ("build", "ttft", "mount", "sizes", "incremental", "handout", "arch")
 STEPS = (
@@ -131,7 +131,7 @@ def calibrate(ctx: Context) -> dict[str, Any]:
 def run_all(ctx: Context, cases: set[str]) -> dict[str, Any]:
     """Every selected case, in an order that lets later cases reuse earlier bundles."""
     results: dict[str, Any] = {"quick": ctx.quick, "cases": sorted(cases)}
-    openblas = pipeline.BLAS_STATUS.library
+    openblas = blas_status().library  # the OpenBLAS that workers load
     results["openblas"] = openblas
     if cases & BENCH_MODEL_CASES:  # 3.6 GB generated on first use: not for arch/handout alone
         timed(ctx, "setup", results, lambda: prime(ctx))
@@ -222,6 +222,7 @@ def markdown(results: dict[str, Any], total: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    blas = ensure_fast_blas(sys.argv[1:] if argv is None else argv)
     args = setup_arg_parser().parse_args(argv)
     if args.render:
         return render(json.loads((args.work / "results.json").read_text()), args.out)
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     args.work.mkdir(parents=True)
     args.out.mkdir(parents=True, exist_ok=True)
     ctx = Context(args.quick, args.work.resolve())
-    ctx.note(pipeline.BLAS_STATUS.notice)
+    ctx.note(blas.notice)
     start = time.perf_counter()
     results = run_all(ctx, cases)
     total = time.perf_counter() - start

@@ -1,8 +1,9 @@
-"""Prefix-cache bundles for MLX: build KV caches for stable prompt prefixes, mount them at startup."""
+"""Prefix-cache bundles for MLX: build KV caches for stable prompt prefixes, mount them at startup.
 
-from pipeline.blas import ensure_fast_blas
-
-# Must run before anything imports mlx: the mlx-cpu wheel's own BLAS is ~40x slower than OpenBLAS.
-BLAS_STATUS = ensure_fast_blas()
+Importing any part of `pipeline` only imports. On Linux, an entry point calls
+`pipeline.blas.ensure_fast_blas(argv)` first so mlx gets a system OpenBLAS (see pipeline/blas.py).
+"""
 
 __version__ = "0.1.0"
+
+__all__ = ["__version__"]

@@ -6,8 +6,11 @@ from pathlib import Path
 
 import pytest
 
-import pipeline  # noqa: F401  (first: loads OpenBLAS before anything imports mlx)
+from pipeline.blas import ensure_fast_blas
 from pipeline.testmodels.model import generate_model
+
+# Before any test module imports mlx: the tests' prefills run on OpenBLAS (see pipeline/blas.py).
+ensure_fast_blas()
 
 # --- Generated test models (pipeline.testmodels.model) -------------------------------------------------
 

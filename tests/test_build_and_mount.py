@@ -90,7 +90,8 @@ def test_unchanged_definition_is_up_to_date(project: Path):
 
 KILL_MID_WRITE = """
 import os, signal, sys
-import pipeline
+from pipeline.blas import ensure_fast_blas
+ensure_fast_blas()
 import mlx_lm.models.cache as cache_module
 real = cache_module.save_prompt_cache
 def save_then_die(path, *args, **kwargs):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import BLAS_STATUS
+from pipeline.blas import blas_status
 from pipeline.builder.definition import (
     NAME_PATTERN,
     ModelSpec,
@@ -413,7 +413,7 @@ def test_cli_build_unknown_name_lists_the_known_ones(tmp_path: Path, capsys) -> 
     out, err = capsys.readouterr()
     assert code == 1
     assert out == ""
-    lines = [line for line in err.splitlines() if line != BLAS_STATUS.notice]
+    lines = [line for line in err.splitlines() if line != blas_status().notice]
     assert lines == [f"error: no definition named gamma in {prefixes}/ (have: alpha, beta)"]
 
 

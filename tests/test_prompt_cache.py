@@ -1,15 +1,10 @@
 """PromptCacheManager: reuse rules, copy-on-write hand-outs and exact logits on real caches."""
 
-# ruff: noqa: I001  (pipeline must be imported before mlx: it loads OpenBLAS first)
 import copy
 import subprocess
 import sys
 import threading
 from pathlib import Path
-
-import pipeline  # noqa: F401
-from pipeline.format.errors import PipelineError
-from pipeline.runtime.prompt_cache import CacheHit, PromptCacheManager, _arrays
 
 import mlx.core as mx
 import numpy as np
@@ -21,6 +16,9 @@ from mlx_lm.models.cache import (
     make_prompt_cache,
     trim_prompt_cache,
 )
+
+from pipeline.format.errors import PipelineError
+from pipeline.runtime.prompt_cache import CacheHit, PromptCacheManager, _arrays
 
 VOCAB = 64
 _rng = np.random.default_rng(7)

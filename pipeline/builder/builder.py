@@ -11,7 +11,8 @@ from typing import Any
 
 from filelock import Timeout as LockTimeout
 
-from pipeline import BLAS_STATUS, __version__
+from pipeline import __version__
+from pipeline.blas import blas_status
 from pipeline.builder.fidelity import run_checks
 from pipeline.builder.incremental import Resume, Wanted, find_parent
 from pipeline.builder.prefill import (
@@ -280,7 +281,7 @@ def _write(
         "prefill_seconds": round(stats.seconds, 4),
         "tokens_per_second": round(stats.tokens_per_second, 2),
         "peak_memory_bytes": stats.peak_memory_bytes,
-        "blas": BLAS_STATUS.notice,
+        "blas": blas_status().notice,
         **report_extra,
     }
     try:

@@ -6,27 +6,33 @@ One module per command, each with `add_parser(sub, parents)` and `run(args) -> i
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
 
-from pipeline.cli import (
-    build,
-    demo,
-    inspect,
-    listing,
-    match,
-    new,
-    prune,
-    pull,
-    push,
-    schema,
-    serve,
-    verify,
-)
+from pipeline.blas import ensure_fast_blas
 from pipeline.cli.common import err
 from pipeline.format.errors import PipelineError
 
-COMMANDS = (build, verify, inspect, listing, prune, new, match, push, pull, schema, demo, serve)
+__all__ = ["main", "parse_args", "setup_arg_parser"]
+
+# Imported when the parser is built, after main has loaded OpenBLAS: some import mlx.
+COMMANDS = (
+    "build",
+    "verify",
+    "inspect",
+    "listing",
+    "prune",
+    "new",
+    "match",
+    "push",
+    "pull",
+    "schema",
+    "demo",
+    "serve",
+    "keygen",
+    "sign",
+)
 DEFAULT_PREFIXES = Path("prefixes")
 # `pull` and `serve` put or look for bundles in <model>/prefix-bundles unless --bundles is given.
 DEFAULT_BUNDLES = Path("bundles")
@@ -56,7 +62,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         parents=[global_options(suppress=False)],
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for command in COMMANDS:
+    for name in COMMANDS:
+        command = importlib.import_module(f"pipeline.cli.{name}")
         command.add_parser(sub, [global_options(suppress=True)])
     return p
 
@@ -76,7 +83,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: one-line 'error: ...' and exit 1 on failure, 2 on usage errors."""
-    args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ensure_fast_blas(argv)  # before any command module imports mlx; may re-execute this process
+    args = parse_args(argv)
     try:
         return args.func(args)
     except PipelineError as exc:

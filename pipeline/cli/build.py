@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _build_all(args: argparse.Namespace, done: list[BuiltTarget]) -> None:
-    from pipeline import BLAS_STATUS
+    from pipeline.blas import blas_status
     from pipeline.builder.shards import shard_refs
     from pipeline.builder.targets import targets
     from pipeline.builder.versioning import check_locked, locked_entry
@@ -103,7 +103,7 @@ def _build_all(args: argparse.Namespace, done: list[BuiltTarget]) -> None:
     refs = shard_refs(definitions, args.model, args.shard)
     lock_file = lock_path(args.prefixes)
     lock = read_lock(lock_file)
-    print(BLAS_STATUS.notice, file=sys.stderr)
+    print(blas_status().notice, file=sys.stderr)
     clean_staging(args.bundles)
     for definition in definitions:
         if not refs[definition.name]:

@@ -13,6 +13,8 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from pipeline.reexec import execute, reexec_argv
+
 log = logging.getLogger("prefix-bundles")
 
 CHOICES = ("on", "off")
@@ -44,18 +46,6 @@ def with_tunable(env: Mapping[str, str], pid: int) -> dict[str, str]:
         if t and not t.startswith(TUNABLE_NAME + "=")
     ]
     return {**env, "GLIBC_TUNABLES": ":".join([*kept, TUNABLE]), REEXEC_MARKER: str(pid)}
-
-
-def reexec_argv(
-    serve_argv: Sequence[str], orig_argv: Sequence[str], executable: str
-) -> list[str] | None:
-    """This process's command line run by `executable`, or None when it did not start serve."""
-    # orig_argv keeps interpreter options and `build.py serve` or the console script; when it does
-    # not end with serve's own arguments, serve's main was called in-process (a test, an embedder).
-    tail = list(orig_argv[len(orig_argv) - len(serve_argv) :])
-    if not executable or len(orig_argv) <= len(serve_argv) or tail != list(serve_argv):
-        return None
-    return [executable, *orig_argv[1:]]
 
 
 def unsupported(system: str, libc: tuple[str, str]) -> str | None:
@@ -108,7 +98,8 @@ def ensure_huge_pages(setting: str, serve_argv: Sequence[str]) -> None:
             return
         argv = None if looped else reexec_argv(serve_argv, sys.orig_argv, sys.executable)
         if argv is not None:
-            _execute(argv, with_tunable(os.environ, os.getpid()))
+            log.debug("huge pages: re-executing %s with %s", argv, TUNABLE)
+            execute(argv, with_tunable(os.environ, os.getpid()))
         log.warning(
             "huge pages: --huge-pages on has no effect: %s; start serve with "
             "GLIBC_TUNABLES=%s in its environment instead",
@@ -118,13 +109,3 @@ def ensure_huge_pages(setting: str, serve_argv: Sequence[str]) -> None:
             TUNABLE,
         )
     log.info("%s", status_line(setting, value, thp_mode()))
-
-
-def _execute(argv: list[str], env: dict[str, str]) -> None:
-    """Replace this process (same pid) with argv under env; never returns."""
-    log.debug("huge pages: re-executing %s with GLIBC_TUNABLES=%s", argv, env["GLIBC_TUNABLES"])
-    for handler in logging.getLogger().handlers:
-        handler.flush()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(argv[0], argv, env)
