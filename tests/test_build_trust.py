@@ -351,10 +351,10 @@ def test_publish_replaces_a_bundle_without_a_gap(tmp_path: Path):
         (tmp / MANIFEST_FILE).write_text(f"manifest {generation}")
         return tmp
 
-    publish(staged(0), dest)
+    publish(bundles, staged(0), dest)
     with Watcher(dest) as watcher:
         for generation in range(1, 201):
-            publish(staged(generation), dest)
+            publish(bundles, staged(generation), dest)
     assert watcher.gaps == 0 and watcher.checks > 0
     assert (dest / CACHE_FILE).read_text() == "cache 200"
     assert (dest / MANIFEST_FILE).read_text() == "manifest 200"

@@ -6,6 +6,7 @@ folder and the atomic publish are the real ones.
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from pipeline import hubnet
 from pipeline.cli import main
 from pipeline.cli.reports import PullReport, PushReport
 from pipeline.distribute import hub
-from pipeline.distribute.pull import HELD_BACK
+from pipeline.distribute.pull import BUSY, HELD_BACK, HELD_BACK_FAILED
 from pipeline.distribute.push import HELD_BACK as push_held_back
 from pipeline.format.bundle_folder import CACHE_FILE
 from pipeline.runtime import mount
@@ -201,7 +202,7 @@ def test_pull_refuses_a_bundle_altered_on_the_hub_and_publishes_nothing(
     assert err.count("\n") == 1
     bundles = model / "prefix-bundles"
     assert [p.name for p in bundles.iterdir()] == [".staging"]
-    assert list((bundles / ".staging").iterdir()) == []  # the download was removed
+    assert [p.name for p in (bundles / ".staging").iterdir()] == ["locks"]  # download removed
 
 
 def test_pull_json_lists_the_refusal_and_the_valid_bundle_it_held_back(
@@ -353,3 +354,99 @@ def test_hub_errors_are_one_line_naming_the_repo(error: str, status: int, says: 
         raise getattr(errors, error)("boom\ndetails", response=response)
     assert str(info.value).startswith(f"push to hub repo {REPO}: {says}")
     assert "\n" not in str(info.value)
+
+
+# --- all or nothing (issue 16, finding 6) ---------------------------------------------------------
+
+
+def hold_build_lock(bundles: Path, dest: Path):
+    """A concurrent process (as a build would) holding dest's build lock until it is killed."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, time\nfrom pathlib import Path\n"
+        "from pipeline.builder.writer import target_lock\n"
+        f"with target_lock(Path({str(bundles)!r}), Path({str(dest)!r})):\n"
+        "    print('held', flush=True)\n    time.sleep(120)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "held\n"
+    return proc
+
+
+def push_two(fake_hub: FakeHub, shop_bundle: Path, model: Path, tmp_path: Path, capsys) -> Path:
+    write_definition(tmp_path / "faq", model, name="faq")
+    faq = build_bundle(tmp_path / "faq", "faq", check=False)
+    assert main(["push", str(shop_bundle), str(faq), "--repo", REPO]) == 0
+    capsys.readouterr()
+    return faq
+
+
+def test_pull_publishes_nothing_when_one_target_is_locked_and_json_says_so(
+    fake_hub: FakeHub, shop_bundle: Path, model: Path, tmp_path: Path, capsys
+):
+    """Two valid bundles, the second's build lock held by a concurrent build: neither lands, and
+    --json lists both (the first held back, the second failed)."""
+    faq = push_two(fake_hub, shop_bundle, model, tmp_path, capsys)
+    bundles = model / "prefix-bundles"
+    shop_dest = bundles / "shop/1" / shop_bundle.name
+    holder = hold_build_lock(bundles, shop_dest)
+    try:
+        assert main(["pull", "--repo", REPO, "--model", str(model), "--json"]) == 1
+    finally:
+        holder.kill()
+        holder.wait()
+    out = capsys.readouterr()
+    doc = document(PullReport, out.out)
+    held, failed = doc.bundles
+    assert (held.repo_path, held.status, held.path) == (
+        f"faq/1/{faq.name}",
+        "skipped",
+        str(bundles / "faq/1" / faq.name),
+    )
+    assert held.reason == HELD_BACK_FAILED and held.tokens > 50
+    busy = BUSY.format(shop_dest)
+    assert (failed.repo_path, failed.status, failed.reason) == (
+        f"shop/1/{shop_bundle.name}",
+        "failed",
+        busy,
+    )
+    assert failed.path == str(shop_dest) and failed.tokens > 50 and failed.refusal is None
+    totals = doc.totals
+    assert (totals.pulled, totals.skipped, totals.refused, totals.failed) == (0, 1, 0, 1)
+    assert out.err == f"error: bundle shop/1/{shop_bundle.name}: {busy} (nothing was published)\n"
+    assert sorted(p.name for p in bundles.iterdir()) == [".staging"]
+    assert sorted(p.name for p in (bundles / ".staging").iterdir()) == ["locks"]
+    # once the other build is done, the same pull publishes both
+    assert main(["pull", "--repo", REPO, "--model", str(model)]) == 0
+    assert (bundles / "faq/1" / faq.name).is_dir() and shop_dest.is_dir()
+
+
+def test_pull_undoes_what_it_placed_when_a_later_move_fails(
+    fake_hub: FakeHub, shop_bundle: Path, model: Path, tmp_path: Path, capsys
+):
+    """faq is moved into place, then shop's prefix folder turns out to be a link: faq's move is
+    undone (its older copy back in place), the link and its target are left alone."""
+    faq = push_two(fake_hub, shop_bundle, model, tmp_path, capsys)
+    bundles = model / "prefix-bundles"
+    old_faq = bundles / "faq/1" / faq.name
+    old_faq.mkdir(parents=True)
+    (old_faq / "marker").write_text("the bundle that was there before\n")
+    outside = tmp_path / "outside"
+    (outside / "1" / shop_bundle.name).mkdir(parents=True)
+    (outside / "1" / shop_bundle.name / "keep").write_text("not ours\n")
+    (bundles / "shop").symlink_to(outside, target_is_directory=True)
+
+    assert main(["pull", "--repo", REPO, "--model", str(model), "--json"]) == 1
+    out = capsys.readouterr()
+    doc = document(PullReport, out.out)
+    held, failed = doc.bundles
+    assert (held.status, held.reason) == ("skipped", HELD_BACK_FAILED)
+    assert failed.status == "failed" and failed.reason.startswith(
+        f"cannot publish it ({bundles / 'shop'} is a symlink ({outside}); nothing under the "
+        f"bundles folder {bundles} is created, renamed or deleted through a link"
+    )
+    assert os.listdir(old_faq) == ["marker"]  # the older faq is back, untouched
+    assert os.listdir(outside / "1" / shop_bundle.name) == ["keep"]
+    assert sorted(p.name for p in (bundles / ".staging").iterdir()) == ["locks"]

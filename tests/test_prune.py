@@ -129,12 +129,12 @@ def test_keep_two_keeps_both_versions(project: Path, shop, capsys):
 
 
 def test_a_bundle_is_never_half_deleted_in_place(project: Path, shop, capsys, monkeypatch):
-    import pipeline.builder.retention as retention
+    import pipeline.builder.bundles_tree as bundles_tree
 
     def fail(path, *args, **kwargs):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(retention.shutil, "rmtree", fail)
+    monkeypatch.setattr(bundles_tree.shutil, "rmtree", fail)
     code, doc = prune_json(project, capsys, "--apply", "--keep", "1")
     assert code == 1
     failed = {f.path: f for f in doc.delete if f.status == "failed"}

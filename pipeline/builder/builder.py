@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import platform
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from pipeline.builder.stability import StableCut, stable_prefix
 from pipeline.builder.targets import Target
 from pipeline.builder.versioning import check_version
 from pipeline.builder.writer import (
+    discard,
     free_bytes,
     new_staging_folder,
     publish,
@@ -243,10 +243,10 @@ def _build_locked(job: Job, bundles_root: Path) -> BuildResult:
         report_extra = {"reused_tokens": parent.reused_tokens if parent else 0, "reuse": reuse_note}
         manifest, report = _write(job, loaded, cut, cache, stats, tmp, needed, parent, report_extra)
         validate(tmp, job.identity)  # the builder never ships what the one validator refuses
-        publish(tmp, job.dest)
+        publish(bundles_root, tmp, job.dest)
         return BuildResult(job.dest, manifest, report, up_to_date=False)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard(bundles_root, tmp)
 
 
 def _resume(job: Job, loaded, tokens: list[int], bundles_root: Path) -> tuple[Resume | None, str]:

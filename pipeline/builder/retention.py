@@ -12,13 +12,19 @@ from __future__ import annotations
 
 import os
 import secrets
-import shutil
 import stat
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from pipeline.builder.bundles_tree import (
+    is_link_or_missing,
+    make_folders,
+    remove_empty,
+    remove_tree,
+    rename,
+)
 from pipeline.builder.definition import find_definitions
 from pipeline.builder.writer import abandoned_staging, is_abandoned, staging_root, target_lock
 from pipeline.format.bundle_folder import STAGING_DIR
@@ -125,7 +131,7 @@ def layout_bundles(root: Path) -> list[Bundle]:
         if name.name == STAGING_DIR:
             continue
         for version in _subfolders(name):
-            if version.name.isdigit():
+            if version.name.isascii() and version.name.isdigit():
                 for model in _subfolders(version):
                     found.append(Bundle(model, name.name, int(version.name), model.name))
     return found
@@ -146,26 +152,28 @@ def tree_bytes(folder: Path) -> int:
 
 
 def delete(candidate: Candidate, bundles_root: Path) -> None:
-    """Delete one planned folder; OSError or PipelineError (one line) when it cannot."""
+    """Delete one planned folder; OSError or PipelineError (one line) when it cannot. Every step
+    walks from the root without following links (bundles_tree): a folder swapped for a link
+    since the plan is refused."""
     from filelock import Timeout
 
     root = Path(bundles_root)
     if candidate.kind == "staging":
         if is_abandoned(candidate.path):  # its process could not have come back, but check
-            shutil.rmtree(candidate.path)
+            remove_tree(root, candidate.path)
         return
     trash = staging_root(root) / f"{os.getpid()}-prune-{secrets.token_hex(4)}"
-    trash.parent.mkdir(parents=True, exist_ok=True)
+    make_folders(root, trash.parent)
     try:
         with target_lock(root, candidate.path):
-            os.rename(candidate.path, trash)  # the bundle path is gone at once, never half there
+            if is_link_or_missing(root, candidate.path):
+                raise PipelineError(f"{candidate.path} is a symlink; prune never deletes links")
+            rename(root, candidate.path, trash)  # the bundle path is gone at once, never half there
     except Timeout:
         raise PipelineError(
             f"{candidate.path}: a build is writing it right now; run prune again when it is done"
         ) from None
-    shutil.rmtree(trash)  # if this fails, the next build or prune removes it (process gone)
+    remove_tree(root, trash)  # if this fails, the next build or prune removes it (process gone)
     for parent in (candidate.path.parent, candidate.path.parent.parent):
-        try:
-            parent.rmdir()  # only when empty: the version, then the prefix folder
-        except OSError:
+        if not remove_empty(root, parent):  # only when empty: the version, then the prefix
             break

@@ -1,22 +1,30 @@
 """Write a bundle so that its final path always names a complete bundle, old or new, never none.
 
 Each build writes into bundles/.staging/<pid>-<random>/ and publishes with one atomic exchange
-(renameat2(RENAME_EXCHANGE) on Linux, renamex_np(RENAME_SWAP) on macOS) or, for a new bundle, one
-rename. A file lock on the target keeps two builds of the same bundle from racing; leftovers of
+(renameat2(RENAME_EXCHANGE) on Linux, renameatx_np(RENAME_SWAP) on macOS) or, for a new bundle, one
+rename. Every create, rename and delete goes through bundles_tree: no link below the bundles root
+is followed, nothing outside it is touched. A file lock on the target keeps two builds of the same bundle from racing; leftovers of
 killed builds are removed by the next build (their process is gone).
 """
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
-import shutil
-import sys
-import tempfile
+import secrets
 from pathlib import Path
 from typing import Any
 
+from pipeline.builder.bundles_tree import (
+    entries,
+    exchange,
+    folder_fd,
+    inside,
+    is_link_or_missing,
+    make_folders,
+    remove_tree,
+    rename,
+)
 from pipeline.format.bundle_folder import (
     CACHE_FILE,
     MANIFEST_FILE,
@@ -25,7 +33,7 @@ from pipeline.format.bundle_folder import (
     SUMS_FILE,
     sums_text,
 )
-from pipeline.format.errors import BuildError
+from pipeline.format.errors import BuildError, PipelineError
 from pipeline.format.fingerprint import FileDigests, file_digests, sha256_bytes
 from pipeline.format.manifest import Manifest, manifest_bytes
 
@@ -40,19 +48,23 @@ def target_lock(bundles_root: Path, dest: Path) -> Any:
     """An exclusive, non-waiting file lock on one bundle path (released when the process dies)."""
     from filelock import FileLock
 
-    rel = Path(dest).relative_to(bundles_root)
+    rel = inside(bundles_root, dest)
     folder = staging_root(bundles_root) / LOCKS_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    return FileLock(str(folder / ("__".join(rel.parts) + ".lock")), timeout=0)
+    make_folders(bundles_root, folder)  # a linked .staging is refused, not followed
+    return FileLock(str(folder / ("__".join(rel) + ".lock")), timeout=0)
 
 
 def new_staging_folder(bundles_root: Path) -> Path:
     """A fresh folder to write a bundle into, named after this process so cleanup can tell."""
     root = staging_root(bundles_root)
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f"{os.getpid()}-", dir=root))
-    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700; deployed bundles must be readable
-    return tmp
+    with folder_fd(bundles_root, (STAGING_DIR,), create=True) as fd:
+        while True:
+            name = f"{os.getpid()}-{secrets.token_hex(4)}"
+            try:  # deployed bundles must be readable: the umask decides, as for any folder
+                os.mkdir(name, 0o777, dir_fd=fd)
+                return root / name
+            except FileExistsError:
+                continue
 
 
 def write_cache(
@@ -78,62 +90,84 @@ def write_manifest(
     _fsync_folder(tmp)
 
 
-def publish(tmp: Path, dest: Path) -> None:
+def publish(bundles_root: Path, tmp: Path, dest: Path) -> None:
     """Move the staged bundle to dest atomically; an older bundle there is swapped out, then removed."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    if dest.exists() or dest.is_symlink():
-        if not _exchange(tmp, dest):
-            _replace_with_gap(tmp, dest)
-        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old bundle
+    if place(bundles_root, tmp, dest):
+        discard(bundles_root, tmp)  # tmp now holds the old bundle
+
+
+def place(bundles_root: Path, tmp: Path, dest: Path) -> bool:
+    """Put the staged folder at dest (a link on the way or at dest is refused); True when an
+    older bundle was there and now sits at tmp (`unplace` undoes this)."""
+    root = Path(bundles_root)
+    make_folders(root, dest.parent)
+    there = is_link_or_missing(root, dest)
+    if there:
+        raise BuildError(
+            f"cannot publish {dest}: it is a symlink; a bundle path is never replaced through a "
+            "link: remove the link and build or pull again"
+        )
+    if there is not None:
+        if not exchange(root, tmp, dest):
+            _replace_with_gap(root, tmp, dest)
     else:
         try:
-            os.rename(tmp, dest)
+            rename(root, tmp, dest)
         except OSError as exc:  # another writer published first (no lock, e.g. other host)
             raise BuildError(
                 f"cannot publish {dest}: another build created it meanwhile ({exc.strerror}); "
                 "the other build's bundle was left in place"
             ) from None
     _fsync_path(dest.parent)
+    return there is not None
 
 
-def _exchange(a: Path, b: Path) -> bool:
-    """Atomically swap two paths; False where the platform or filesystem cannot."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    src, dst = os.fsencode(a), os.fsencode(b)
-    if sys.platform.startswith("linux") and hasattr(libc, "renameat2"):
-        at_fdcwd, rename_exchange = -100, 2
-        return libc.renameat2(at_fdcwd, src, at_fdcwd, dst, rename_exchange) == 0
-    if sys.platform == "darwin" and hasattr(libc, "renamex_np"):
-        return libc.renamex_np(src, dst, 0x2) == 0  # RENAME_SWAP
-    return False
+def unplace(bundles_root: Path, tmp: Path, dest: Path, replaced: bool) -> None:
+    """Undo `place`: the older bundle back at dest (or none), the staged one back at tmp."""
+    if not (replaced and exchange(bundles_root, tmp, dest)):
+        if replaced:
+            _replace_with_gap(bundles_root, tmp, dest)
+        else:
+            rename(bundles_root, dest, tmp)
+    _fsync_path(dest.parent)
 
 
-def _replace_with_gap(tmp: Path, dest: Path) -> None:
-    """Fallback without an exchange call: two renames (a brief moment with no bundle at dest)."""
+def _replace_with_gap(root: Path, tmp: Path, dest: Path) -> None:
+    """Fallback without an exchange call: three renames (a brief moment with no bundle at dest)."""
     old = tmp.with_name(tmp.name + ".old")
-    os.rename(dest, old)
-    os.rename(tmp, dest)
-    os.rename(old, tmp)  # so the caller's cleanup of tmp removes the old bundle
+    rename(root, dest, old)
+    rename(root, tmp, dest)
+    rename(root, old, tmp)  # so the caller's cleanup of tmp removes the old bundle
+
+
+def discard(bundles_root: Path, tmp: Path) -> None:
+    """Remove a staging folder if it is still there (best effort: a later build removes it)."""
+    try:
+        remove_tree(bundles_root, tmp)
+    except (OSError, PipelineError):
+        pass
 
 
 def abandoned_staging(bundles_root: Path) -> list[Path]:
-    """Staging entries ("<pid>-...") whose process is gone on this host, never the locks folder."""
+    """Staging entries ("<pid>-...") whose process is gone on this host, never the locks folder.
+
+    PipelineError when .staging is a link (its target is never listed or cleaned)."""
     root = staging_root(bundles_root)
-    if not root.is_dir():
+    if not Path(bundles_root).is_dir() or is_link_or_missing(bundles_root, root) is None:
         return []
-    return [tmp for tmp in sorted(root.iterdir()) if is_abandoned(tmp)]
+    return [root / name for name in entries(bundles_root, root) if is_abandoned(root / name)]
 
 
 def is_abandoned(tmp: Path) -> bool:
     pid = tmp.name.split("-", 1)[0]
-    return tmp.name != LOCKS_DIR and pid.isdigit() and not _alive(int(pid))
+    return tmp.name != LOCKS_DIR and pid.isascii() and pid.isdigit() and not _alive(int(pid))
 
 
 def clean_staging(bundles_root: Path) -> list[Path]:
     """Remove staging folders of builds whose process is gone; return what was removed."""
     removed = abandoned_staging(bundles_root)
     for tmp in removed:
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard(bundles_root, tmp)
     return removed
 
 
@@ -154,12 +188,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _fsync_folder(folder: Path) -> None:

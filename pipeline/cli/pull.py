@@ -46,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
     result = pull(args.repo, args.model, args.bundles, args.revision, args.prefix)
     for refused in result.refused:
         err(f"{refused.error} (nothing was published)")
+    for failed in result.failed:
+        err(f"bundle {failed.repo_path}: {failed.reason} (nothing was published)")
     if args.json:
         emit_json(_report(result))
     else:
@@ -54,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"pulled {b.name}@{b.version} ({b.tokens} tokens) from {at} -> {b.path}")
         for s in result.skipped:
             print(f"skipped {s.repo_path}: {s.reason}")
-    return 1 if result.refused else 0
+    return 1 if result.refused or result.failed else 0
 
 
 def _report(result: PullResult) -> PullReport:
@@ -75,6 +77,10 @@ def _report(result: PullResult) -> PullReport:
             entry(r, "refused", path=str(r.path), tokens=None, refusal=refusal_of(r.error))
             for r in result.refused
         ]
+        + [
+            entry(f, "failed", path=str(f.path), tokens=f.tokens, reason=f.reason)
+            for f in result.failed
+        ]
     )
     return PullReport(
         repo=result.repo,
@@ -85,6 +91,9 @@ def _report(result: PullResult) -> PullReport:
         bundles_dir=str(result.bundles_dir),
         bundles=sorted(entries, key=lambda e: e.repo_path),
         totals=PullTotals(
-            pulled=len(result.pulled), skipped=len(result.skipped), refused=len(result.refused)
+            pulled=len(result.pulled),
+            skipped=len(result.skipped),
+            refused=len(result.refused),
+            failed=len(result.failed),
         ),
     )

@@ -61,15 +61,16 @@ class PulledBundle(Report):
     repo_path: str = Field(description=REPO_PATH)
     prefix: str
     version: int
-    status: Literal["pulled", "skipped", "refused"] = Field(
+    status: Literal["pulled", "skipped", "refused", "failed"] = Field(
         description="skipped: not chosen for this model, or valid but held back because another "
-        "bundle was refused (reason says which)"
+        "bundle was refused or failed (reason says which); failed: valid, but its build lock was "
+        "held by another build or pull, or moving it into place failed (reason says which)"
     )
     path: str | None = Field(
         description="where it was published, or would have been; null when not chosen"
     )
     tokens: int | None = Field(description="tokens in the bundle, once validated")
-    reason: str | None = Field(None, description="why it was skipped (skipped only)")
+    reason: str | None = Field(None, description="why it was skipped or failed")
     refusal: Refusal | None = Field(
         None, description="the validator's refusal against the model (refused only)"
     )
@@ -79,13 +80,15 @@ class PullTotals(Report):
     pulled: int
     skipped: int
     refused: int
+    failed: int
 
 
 class PullReport(Report):
     """`pull --json`: every bundle folder of the repo at the resolved commit, by repo_path.
 
-    Any refused bundle: nothing is published and the exit is 1. An error before any bundle is
-    downloaded (no bundle for this model, hub unreachable) is only the `error:` line.
+    Any refused or failed bundle: nothing is published, the exit is 1 and the document is still
+    printed. An error before any bundle is downloaded (no bundle for this model, hub
+    unreachable) is only the `error:` line.
     """
 
     schema_: Literal["pull/1"] = Field("pull/1", alias="schema")

@@ -2,19 +2,29 @@
 
 Only folders whose name carries the local model's fingerprint are downloaded (per prefix the
 highest version, or the ones asked for), into <bundles>/.staging/<pid>-<random>/. Each is checked
-against the model by the real validator (every byte hashed); if any is refused nothing is
-published, otherwise each is moved into place with the builder's atomic publish.
+against the model by the real validator (every byte hashed). All or nothing: every target's
+build lock is taken first, then all are validated, then all are moved into place with the
+builder's atomic exchange; a refused bundle, a lock held by another build or a failed move
+publishes none (moves already made are undone). Every delete and rename stays under the bundles
+folder and follows no link (pipeline.builder.bundles_tree).
 """
 
 from __future__ import annotations
 
-import shutil
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from filelock import Timeout as LockTimeout
 
-from pipeline.builder.writer import clean_staging, new_staging_folder, publish, target_lock
+from pipeline.builder.writer import (
+    clean_staging,
+    discard,
+    new_staging_folder,
+    place,
+    target_lock,
+    unplace,
+)
 from pipeline.distribute.hub import REPO_TYPE, RemoteBundle, connect, hub_errors, remote_bundles
 from pipeline.format.bundle_folder import FINGERPRINT_CHARS
 from pipeline.format.errors import BundleError, PipelineError
@@ -56,6 +66,22 @@ class Refused:
 
 
 HELD_BACK = "valid, but not published: another bundle was refused (a pull publishes all or none)"
+HELD_BACK_FAILED = (
+    "valid, but not published: another bundle could not be published (a pull publishes all or none)"
+)
+BUSY = "another build or pull is writing {} right now; nothing was published: pull again later"
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A valid bundle that could not be published (its lock held, or the move failed)."""
+
+    name: str
+    version: int
+    repo_path: str
+    path: Path
+    tokens: int
+    reason: str
 
 
 @dataclass
@@ -69,6 +95,7 @@ class PullResult:
     pulled: list[PulledBundle] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
     refused: list[Refused] = field(default_factory=list)  # non-empty: nothing was published
+    failed: list[Failed] = field(default_factory=list)  # non-empty: nothing was published
 
 
 def parse_wanted(prefixes: list[str] | None) -> dict[str, int | None] | None:
@@ -141,26 +168,85 @@ def pull(
                 allow_patterns=[f"{b.path}/*" for b in chosen],
                 local_dir=str(staging),
             )
-        validated = []
-        for b in chosen:
-            try:
-                v = validate(staging / b.path, identity)  # the real validator, every byte hashed
-                validated.append((b, v.manifest.tokens.count))
-            except BundleError as exc:
-                where = f"{b.path} from hub repo {repo}@{commit[:12]}"
-                error = BundleError(where, exc.reason, exc.field)
-                error.check = exc.check
-                result.refused.append(Refused(b.name, b.version, b.path, root / b.path, error))
-        for b, tokens in validated:
-            dest = root / b.path
-            if result.refused:
-                result.skipped.append(Skipped(b.name, b.version, b.path, HELD_BACK, dest, tokens))
-                continue
-            _publish(root, staging / b.path, dest)
-            result.pulled.append(PulledBundle(b.name, b.version, b.path, dest, tokens))
+        with ExitStack() as held:  # every target locked before anything is checked or moved
+            busy = {b.path for b in chosen if not _lock(root / b.path, root, held)}
+            validated = _validate_all(result, chosen, staging, identity)
+            if not (result.refused or busy):
+                _publish_all(result, staging, validated)
+            else:
+                _hold_back(result, validated, busy)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        discard(root, staging)
     return result
+
+
+def _lock(dest: Path, root: Path, held: ExitStack) -> bool:
+    """Take dest's build lock for the rest of the pull; False when another build holds it."""
+    try:
+        held.enter_context(target_lock(root, dest))
+    except LockTimeout:
+        return False
+    return True
+
+
+def _validate_all(
+    result: PullResult, chosen: list[RemoteBundle], staging: Path, identity
+) -> list[tuple[RemoteBundle, int]]:
+    """(bundle, tokens) of every downloaded bundle the real validator accepts (every byte
+    hashed); the others go to result.refused."""
+    validated = []
+    for b in chosen:
+        try:
+            v = validate(staging / b.path, identity)
+            validated.append((b, v.manifest.tokens.count))
+        except BundleError as exc:
+            where = f"{b.path} from hub repo {result.repo}@{result.commit[:12]}"
+            error = BundleError(where, exc.reason, exc.field)
+            error.check = exc.check
+            result.refused.append(
+                Refused(b.name, b.version, b.path, result.bundles_dir / b.path, error)
+            )
+    return validated
+
+
+def _hold_back(
+    result: PullResult, validated: list[tuple[RemoteBundle, int]], busy: set[str]
+) -> None:
+    """Nothing is published: each valid bundle is held back or, its lock taken, failed."""
+    root = result.bundles_dir
+    for b, tokens in validated:
+        dest = root / b.path
+        if b.path in busy:
+            result.failed.append(Failed(b.name, b.version, b.path, dest, tokens, BUSY.format(dest)))
+        else:
+            why = HELD_BACK if result.refused else HELD_BACK_FAILED
+            result.skipped.append(Skipped(b.name, b.version, b.path, why, dest, tokens))
+
+
+def _publish_all(
+    result: PullResult, staging: Path, validated: list[tuple[RemoteBundle, int]]
+) -> None:
+    """Publish every bundle or, when one cannot be, put back what was placed and publish none."""
+    root, placed = result.bundles_dir, []
+    for b, tokens in validated:
+        try:
+            placed.append((b, place(root, staging / b.path, root / b.path)))
+        except (OSError, PipelineError) as exc:
+            for done, replaced in reversed(placed):
+                unplace(root, staging / done.path, root / done.path, replaced)
+            reason = f"cannot publish it ({error_text(exc)})"
+            result.failed.append(Failed(b.name, b.version, b.path, root / b.path, tokens, reason))
+            _hold_back(result, [v for v in validated if v[0] != b], set())
+            return
+    for b, tokens in validated:
+        result.pulled.append(PulledBundle(b.name, b.version, b.path, root / b.path, tokens))
+
+
+def error_text(exc: Exception) -> str:
+    """One line for an OSError or a PipelineError."""
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.filename or ''}: {exc.strerror}".lstrip(": ")
+    return " ".join(str(exc).split())
 
 
 def _check_found(
@@ -181,13 +267,3 @@ def _check_found(
             f"bundle(s); build and push them ('python build.py build --model {result.model}', "
             "then push)"
         )
-
-
-def _publish(root: Path, staged: Path, dest: Path) -> None:
-    try:
-        with target_lock(root, dest):
-            publish(staged, dest)
-    except LockTimeout:
-        raise PipelineError(
-            f"another build or pull is writing {dest} right now; wait for it and pull again"
-        ) from None
