@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from pipeline.runtime.hugepages import CHOICES, DEFAULT_HUGE_PAGES
+from pipeline.runtime.servers.tokens import SERVER_NAMES
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> argparse.ArgumentParser:
@@ -18,6 +19,13 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> argparse.Argum
         allow_abbrev=False,  # a server option must never be taken for an abbreviation of ours
     )
     p.add_argument("--model", required=True, help="the MLX model folder the bundles were built for")
+    p.add_argument(
+        "--server",
+        choices=SERVER_NAMES,
+        default="mlx-lm",
+        help="the server to run with the bundles in its own prompt cache (default: mlx-lm, i.e. "
+        "mlx_lm.server; the others need their package: docs/servers.md)",
+    )
     p.add_argument(
         "--strict",
         action="store_true",

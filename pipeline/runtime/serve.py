@@ -125,6 +125,10 @@ def serve(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
     `args` holds serve's own options (pipeline.cli.serve), `rest` the server's, `argv` the whole
     command line (to re-execute it for huge pages).
     """
+    if getattr(args, "server", "mlx-lm") != "mlx-lm":
+        from pipeline.runtime import servers
+
+        return servers.run(args.server, args, rest, argv)
     level = (_passed_option(rest, "--log-level") or "INFO").upper()
     logging.basicConfig(
         level=getattr(logging, level, logging.INFO),

@@ -1,0 +1,150 @@
+"""What every `serve --server NAME` does before its server runs: mount, pin, check tokenization.
+
+The bundles are validated by the one validator (pipeline.runtime.mount) and pinned into a
+PromptCacheManager; each server's hook module then hands that manager's caches to the server's
+own prompt cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.format.errors import PipelineError
+from pipeline.format.lockfile import locked_versions
+from pipeline.runtime.hugepages import ensure_huge_pages
+from pipeline.runtime.mount import MountResult, model_bundles_dir, mount
+from pipeline.runtime.prompt_cache import PromptCacheManager
+from pipeline.runtime.serve import check_mlx_lm, log_mounts
+from pipeline.runtime.servers.tokens import parity
+
+log = logging.getLogger("prefix-bundles")
+BUNDLE_KEY = "bundles"
+
+
+@dataclass
+class Mounted:
+    """The bundles mounted for one served model, pinned in `manager` under BUNDLE_KEY."""
+
+    model: Path
+    manager: PromptCacheManager
+    result: MountResult
+
+    def covered(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of a request the best pinned bundle can serve (no copy)."""
+        request = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        best = 0
+        for b in self.result.bundles:
+            ids = np.asarray(b.tokens, dtype=np.int64)
+            n = min(len(ids), len(request))
+            differ = np.flatnonzero(ids[:n] != request[:n])
+            common = int(differ[0]) if differ.size else n
+            if all(layer.is_trimmable() for layer in b.cache):
+                best = max(best, min(common, len(request) - 1))
+            elif common == len(ids) < len(request):
+                best = max(best, common)
+        return best
+
+
+def passed_option(rest: list[str], name: str) -> str | None:
+    """The value of a server option passed through (`--name V` or `--name=V`), if any."""
+    for i, arg in enumerate(rest):
+        if arg == name and i + 1 < len(rest):
+            return rest[i + 1] or None
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1] or None
+    return None
+
+
+def require(module: str, server: str) -> None:
+    """PipelineError unless the server's package is importable here."""
+    if importlib.util.find_spec(module) is None:
+        raise PipelineError(
+            f"serve --server {server}: {server} is not installed in this Python environment "
+            f"({module} cannot be imported); install it with "
+            f"\"pip install 'mlx-prefix-bundles[{server}]'\" (docs/servers.md)"
+        )
+
+
+def refuse_options(rest: list[str], server: str, options: dict[str, str]) -> None:
+    """PipelineError for a passed-through server option this hook cannot honour."""
+    for option, why in options.items():
+        if any(a == option or a.startswith(option + "=") for a in rest):
+            raise PipelineError(f"serve --server {server}: {option} is not supported: {why}")
+
+
+def setup_logging(level: str | None) -> None:
+    logging.basicConfig(
+        level=getattr(logging, (level or "INFO").upper(), logging.INFO),
+        format="%(asctime)s - %(levelname)s - %(message)s",
+    )
+
+
+def mount_for(args: argparse.Namespace, chat_template: str | None = None) -> Mounted:
+    """Validate and mount the bundles for args.model, log them; PipelineError under --strict."""
+    if args.bundles is None:
+        args.bundles = model_bundles_dir(args.model)
+    check_mlx_lm()
+    manager = PromptCacheManager()
+    options: dict[str, Any] = {}
+    if getattr(args, "trusted_key", None):  # the same signature stage `serve` runs
+        from pipeline.format.signature import read_trusted_keys
+
+        options["trusted_keys"] = read_trusted_keys(args.trusted_key)
+    result = mount(
+        args.model,
+        args.bundles,
+        skip_refused=not args.strict,
+        chat_template=chat_template,
+        manager=manager,
+        model_key=BUNDLE_KEY,
+        verify_full=args.verify_full,
+        versions=locked_versions(args.lockfile) if args.lockfile else None,
+        **options,
+    )
+    log_mounts(result)
+    if args.strict and not result.bundles:
+        raise PipelineError(f"--strict: no bundle for {args.model} was found in {args.bundles}")
+    return Mounted(Path(args.model), manager, result)
+
+
+def start(args: argparse.Namespace, rest: list[str], argv: list[str]) -> Mounted:
+    """Logging, huge pages (may re-execute), then mount: the common start of every hook."""
+    setup_logging(passed_option(rest, "--log-level"))
+    ensure_huge_pages(args.huge_pages, argv)
+    return mount_for(args, passed_option(rest, "--chat-template"))
+
+
+def check_tokenization(server: str, tokenizer: Any, mounted: Mounted) -> dict[str, int]:
+    """Re-encode each bundle's prefix the server's way; one warning per bundle it will not
+    reuse whole. Returns {bundle name: tokens the server can reuse}."""
+    reusable = {}
+    for b in mounted.result.bundles:
+        p = parity(server, tokenizer, b.tokens)
+        reusable[b.name] = p.reusable
+        if p.reason is not None:
+            log.warning(
+                "%s: requests will reuse at most %d of its %d tokens: %s",
+                b.name,
+                p.reusable,
+                p.total,
+                p.reason,
+            )
+    return reusable
+
+
+def log_request(server: str, used: str | None, covered: int, total: int) -> None:
+    """One line per request: how many of its prompt tokens a bundle covered."""
+    if used is None:
+        log.info("%s request: no bundle covers its %d prompt tokens", server, total)
+    else:
+        log.info(
+            "%s request: bundle %s covers %d of %d prompt tokens", server, used, covered, total
+        )

@@ -1,0 +1,124 @@
+"""`serve --server vllm-mlx`: vllm-mlx 0.6.0 with bundles pinned in its prompt cache.
+
+vllm-mlx's default SimpleEngine answers chat requests from a system-prompt snapshot cache and,
+with `--prefix-trie-cache`, from mlx-lm's `LRUPromptCache` (a token trie consulted on the
+generation worker). The hook makes that trie always present and puts a subclass there whose
+lookups also answer from the pinned bundles (never evicted: they live outside the trie's LRU).
+Without `--prefix-trie-cache` the trie keeps no request entries, so vllm-mlx caches exactly as
+it does on its own; the bundles are only an extra answer to its lookups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from pipeline.runtime.servers.startup import (
+    BUNDLE_KEY,
+    Mounted,
+    check_tokenization,
+    log_request,
+    refuse_options,
+    require,
+    start,
+)
+
+log = logging.getLogger("prefix-bundles")
+SERVER = "vllm-mlx"
+UNSUPPORTED = {
+    "--continuous-batching": "its BatchedEngine keeps a MemoryAwarePrefixCache the hook does not "
+    "fill yet; run without it (the default SimpleEngine)",
+    "--models-config": "serve mounts bundles for the one model folder given as --model",
+    "--mllm": "bundles hold text-model caches; multimodal routing is not hooked",
+}
+
+
+def pinned_trie_class(mounted: Mounted) -> type:
+    """mlx-lm's LRUPromptCache, also answering from the pinned bundles; request entries are
+    stored only when the user asked for --prefix-trie-cache (keep_entries)."""
+    from mlx_lm.models.cache import LRUPromptCache
+
+    class PinnedTrie(LRUPromptCache):
+        keep_entries = False
+
+        @staticmethod
+        def key(model: Any) -> tuple[str, int]:
+            # vllm-mlx passes the model (an unhashable dict subclass) where mlx-lm's trie wants a
+            # hashable key: every lookup of its own trie fails with TypeError (vllm-mlx 0.6.0 +
+            # mlx-lm 0.31.3); one model per engine, so its identity is the key
+            return ("model", id(model))
+
+        def __len__(self) -> int:
+            # vllm-mlx skips an empty trie; pinned bundles count as entries
+            return super().__len__() + len(mounted.result.bundles)
+
+        def insert_cache(self, model: Any, tokens: list[int], prompt_cache: Any, **kw: Any) -> None:
+            if self.keep_entries:
+                super().insert_cache(self.key(model), tokens, prompt_cache, **kw)
+
+        def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
+            own, rest = super().fetch_nearest_cache(self.key(model), tokens)
+            hit = mounted.manager.fetch(BUNDLE_KEY, tokens)
+            if hit.cache is not None and hit.cache_hit_tokens > len(tokens) - len(rest):
+                log_request(
+                    SERVER, hit.source.removeprefix("bundle:"), hit.cache_hit_tokens, len(tokens)
+                )
+                return hit.cache, list(hit.remaining)
+            log_request(SERVER, None, 0, len(tokens))
+            return own, rest
+
+    return PinnedTrie
+
+
+def install(mounted: Mounted) -> None:
+    """Patch vllm-mlx's SimpleEngine so its prompt trie exists and answers from the bundles."""
+    from vllm_mlx.engine.simple import SimpleEngine
+
+    trie_class = pinned_trie_class(mounted)
+    original_init = SimpleEngine.__init__
+    original_peek = SimpleEngine._peek_prefix_trie_tokens_saved
+
+    def __init__(self: Any, *a: Any, **kw: Any) -> None:
+        original_init(self, *a, **kw)
+        self._bundles_keep_entries = self._prefix_trie_cache_enabled
+        self._prefix_trie_cache_enabled = True
+
+    def _ensure_prefix_trie_cache(self: Any) -> Any | None:
+        if self._is_mllm:
+            return None
+        with self._prefix_trie_cache_lock:
+            if self._prefix_trie_cache is None:
+                mb = self._prefix_trie_cache_memory_mb
+                trie = trie_class(self._prefix_trie_cache_size, mb << 20 if mb else 1 << 63)
+                trie.keep_entries = self._bundles_keep_entries
+                self._prefix_trie_cache = trie
+        return self._prefix_trie_cache
+
+    def _peek(prefix_trie: Any, model: Any, tokens: list[int]) -> int | None:
+        # vllm-mlx peeks into the trie before preferring it to a system snapshot
+        if not isinstance(prefix_trie, trie_class):
+            return original_peek(prefix_trie, model, tokens)
+        own = original_peek(prefix_trie, prefix_trie.key(model), tokens)
+        return max(own or 0, mounted.covered(tokens))
+
+    SimpleEngine.__init__ = __init__
+    SimpleEngine._ensure_prefix_trie_cache = _ensure_prefix_trie_cache
+    SimpleEngine._peek_prefix_trie_tokens_saved = staticmethod(_peek)
+
+
+def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
+    """Mount, hook, then vllm-mlx's own `serve` command line with --model as its MODEL."""
+    require("vllm_mlx", SERVER)
+    refuse_options(rest, SERVER, UNSUPPORTED)
+    mounted = start(args, rest, argv)
+    from mlx_lm.utils import load_tokenizer
+
+    check_tokenization(SERVER, load_tokenizer(mounted.model), mounted)
+    install(mounted)
+    from vllm_mlx.cli import main
+
+    sys.argv = ["vllm-mlx", "serve", str(args.model), *rest]
+    main()
+    return 0
