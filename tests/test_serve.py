@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -11,6 +12,8 @@ import time
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
+
+import pytest
 
 from pipeline.format.bundle_folder import MANIFEST_FILE
 
@@ -72,12 +75,16 @@ def wait_ready(port: int, proc: subprocess.Popen, log: Path, timeout: float = 60
     raise AssertionError(f"server not ready: {log.read_text()}")
 
 
-def chat(port: int, question: str) -> dict:
+def chat(port: int, question: str, system: str | None = SYSTEM, **extra) -> dict:
+    """One chat completion at temperature 0: the system text (none if None), the tools, a question;
+    `extra` adds or overrides body fields (seed, logprobs, top_k, ...)."""
+    messages = [{"role": "system", "content": system}] if system is not None else []
     body = {
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}],
+        "messages": [*messages, {"role": "user", "content": question}],
         "tools": TOOLS,
         "max_tokens": 12,
         "temperature": 0.0,
+        **extra,
     }
     req = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/chat/completions",
@@ -92,6 +99,7 @@ def cached(response: dict) -> int:
     return response["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0)
 
 
+@pytest.mark.slow
 def test_first_request_after_start_is_warm_and_equals_cold(
     shop_bundle: Path, tiny_model: Path, tmp_path: Path
 ):
@@ -124,6 +132,7 @@ def test_first_request_after_start_is_warm_and_equals_cold(
     assert warmed["choices"] == warm["choices"] and cached(warmed) == cached(warm)
 
 
+@pytest.mark.slow
 def test_refused_bundle_is_logged_and_skipped(
     shop_bundle: Path, tiny_model_other_weights: Path, tmp_path: Path
 ):
@@ -134,6 +143,7 @@ def test_refused_bundle_is_logged_and_skipped(
     assert cached(response) == 0
 
 
+@pytest.mark.slow
 def test_serve_mounts_the_newest_version_and_survives_a_broken_bundle(
     tiny_model: Path, tmp_path: Path
 ):
@@ -154,3 +164,43 @@ def test_serve_mounts_the_newest_version_and_survives_a_broken_bundle(
     assert "not mounted: older version" in log and f"refused {broken}" in log
     assert "1 bundle(s) mounted, 1 refused, 1 older version(s) not mounted" in log
     assert cached(response) >= prefix_tokens - 1
+
+
+DEATH = re.compile(
+    r"generation thread died \(ValueError: `top_k` has to be an integer in the \(0, 1024\) "
+    r"interval, but is 100000\. at sample_utils\.py:\d+\)"
+)
+
+
+@pytest.mark.slow
+def test_a_dead_generation_thread_ends_serve_with_status_1(
+    shop_bundle: Path, tiny_model: Path, tmp_path: Path
+):
+    # mlx_lm.server 0.32.2 checks top_k only inside its batched generation thread: a real request
+    # that kills the thread. Before, the process stayed up and answered 404 to every request.
+    log = tmp_path / "s.log"
+    with server_process(tiny_model, shop_bundle.parents[2], log) as (proc, port):
+        with pytest.raises(OSError):  # the connection drops (or errors): no answer
+            chat(port, "Hello?", temperature=1.0, top_k=100_000)
+        assert proc.wait(timeout=60) == 1
+    lines = log.read_text().splitlines()
+    died = [line for line in lines if DEATH.search(line)]
+    assert len(died) == 2 and died[0].endswith("; serve exits with status 1")
+    assert died[1] == lines[-1] and lines[-1].startswith("error: mlx_lm.server's generation")
+    assert lines[-1].endswith("; serve stopped so that a service manager restarts it")
+    assert "Traceback" not in log.read_text()
+
+
+def test_serve_hard_exits_when_the_main_thread_cannot_be_interrupted(tmp_path: Path):
+    # The fallback: SIGINT ignored, so interrupt_main() does nothing; the grace timer ends it.
+    script = (
+        "import signal, time\n"
+        "from pipeline.runtime.serve import GenerationDeath\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "GenerationDeath(grace_s=0.5).report('RuntimeError: test')\n"
+        "time.sleep(30)\n"
+    )
+    start = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 1 and time.monotonic() - start < 20
+    assert "generation thread died (RuntimeError: test); serve exits with status 1" in done.stderr

@@ -9,16 +9,23 @@ the server's own entries. Everything else (options, HTTP, generation) is mlx_lm.
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import datetime
 import logging
+import os
 import sys
+import threading
 import time
+import traceback
+from pathlib import Path
 from typing import Any
 
 from pipeline.format.compat import SUPPORTED_RANGE, installed_mlx_lm, mlx_lm_supported
 from pipeline.format.errors import PipelineError
 from pipeline.format.lockfile import locked_versions
+from pipeline.format.signature import read_trusted_keys
+from pipeline.runtime.batching import NotBatchable, for_batching
 from pipeline.runtime.hugepages import ensure_huge_pages
 from pipeline.runtime.mount import MountResult, model_bundles_dir, mount
 from pipeline.runtime.prompt_cache import PromptCacheManager
@@ -39,21 +46,105 @@ def check_mlx_lm() -> str:
 
 
 def bundled_prompt_cache_class(manager: PromptCacheManager, model_path: str) -> type:
-    """A LRUPromptCache subclass that also answers from the bundles pinned in `manager`."""
+    """A LRUPromptCache subclass that also answers from the bundles pinned in `manager`, and hands
+    the batched path only caches it can merge (see pipeline.runtime.batching)."""
     from mlx_lm.models.cache import LRUPromptCache
 
     class BundledPromptCache(LRUPromptCache):
+        single_path = False  # True while the ResponseGenerator serves a request on its own
+
         def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
+            cache, rest = self._nearest(model, tokens)
+            if cache is None or self.single_path:
+                return cache, rest
+            try:
+                return for_batching(cache), rest
+            except NotBatchable as exc:  # never reached by a bundle kind the validator allows
+                log.warning("prompt cache not reused on the batched path: %s", exc)
+                return None, tokens
+
+        def _nearest(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
             cache, rest = super().fetch_nearest_cache(model, tokens)
             if model != (model_path, None, None) or not tokens:
                 return cache, rest
             hit = manager.fetch(BUNDLE_KEY, tokens)
             if hit.cache is not None and hit.cache_hit_tokens > len(tokens) - len(rest):
-                log.debug("bundle %s covers %d prompt tokens", hit.source, hit.cache_hit_tokens)
+                log.info(
+                    "cache hit: %s covers %d of %d prompt tokens (%s path)",
+                    hit.source.removeprefix("bundle:"),
+                    hit.cache_hit_tokens,
+                    len(tokens),
+                    "single" if self.single_path else "batched",
+                )
                 return hit.cache, list(hit.remaining)
             return cache, rest
 
     return BundledPromptCache
+
+
+class GenerationDeath:
+    """Ends the process when mlx_lm.server's generation thread dies, so a service manager restarts
+    it: the server would otherwise stay up answering every request with an error."""
+
+    def __init__(self, grace_s: float = 30.0) -> None:
+        """`grace_s`: how long the main thread may take to shut down before a hard exit."""
+        self.cause: str | None = None
+        self.grace_s = grace_s
+
+    def report(self, cause: str) -> None:
+        """Log the cause, interrupt the main thread (serve then raises), and hard-exit after the
+        grace period should the main thread not get there."""
+        if self.cause is not None:
+            return
+        self.cause = cause
+        log.error("generation thread died (%s); serve exits with status 1", cause)
+        timer = threading.Timer(self.grace_s, os._exit, args=(1,))
+        timer.daemon = True
+        timer.start()
+        _thread.interrupt_main()
+
+    def error(self) -> PipelineError:
+        """The error serve raises once the HTTP server has stopped."""
+        return PipelineError(
+            f"mlx_lm.server's generation thread died ({self.cause}); serve stopped so that a "
+            "service manager restarts it"
+        )
+
+
+def guarded_response_generator_class(death: GenerationDeath) -> type:
+    """mlx_lm.server's ResponseGenerator, reporting its generation thread's end to `death` and
+    telling the prompt cache which path (single or batched) is fetching."""
+    from mlx_lm.server import ResponseGenerator
+
+    class GuardedResponseGenerator(ResponseGenerator):
+        def _generate(self) -> None:  # the thread's target (0.30, 0.31) or what it calls (0.32)
+            try:
+                super()._generate()
+            except BaseException as exc:  # noqa: BLE001 - any end of this thread ends serve
+                log.debug("generation thread traceback", exc_info=True)
+                self._generation_failed = True
+                death.report(_describe(exc))
+                return
+            if not self._stop:
+                self._generation_failed = True
+                death.report("it returned while serving")
+
+        def _serve_single(self, *args: Any, **kwargs: Any) -> Any:
+            self.prompt_cache.single_path = True
+            try:
+                return super()._serve_single(*args, **kwargs)
+            finally:
+                self.prompt_cache.single_path = False
+
+    return GuardedResponseGenerator
+
+
+def _describe(exc: BaseException) -> str:
+    """`Type: message at file:line` of the innermost frame, on one line."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    message = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {message}{where}" if message else f"{type(exc).__name__}{where}"
 
 
 def warming_model_provider_class(manager: PromptCacheManager, enabled: bool) -> type:
@@ -148,6 +239,7 @@ def serve(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
         model_key=BUNDLE_KEY,
         verify_full=args.verify_full,
         versions=locked_versions(args.lockfile) if args.lockfile else None,
+        trusted_keys=read_trusted_keys(getattr(args, "trusted_key", None) or []),
     )
     log_mounts(result)
     if args.strict and not result.bundles:
@@ -155,8 +247,16 @@ def serve(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
 
     import mlx_lm.server as server
 
+    death = GenerationDeath()
     server.LRUPromptCache = bundled_prompt_cache_class(manager, args.model)
     server.ModelProvider = warming_model_provider_class(manager, args.warm_up)
+    server.ResponseGenerator = guarded_response_generator_class(death)
     sys.argv = ["mlx_lm.server", "--model", args.model, *rest]
-    server.main()
+    try:
+        server.main()
+    except KeyboardInterrupt:
+        if death.cause is None:
+            raise
+    if death.cause is not None:
+        raise death.error()
     return 0

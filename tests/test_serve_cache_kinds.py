@@ -1,0 +1,119 @@
+"""Every cache kind a bundle can hold, through the real `build.py serve` on both request paths.
+
+mlx_lm.server serves a request on its own (`_serve_single`) when it has a seed (or images, a draft
+model, --kv-bits) and batched otherwise; the batched path merges every layer and has no merge for
+QuantizedKVCache (issue 16: the demo's 8-bit bundle killed its generation thread). Per kind, one
+server holds two bundles: `shop` is first used by a seeded request (single path), `desk` by
+concurrent requests (batched path), next to a request that matches no bundle. Every answer must be
+the cold model's greedy tokens, the bundle hits logged, and the server still healthy.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import stream_generate
+from test_serve import cached, chat, server_process
+
+from pipeline.format.bundle_folder import MANIFEST_FILE
+from pipeline.testmodels.arch import generate_arch_model
+
+from conftest import SYSTEM, TOOLS, build_bundle, write_definition
+
+K, Q, R, A = "KVCache", "QuantizedKVCache", "RotatingKVCache", "ArraysCache"
+ONE_HEAD = {"num_attention_heads": 1, "num_key_value_heads": 1}  # lfm2 head_dim 64: quantizable
+KINDS = {  # kind -> (architecture, config overrides, cache options, layer classes recorded)
+    "full": ("qwen3", {}, {}, [K, K]),
+    "8-bit": ("qwen3", {}, {"kv_bits": 8}, [Q, Q]),
+    "4-bit": ("qwen3", {}, {"kv_bits": 4}, [Q, Q]),
+    "rotating": ("gemma3_text", {}, {}, [R, R, K]),
+    "rotating-8-bit": ("gemma3_text", {}, {"kv_bits": 8}, [R, R, Q]),
+    "hybrid": ("lfm2", {}, {}, [A, K, A]),
+    "hybrid-8-bit": ("lfm2", ONE_HEAD, {"kv_bits": 8}, [A, Q, A]),
+}
+DESK = (
+    "You are the front desk of a small hotel. Answer in one sentence. Check-in is from 15:00, "
+    "check-out until 11:00; breakfast is served 7-10 in the garden room."
+)
+FP_BOUND = 1e-3  # |logprob| difference allowed where the bundle holds full-precision K/V
+
+
+def build(root: Path, model_dir: Path, name: str, system: str, cache: dict) -> Path:
+    """Build prefix `name` (system text + the tools) for model_dir; the bundle folder."""
+    path = write_definition(root, model_dir, name=name, **cache)
+    path.write_text(path.read_text().replace(json.dumps(SYSTEM), json.dumps(system)))
+    return build_bundle(root, name, check=True)
+
+
+def cold(model, tokenizer, system: str | None, question: str) -> tuple[list[int], list[float]]:
+    """Greedy token ids and their log-probabilities, prefilled from nothing in this process."""
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    messages.append({"role": "user", "content": question})
+    prompt = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True)
+    out = list(stream_generate(model, tokenizer, prompt, max_tokens=12))
+    return [r.token for r in out], [r.logprobs[r.token].item() for r in out]
+
+
+def served(response: dict) -> tuple[list[int], list[float]]:
+    """The token ids and log-probabilities a response reports (requested with logprobs)."""
+    content = response["choices"][0]["logprobs"]["content"]
+    return [t["id"] for t in content], [t["logprob"] for t in content]
+
+
+def healthy(port: int) -> bool:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as resp:
+        return json.loads(resp.read()) == {"status": "ok"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_each_cache_kind_answers_like_a_cold_model_on_both_paths(
+    kind: str, tiny_model: Path, tmp_path: Path
+):
+    arch, overrides, cache, classes = KINDS[kind]
+    model_dir = generate_arch_model(tmp_path / "model", arch, tiny_model, **overrides)
+    bundles = {name: build(tmp_path, model_dir, name, text, cache) for name, text in
+               (("shop", SYSTEM), ("desk", DESK))}  # fmt: skip
+    manifests = {n: json.loads((b / MANIFEST_FILE).read_text()) for n, b in bundles.items()}
+    assert all(m["cache"]["classes"] == classes for m in manifests.values())
+    tokens = {n: m["tokens"]["count"] for n, m in manifests.items()}
+    bound = manifests["shop"]["fidelity"]["threshold"] if cache else FP_BOUND
+
+    asked = [  # (system text, question, extra body fields); the first one is served on its own
+        (SYSTEM, "Where is my order 12345?", {"seed": 0}),
+        (DESK, "When is breakfast?", {}),
+        (DESK, "Can I check out at noon?", {}),
+        (None, "Hello?", {}),
+        (SYSTEM, "And my order 777?", {}),
+    ]
+    log = tmp_path / "serve.log"
+    with server_process(model_dir, tmp_path / "bundles", log, "--strict", "--warm-up") as (_, p):
+        answers = [chat(p, q, system, logprobs=True, **extra) for system, q, extra in asked[:1]]
+        with ThreadPoolExecutor(len(asked) - 1) as pool:  # concurrent: one batch
+            answers += pool.map(lambda a: chat(p, a[1], a[0], logprobs=True, **a[2]), asked[1:])
+        assert healthy(p)
+    text = log.read_text()
+    assert "2 bundle(s) mounted, 0 refused" in text and "warmed up from" in text
+    assert f"cache hit: shop@1 covers {tokens['shop']} of " in text
+    assert "prompt tokens (single path)" in text.split("cache hit: shop@1", 1)[1].split("\n")[0]
+    assert f"cache hit: desk@1 covers {tokens['desk']} of " in text
+    assert "(batched path)" in text.split("cache hit: desk@1", 1)[1].split("\n")[0]
+    assert "generation thread died" not in text and "Traceback" not in text
+
+    model, tokenizer = load(str(model_dir))
+    worst = 0.0
+    for (system, question, _), answer in zip(asked, answers, strict=True):
+        ids, logprobs = served(answer)
+        cold_ids, cold_logprobs = cold(model, tokenizer, system, question)
+        assert ids == cold_ids, (kind, question)
+        worst = max(worst, *(abs(a - b) for a, b in zip(logprobs, cold_logprobs, strict=True)))
+        if system is not None:
+            name = "shop" if system == SYSTEM else "desk"
+            assert cached(answer) >= tokens[name]
+    assert worst <= bound, (kind, worst)
+    print(f"measured {kind}: served vs cold max |dlogprob| {worst:.3g} (bound {bound})")
