@@ -89,6 +89,8 @@ def test_serve_mounts_the_bundles_next_to_the_model_by_default(
     started = []
     monkeypatch.setattr(server, "main", lambda: started.append(list(sys.argv)))
     monkeypatch.setattr(server, "LRUPromptCache", server.LRUPromptCache)
+    monkeypatch.setattr(server, "ModelProvider", server.ModelProvider)  # serve replaces it
+    monkeypatch.setattr(server, "ResponseGenerator", server.ResponseGenerator)  # serve replaces it
     monkeypatch.setattr(sys, "argv", sys.argv)
     caplog.set_level(logging.INFO, logger="prefix-bundles")
     assert cli_main(["serve", "--model", str(model), "--strict", "--port", "0"]) == 0

@@ -117,3 +117,50 @@ def test_each_cache_kind_answers_like_a_cold_model_on_both_paths(
             assert cached(answer) >= tokens[name]
     assert worst <= bound, (kind, worst)
     print(f"measured {kind}: served vs cold max |dlogprob| {worst:.3g} (bound {bound})")
+
+
+# --- pipeline.runtime.batching: what the batched path is handed -------------------------------
+
+
+def quantized_layer(tokens: int = 40, bits: int = 8):
+    """A QuantizedKVCache over `tokens` random keys and values (2 heads, head_dim 64)."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    mx.random.seed(3)
+    layer = KVCache()
+    layer.update_and_fetch(*mx.random.normal((2, 1, 2, tokens, 64)))
+    return layer.to_quantized(group_size=64, bits=bits)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_for_batching_dequantizes_a_quantized_layer_and_leaves_it_untouched(bits: int):
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, RotatingKVCache
+
+    from pipeline.runtime.batching import for_batching
+
+    quantized, rotating = quantized_layer(bits=bits), RotatingKVCache(max_size=32)
+    before = [mx.array(x) for x in (*quantized.keys, *quantized.values)]
+    kv, same = for_batching([quantized, rotating])
+    assert same is rotating and type(kv) is KVCache and kv.offset == quantized.offset == 40
+    assert quantized.keys[0].shape[2] == 256  # the buffer past the offset is not handed over
+    expected = mx.dequantize(*(x[..., :40, :] for x in quantized.keys), group_size=64, bits=bits)
+    assert kv.keys.shape == (1, 2, 40, 64) and mx.array_equal(kv.keys, expected)
+    after = (*quantized.keys, *quantized.values)
+    assert all(mx.array_equal(a, b) for a, b in zip(before, after, strict=True))
+    merged = KVCache.merge([kv, KVCache()])  # what the batched path does with it
+    assert merged.keys.shape == (2, 2, 40, 64)
+
+
+def test_for_batching_converts_inside_a_cache_list_and_names_what_it_cannot_batch():
+    from mlx_lm.models.cache import CacheList, ChunkedKVCache, KVCache
+
+    from pipeline.runtime.batching import NotBatchable, for_batching
+
+    inner = quantized_layer()
+    (converted,) = for_batching([outer := CacheList(KVCache(), inner)])
+    assert type(converted.caches[1]) is KVCache and outer.caches[1] is inner
+    with pytest.raises(NotBatchable) as exc:
+        for_batching([KVCache(), CacheList(KVCache(), ChunkedKVCache(chunk_size=8))])
+    assert str(exc.value) == "layer 1.1 is a ChunkedKVCache, which has no batched form"
