@@ -1,0 +1,79 @@
+"""The server venv (tests/envs/make_servers_env.sh) and real server processes over loopback HTTP,
+for tests/test_servers_*.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV = Path(os.environ.get("PREFIX_BUNDLES_SERVERS_VENV", ROOT / ".venv-servers"))
+MAKE = "tests/envs/make_servers_env.sh"
+
+
+def servers_python() -> Path:
+    """The server venv's python; skips when it is absent, except in CI (CI=true), where it fails."""
+    python = VENV / "bin" / "python"
+    if python.exists():
+        return python
+    why = f"no server venv at {VENV}: run {MAKE} (.ci/run does)"
+    if os.environ.get("CI") == "true":
+        pytest.fail(why)
+    pytest.skip(why)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(port: int, proc: subprocess.Popen, log: Path, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited {proc.returncode}: {log.read_text()}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.3)
+    raise AssertionError(f"server not ready after {timeout} s: {log.read_text()}")
+
+
+@contextmanager
+def running(args: list[str], port: int, log: Path) -> Iterator[subprocess.Popen]:
+    """Start a server command line, wait until /health answers, stop it (by its pid) after."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        try:
+            wait_ready(port, proc, log)
+            yield proc
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def chat(port: int, body: dict, timeout: float = 600) -> tuple[dict, float]:
+    """One chat completion and its wall time in seconds."""
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    start = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read()), time.perf_counter() - start

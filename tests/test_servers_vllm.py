@@ -1,0 +1,105 @@
+"""`serve --server vllm-mlx`: the real vllm-mlx 0.6.0 server process (in the server venv, mlx-lm
+0.31) over loopback HTTP, with a bundle built here (mlx-lm 0.32) mounted by the one validator."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from servers_env import ROOT, chat, free_port, running, servers_python
+
+from pipeline.format.manifest import Manifest
+
+from conftest import SYSTEM, TOOLS
+
+QUESTION = "Where is my order 12345?"
+
+
+def body(model: Path, question: str = QUESTION) -> dict:
+    return {
+        "model": str(model),
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": question},
+        ],
+        "tools": TOOLS,
+        "max_tokens": 12,
+        "temperature": 0.0,
+    }
+
+
+def serve_args(python: Path, model: Path, bundles: Path, port: int, *extra: str) -> list[str]:
+    return [
+        str(python),
+        str(ROOT / "build.py"),
+        "--bundles",
+        str(bundles),
+        "serve",
+        "--server",
+        "vllm-mlx",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+        *extra,
+    ]
+
+
+@pytest.mark.slow
+def test_first_request_reuses_the_bundle_and_answers_as_a_cold_server(
+    shop_bundle: Path, tiny_model: Path, tmp_path: Path
+):
+    python = servers_python()
+    manifest = Manifest.model_validate_json((shop_bundle / "manifest.json").read_text())
+    port = free_port()
+    args = serve_args(python, tiny_model, shop_bundle.parents[2], port)
+    with running(args, port, tmp_path / "warm.log"):
+        warm, _ = chat(port, body(tiny_model))
+        again, _ = chat(port, body(tiny_model, "And my order 777?"))
+    log = (tmp_path / "warm.log").read_text()
+    assert "mounted shop@1" in log and "1 bundle(s) mounted, 0 refused" in log
+    covered = [int(n) for n in re.findall(r"bundle shop@1 covers (\d+) of \d+ prompt tokens", log)]
+    assert covered == [manifest.tokens.count] * 2  # both requests, the first one included
+    assert "Prefix trie cache HIT" in log  # vllm-mlx's own lookup took the bundle
+
+    empty = tmp_path / "no-bundles"
+    empty.mkdir()
+    port = free_port()
+    with running(serve_args(python, tiny_model, empty, port), port, tmp_path / "cold.log"):
+        cold, _ = chat(port, body(tiny_model))
+    cold_log = (tmp_path / "cold.log").read_text()
+    assert "0 bundle(s) mounted" in cold_log and "no bundle covers" in cold_log
+    assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
+    assert warm["usage"]["prompt_tokens"] == cold["usage"]["prompt_tokens"]
+    assert again["choices"][0]["message"]["content"] is not None
+
+
+def test_unsupported_option_is_refused_before_anything_is_mounted(tiny_model: Path, tmp_path: Path):
+    python = servers_python()
+    args = serve_args(python, tiny_model, tmp_path, 1, "--continuous-batching")
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: serve --server vllm-mlx: --continuous-batching is not supported: its "
+        "BatchedEngine keeps a MemoryAwarePrefixCache the hook does not fill yet; run without "
+        "it (the default SimpleEngine)"
+    )
+
+
+def test_server_not_installed_is_one_error_line(tiny_model: Path, tmp_path: Path):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm_mlx") is not None:
+        pytest.skip("vllm-mlx is installed in this environment")
+    args = [sys.executable, str(ROOT / "build.py"), "--bundles", str(tmp_path), "serve"]
+    args += ["--server", "vllm-mlx", "--model", str(tiny_model)]
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == (
+        "error: serve --server vllm-mlx: vllm-mlx is not installed in this Python environment "
+        "(vllm_mlx cannot be imported); install it with "
+        "\"pip install 'mlx-prefix-bundles[vllm-mlx]'\" (docs/servers.md)"
+    )
