@@ -42,6 +42,7 @@ from pipeline.builder.writer import (
     write_manifest,
 )
 from pipeline.format.bundle_folder import CACHE_FILE, bundle_path
+from pipeline.format.compat import layout_for, unsupported
 from pipeline.format.errors import BuildError, BundleError, ModelError
 from pipeline.format.fingerprint import (
     FileDigests,
@@ -141,6 +142,8 @@ def builder_info(compute: str | None = None) -> BuilderInfo:
 
     from pipeline.builder.prefill import device_label
 
+    if layout_for(mlx_lm_version) is None:
+        raise BuildError(unsupported(mlx_lm_version))
     return BuilderInfo(
         pipeline=__version__,
         mlx=mx.__version__,
@@ -373,6 +376,7 @@ def make_manifest(target: Target, facts: BuildFacts, fidelity: FidelityInfo) -> 
             file_sha256=facts.digests.sha256,
             file_blake3=facts.digests.blake3,
             file_bytes=facts.digests.size,
+            layout=layout_for(facts.builder.mlx_lm),
         ),
         builder=facts.builder,
         fidelity=fidelity,

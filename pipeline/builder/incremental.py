@@ -26,9 +26,10 @@ from pipeline.format.bundle_folder import (
     read_manifest,
     read_sums,
 )
+from pipeline.format.cache_codec import detect_layout, user_metadata
 from pipeline.format.errors import BuildError, BundleError
 from pipeline.format.fingerprint import ModelIdentity
-from pipeline.format.manifest import BuilderInfo, Manifest, ParentInfo
+from pipeline.format.manifest import DEFAULT_LAYOUT, BuilderInfo, Manifest, ParentInfo
 from pipeline.format.safetensors_read import FormatError, read_header
 from pipeline.format.validate import validate
 from pipeline.runtime.mount import find_bundles
@@ -133,7 +134,9 @@ def _token_ids(bundle: Path) -> list[int]:
     import json
 
     try:
-        ids = json.loads(read_header(bundle / CACHE_FILE).metadata.get("0.token_ids", "[]"))
+        metadata = read_header(bundle / CACHE_FILE).metadata
+        layout = detect_layout(metadata) or DEFAULT_LAYOUT
+        ids = json.loads(user_metadata(metadata, layout).get("token_ids", "[]"))
     except (FormatError, OSError, ValueError):
         return []
     return ids if isinstance(ids, list) else []

@@ -15,6 +15,7 @@ from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 from mlx_lm.utils import load as mlx_load
 
+from pipeline.format.cache_codec import with_state
 from pipeline.format.errors import BuildError, ModelError
 from pipeline.format.fingerprint import ModelShape
 
@@ -141,7 +142,7 @@ def finalize_cache(cache: list[Any], dtype: mx.Dtype) -> list[Any]:
     out = []
     for layer in cache:
         if not isinstance(layer, KVCache):  # rotating windows, recurrent/conv state: cast only
-            out.append(type(layer).from_state(tree_map(lambda x: _cast(x, dtype), layer.state)))
+            out.append(with_state(layer, tree_map(lambda x: _cast(x, dtype), layer.state)))
             continue
         fresh = KVCache()
         fresh.keys = mx.contiguous(layer.keys[..., : layer.offset, :].astype(dtype))

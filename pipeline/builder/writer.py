@@ -33,6 +33,7 @@ from pipeline.format.bundle_folder import (
     SUMS_FILE,
     sums_text,
 )
+from pipeline.format.cache_codec import write_cache as save_cache
 from pipeline.format.errors import BuildError, PipelineError
 from pipeline.format.fingerprint import FileDigests, file_digests, sha256_bytes
 from pipeline.format.manifest import Manifest, manifest_bytes
@@ -70,11 +71,10 @@ def new_staging_folder(bundles_root: Path) -> Path:
 def write_cache(
     tmp: Path, cache: list[Any], tokens: list[int], metadata: dict[str, str]
 ) -> FileDigests:
-    """cache.safetensors (mlx-lm's layout, the token ids in its metadata), and its digests."""
-    from mlx_lm.models.cache import save_prompt_cache
-
+    """cache.safetensors (the installed mlx-lm's layout, the token ids in its metadata), and its
+    digests. The manifest records the layout (cache.layout, from builder.mlx_lm)."""
     user = {**metadata, "token_ids": json.dumps(tokens, separators=(",", ":"))}
-    save_prompt_cache(str(tmp / CACHE_FILE), cache, user)
+    save_cache(tmp / CACHE_FILE, cache, user)
     return file_digests(tmp / CACHE_FILE)
 
 

@@ -1,15 +1,16 @@
 """What cache.safetensors must hold for a manifest and a model: every tensor, dtype, shape, scalar.
 
-mlx_lm's save_prompt_cache flattens each layer's `state` into tensors named "<layer>.<i>[.<j>]",
-turns Python scalars into 0-d int32 tensors listed in the metadata as "2.<k>.0" (position) and
-"2.<k>.1" (kind), the class names into "1.<layer>", and user metadata into "0.<key>". Here the
-expected header is derived from the (checked) manifest and the served model's config, and the
-file's header must equal it exactly: a relabelled dtype, a cut sequence, a missing layer or an
-extra tensor is refused before any tensor is read.
+The expected layout is derived from the (checked) manifest and the served model's config, first
+as a logical layout (each layer's state as mlx-lm 0.32 orders it: arrays, then scalars), then as
+the file a layout generation writes for it (pipeline.format.cache_codec: 0.31 keeps scalars in the
+metadata, 0.32 in 0-d tensors). The file's header must equal it exactly: a relabelled dtype, a cut
+sequence, a missing layer or an extra tensor is refused before any tensor is read.
 """
 
 from __future__ import annotations
 
+import re
+import struct
 from dataclasses import dataclass, field
 
 from pipeline.format.fingerprint import ModelShape
@@ -31,11 +32,11 @@ class LayoutError(ValueError):
 
 
 @dataclass
-class Expected:
-    """Expected tensors (name: (dtypes, shape)), scalar entries in order, and scalar values."""
+class Logical:
+    """Expected state tensors (logical name: (dtypes, shape)), scalar entries in order, values."""
 
     tensors: dict[str, tuple[frozenset[str], tuple[Dim, ...]]] = field(default_factory=dict)
-    scalars: list[tuple[str, str]] = field(default_factory=list)  # (tensor name, kind)
+    scalars: list[tuple[str, str]] = field(default_factory=list)  # (logical name, kind)
     values: dict[str, int | range] = field(default_factory=dict)
 
     def scalar(self, name: str, value: int | range) -> None:
@@ -48,8 +49,28 @@ class Expected:
         self.scalars.append((name, "none"))
 
 
-def expected_layout(manifest: Manifest, shape: ModelShape, header: Header) -> Expected:
-    """The header a correct bundle for this manifest and model has, layer by layer."""
+@dataclass(frozen=True)
+class LogicalView:
+    """A file's tensors under their logical names, and the logical names it marks as None."""
+
+    tensors: dict[str, Tensor]
+    nones: frozenset[str]
+
+
+@dataclass(frozen=True)
+class Expected:
+    """The file a layout writes: tensors by file name, exact metadata, where each scalar is."""
+
+    tensors: dict[str, tuple[frozenset[str], tuple[Dim, ...]]]
+    metadata: dict[str, str]  # structural keys and their exact values
+    user_prefix: str  # user metadata keys ("token_ids", ...) carry this prefix
+    values: dict[str, int | range]  # logical scalar name: required value
+    sources: dict[str, tuple[str, str]]  # logical scalar: ("tensor"|"meta"|"shape", file name/key)
+    names: dict[str, str]  # file tensor name: logical name, for the arrays (not scalars)
+
+
+def expected_layout(manifest: Manifest, shape: ModelShape, view: LogicalView) -> Logical:
+    """The logical layout a correct bundle for this manifest and model has, layer by layer."""
     c, t = manifest.cache, manifest.tokens.count
     _check_classes(c.classes, shape.cache_classes, c.kv_bits)
     if shape.layers and len(c.classes) != shape.layers:
@@ -62,7 +83,7 @@ def expected_layout(manifest: Manifest, shape: ModelShape, header: Header) -> Ex
             f"cache.kv_bits {c.kv_bits} does not fit the cache classes {sorted(set(c.classes))}",
             "cache.kv_bits",
         )
-    out = Expected()
+    out = Logical()
     float_dtype = frozenset({DTYPE_CODES[c.dtype]})
     heads, head_dim = shape.kv_heads, shape.head_dim
     for i, kind in enumerate(c.classes):
@@ -81,7 +102,7 @@ def expected_layout(manifest: Manifest, shape: ModelShape, header: Header) -> Ex
             out.scalar(f"{i}.4", shape.sliding_window or range(1, 1 << 40))
             out.scalar(f"{i}.5", range(0, t + 1))
         else:  # ArraysCache: per-architecture state arrays (conv/ssm), batch 1, floating
-            _arrays(out, i, header)
+            _arrays(out, i, view)
     return out
 
 
@@ -102,7 +123,7 @@ def _check_classes(found: list[str], model: tuple[str, ...] | None, kv_bits: int
             )
 
 
-def _quantized(out: Expected, i: int, manifest: Manifest, shape: ModelShape, dtype) -> None:
+def _quantized(out: Logical, i: int, manifest: Manifest, shape: ModelShape, dtype) -> None:
     c, t = manifest.cache, manifest.tokens.count
     bits, group, head_dim = c.kv_bits or 0, c.kv_group_size, shape.head_dim
     if head_dim is not None and head_dim % group:
@@ -121,33 +142,19 @@ def _quantized(out: Expected, i: int, manifest: Manifest, shape: ModelShape, dty
     out.scalar(f"{i}.4", bits)
 
 
-def _arrays(out: Expected, i: int, header: Header) -> None:
-    scalar_kinds = _scalar_entries(header.metadata)
+def _arrays(out: Logical, i: int, view: LogicalView) -> None:
     names = sorted(
-        (t.name for t in header.tensors if t.name.startswith(f"{i}.0.")),
+        (name for name in view.tensors if name.startswith(f"{i}.0.")),
         key=lambda n: int(n.rsplit(".", 1)[1]) if n.rsplit(".", 1)[1].isdigit() else -1,
     )
     for name in names:
-        if scalar_kinds.get(name) == "none":
+        if name in view.nones:
             out.none(name)
         else:
-            out.tensors[name] = (FLOAT_CODES, (1, None, None, None)[: _rank(header, name)])
+            rank = max(1, len(view.tensors[name].shape))
+            out.tensors[name] = (FLOAT_CODES, (1, None, None, None)[:rank])
     out.none(f"{i}.1")
     out.none(f"{i}.2")
-
-
-def _rank(header: Header, name: str) -> int:
-    return max(1, len(header.by_name()[name].shape))
-
-
-def _scalar_entries(metadata: dict[str, str]) -> dict[str, str]:
-    """{tensor name: kind} from the "2.<k>.0"/"2.<k>.1" metadata entries."""
-    out = {}
-    k = 1
-    while f"2.{k}.0" in metadata:
-        out[metadata[f"2.{k}.0"]] = metadata.get(f"2.{k}.1", "")
-        k += 1
-    return out
 
 
 def check_header(header: Header, expected: Expected, manifest: Manifest) -> None:
@@ -162,10 +169,9 @@ def check_header(header: Header, expected: Expected, manifest: Manifest) -> None
         )
     for name, (dtypes, dims) in expected.tensors.items():
         _check_tensor(tensors[name], dtypes, dims)
-    _check_same_dims(tensors, expected)
-    _check_metadata(header.metadata, expected, manifest)
-    scalar_names = {name for name, _ in expected.scalars}
-    nbytes = sum(t.end - t.start for t in header.tensors if t.name not in scalar_names)
+    _check_same_dims(tensors, expected, manifest.cache.classes)
+    _check_metadata(header.metadata, expected)
+    nbytes = sum(tensors[name].end - tensors[name].start for name in expected.names)
     if nbytes != manifest.cache.nbytes:
         raise LayoutError(
             f"cache arrays hold {nbytes:,} bytes but the manifest records {manifest.cache.nbytes:,}",
@@ -188,12 +194,12 @@ def _check_tensor(t: Tensor, dtypes: frozenset[str], dims: tuple[Dim, ...]) -> N
         raise LayoutError(f"tensor {t.name} has shape {list(t.shape)}, expected {list(shown)}")
 
 
-def _check_same_dims(tensors: dict[str, Tensor], expected: Expected) -> None:
+def _check_same_dims(tensors: dict[str, Tensor], expected: Expected, classes: list[str]) -> None:
     """Keys and values of one layer share their shape; KV layers agree on heads and head_dim."""
     kv = {}
-    for name in expected.tensors:
-        layer, _, rest = name.partition(".")
-        if rest in ("0", "1", "0.1", "1.1") and len(tensors[name].shape) == 4:
+    for name, logical in expected.names.items():
+        layer, _, rest = logical.partition(".")
+        if classes[int(layer)] != "ArraysCache" and rest in ("0", "1", "0.1", "1.1"):
             kv.setdefault(layer, set()).add(tensors[name].shape)
     for layer, shapes in kv.items():
         if len(shapes) != 1:
@@ -203,23 +209,39 @@ def _check_same_dims(tensors: dict[str, Tensor], expected: Expected) -> None:
         raise LayoutError(f"KV layers disagree on the number of heads {sorted(heads)}")
 
 
-def _check_metadata(metadata: dict[str, str], expected: Expected, manifest: Manifest) -> None:
-    want = {f"1.{i}": kind for i, kind in enumerate(manifest.cache.classes)}
-    want["2.0"] = ""
-    for k, (name, kind) in enumerate(expected.scalars, start=1):
-        want[f"2.{k}.0"], want[f"2.{k}.1"] = name, kind
-    user = {k: v for k, v in metadata.items() if k.startswith("0.")}
-    for key, value in want.items():
+def _check_metadata(metadata: dict[str, str], expected: Expected) -> None:
+    for key, value in expected.metadata.items():
         if metadata.get(key) != value:
             raise LayoutError(
                 f"cache.safetensors metadata {key!r} is {metadata.get(key)!r}, expected {value!r}"
             )
-    unknown = sorted(set(metadata) - set(want) - {f"0.{k}" for k in USER_KEYS})
-    missing = [k for k, required in USER_KEYS.items() if required and f"0.{k}" not in user]
+    meta_scalars = {key for kind, key in expected.sources.values() if kind == "meta"}
+    user = {f"{expected.user_prefix}{k}": required for k, required in USER_KEYS.items()}
+    unknown = sorted(set(metadata) - set(expected.metadata) - meta_scalars - set(user))
+    missing = [k for k, required in user.items() if required and k not in metadata]
+    missing += sorted(meta_scalars - set(metadata))
     if unknown or missing:
         raise LayoutError(
-            f"cache.safetensors metadata has unexpected keys {unknown[:4]} or lacks {missing}"
+            f"cache.safetensors metadata has unexpected keys {unknown[:4]} or lacks {missing[:4]}"
         )
+
+
+def scalar_values(header: Header, small: dict[str, bytes], expected: Expected) -> dict[str, int]:
+    """Each logical scalar's value, read where the layout keeps it (tensor, metadata, shape)."""
+    out = {}
+    for name, (kind, where) in expected.sources.items():
+        if kind == "tensor":
+            out[name] = struct.unpack("<i", small[where])[0]
+        elif kind == "shape":
+            out[name] = header.by_name()[where].shape[2]
+        else:
+            text = header.metadata[where]
+            if not re.fullmatch(r"0|[1-9][0-9]{0,18}", text):
+                raise LayoutError(
+                    f"cache.safetensors metadata {where!r} is {text!r}, expected a whole number"
+                )
+            out[name] = int(text)
+    return out
 
 
 def check_scalars(values: dict[str, int], expected: Expected) -> None:

@@ -19,6 +19,10 @@ Count = Annotated[int, Field(ge=1, le=1 << 40)]
 Short = Annotated[str, Field(max_length=4096)]
 CacheClass = Literal["KVCache", "QuantizedKVCache", "RotatingKVCache", "ArraysCache"]
 KVDtype = Literal["float32", "float16", "bfloat16"]
+# the mlx-lm prompt-cache file layout of cache.safetensors (pipeline.format.cache_codec)
+Layout = Literal["mlx-lm-0.31", "mlx-lm-0.32"]
+# not written to manifest.json: manifests from before 0.31 support stay byte-identical
+DEFAULT_LAYOUT = "mlx-lm-0.32"
 
 
 class Record(BaseModel):
@@ -64,6 +68,7 @@ class CacheInfo(Record):
     file_sha256: Hex64  # of cache.safetensors: regenerating SHA256SUMS alone never passes
     file_blake3: Hex64  # the same bytes, as mount checks them (BLAKE3: several GB/s per core)
     file_bytes: Annotated[int, Field(ge=8)]
+    layout: Layout = DEFAULT_LAYOUT  # the mlx-lm generation whose layout the file has
 
 
 class BuilderInfo(Record):
@@ -132,6 +137,12 @@ class Manifest(Record):
 
 def manifest_bytes(manifest: Manifest) -> bytes:
     """Canonical manifest bytes: sorted keys, two-space indent, trailing newline; no `parent` key
-    for a build from token 0 (so such manifests are as before incremental builds existed)."""
-    data = manifest.model_dump(mode="json", exclude={"parent"} if manifest.parent is None else None)
+    for a build from token 0 and no `cache.layout` for the 0.32 layout (so such manifests are as
+    before incremental builds and 0.31 support existed)."""
+    exclude: dict = {}
+    if manifest.parent is None:
+        exclude["parent"] = True
+    if manifest.cache.layout == DEFAULT_LAYOUT:
+        exclude["cache"] = {"layout"}
+    data = manifest.model_dump(mode="json", exclude=exclude or None)
     return (json.dumps(data, sort_keys=True, indent=2) + "\n").encode()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,14 +26,15 @@ from pipeline.format.bundle_folder import (
     read_sums,
     refuse,
 )
+from pipeline.format.cache_codec import expected_file, rebuild, user_metadata
 from pipeline.format.cache_header import (
     Expected,
     LayoutError,
     check_header,
     check_scalars,
-    expected_layout,
+    scalar_values,
 )
-from pipeline.format.compat import SUPPORTED_RANGE, installed_mlx_lm, mlx_lm_supported
+from pipeline.format.compat import installed_mlx_lm, layout_for, unsupported
 from pipeline.format.errors import BundleError
 from pipeline.format.fingerprint import ModelIdentity, ModelShape, canonical_json, sha256_bytes
 from pipeline.format.identity import check_identity
@@ -100,8 +100,9 @@ def _validate(
     tokens = _check_tokens(bundle, header, manifest, identity.shape)
     stage[0] = "data"
     data = _read_cache(bundle, header, manifest, load, trust_memo)
-    check_scalars(_scalar_values(header, data.small, expected), expected)
-    cache = _rebuild(header, data.arrays, expected, manifest) if load else None
+    check_scalars(scalar_values(header, data.small, expected), expected)
+    c = manifest.cache
+    cache = rebuild(data.arrays, header.metadata, c.layout, c.classes) if load else None
     return Validated(bundle, manifest, tokens, cache)
 
 
@@ -117,7 +118,7 @@ CHECKS = (
     ("files", "only SHA256SUMS, manifest.json, cache.safetensors (+ build-report.json), all regular files"),
     ("checksums", "SHA256SUMS lists both files; manifest.json matches it and fits the strict schema"),
     ("location", "a folder in the <name>/<version>/<slug>-<fp> layout is where its manifest says"),
-    ("mlx-lm", "the bundle's and the installed mlx-lm are in the supported range"),
+    ("mlx-lm", "the bundle's and the installed mlx-lm are supported; the cache-file layout is the builder's"),
     ("identity", "model weights/config, tokenizer and chat template fingerprints match"),
     ("cache file", "SHA256SUMS and the manifest agree on its sha256; its size is as recorded"),
     ("layout", "every tensor's dtype and shape, layer count and metadata as manifest and model require"),
@@ -148,18 +149,21 @@ def check_location(bundle: Path, manifest: Manifest) -> None:
 
 
 def check_runtime(bundle: Path, manifest: Manifest) -> None:
-    """Refuse a bundle this installation cannot load faithfully."""
+    """Refuse a bundle this installation cannot load faithfully (either layout loads anywhere)."""
     for label, version in (
         ("installed mlx-lm", installed_mlx_lm()),
         ("bundle's mlx-lm", manifest.builder.mlx_lm),
     ):
-        if not mlx_lm_supported(version):
-            raise refuse(
-                bundle,
-                f"{label} {version} is outside the supported range {SUPPORTED_RANGE}; "
-                "install a supported mlx-lm",
-                "builder.mlx_lm",
-            )
+        if layout_for(version) is None:
+            raise refuse(bundle, unsupported(version, label), "builder.mlx_lm")
+    built = layout_for(manifest.builder.mlx_lm)
+    if manifest.cache.layout != built:
+        raise refuse(
+            bundle,
+            f"cache.layout {manifest.cache.layout} is not the layout mlx-lm "
+            f"{manifest.builder.mlx_lm} writes ({built}); rebuild the bundle",
+            "cache.layout",
+        )
 
 
 def _check_cache_record(bundle: Path, manifest: Manifest, listed_sha256: str) -> None:
@@ -192,14 +196,14 @@ def _check_cache_header(
         raise refuse(
             bundle, f"{CACHE_FILE} is not a valid safetensors file ({exc})", CACHE_FILE
         ) from None
-    expected = expected_layout(manifest, shape, header)
+    expected = expected_file(manifest, shape, header)
     check_header(header, expected, manifest)
     return header, expected
 
 
 def _check_tokens(bundle: Path, header: Header, manifest: Manifest, shape: ModelShape) -> list[int]:
     """The token ids in the file: canonical JSON ints in the vocabulary, as the manifest hashes them."""
-    raw = header.metadata["0.token_ids"]
+    raw = user_metadata(header.metadata, manifest.cache.layout)["token_ids"]
     tokens = json.loads(raw)
     vocab = shape.vocab_size or (1 << 31)
     if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < vocab for t in tokens):
@@ -241,10 +245,6 @@ def _read_cache(bundle: Path, header: Header, manifest: Manifest, load: bool, tr
     if not known:
         memo.store(key, data.digests["blake3"])
     return data
-
-
-def _scalar_values(header: Header, small: dict[str, bytes], expected: Expected) -> dict[str, int]:
-    return {name: struct.unpack("<i", small[name])[0] for name in expected.values}
 
 
 def _rebuild(header: Header, arrays: dict, expected: Expected, manifest: Manifest) -> list[Any]:
