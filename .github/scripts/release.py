@@ -22,9 +22,9 @@ DEMO_MODEL = "models/demo-tiny"  # made by `python build.py demo-model`, not dow
 
 def models(names: list[str]) -> list[str]:
     """GITHUB_OUTPUT lines for the hub models of the named definitions (all when none)."""
-    from pipeline.cli.common import load_definitions
+    from pipeline.builder.batch import select_definitions
 
-    specs = [(d.name, m) for d in load_definitions(PREFIXES, names) for m in d.spec.models]
+    specs = [(d.name, m) for d in select_definitions(PREFIXES, names) for m in d.spec.models]
     hub = sorted({f"{m.repo}@{m.revision}" for _, m in specs if m.repo})
     keyed = sorted(f"{name} {m.repo}@{m.revision}" for name, m in specs if m.repo)
     demo = any(m.path == DEMO_MODEL and not Path(DEMO_MODEL).is_dir() for _, m in specs)

@@ -1,1 +1,20 @@
 """The build side: prefix definition -> pinned render -> stability cut -> MLX prefill -> bundle."""
+
+# Modules the CLI, distribute and CI scripts import from; the rest are internal steps.
+__all__ = [
+    "authoring",
+    "batch",
+    "builder",
+    "bundles_tree",
+    "definition",
+    "demo",
+    "prefill",
+    "render",
+    "request",
+    "retention",
+    "shards",
+    "signing",
+    "targets",
+    "versioning",
+    "writer",
+]

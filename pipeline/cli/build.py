@@ -77,9 +77,21 @@ def _shard(text: str):
 
 def run(args: argparse.Namespace) -> int:
     """Build in order, stopping at the first error (with --json, still one document)."""
+    from pipeline.blas import blas_status
+    from pipeline.builder.batch import BuildPlan, build_all
+
     done: list[BuiltTarget] = []
     try:
-        _build_all(args, done)
+        definitions = load_definitions(args.prefixes, args.prefix)
+        options = {
+            "force": args.force,
+            "check": args.check,
+            "parent": args.parent,
+            "incremental": not args.full,
+        }
+        plan = BuildPlan(args.prefixes, args.bundles, args.model, args.shard, args.locked)
+        print(blas_status().notice, file=sys.stderr)
+        build_all(definitions, plan, lambda o: done.append(_record(args, o)), progress, **options)
     except (PipelineError, OSError) as exc:
         if args.json:
             emit_json(_report(args, done, error_text(exc)))
@@ -89,83 +101,30 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _build_all(args: argparse.Namespace, done: list[BuiltTarget]) -> None:
-    from pipeline.blas import blas_status
-    from pipeline.builder.shards import shard_refs
-    from pipeline.builder.targets import targets
-    from pipeline.builder.versioning import check_locked, locked_entry
-    from pipeline.builder.writer import clean_staging
-    from pipeline.format.bundle_folder import model_folder
-    from pipeline.format.fingerprint import model_fingerprint
-    from pipeline.format.lockfile import lock_path, read_lock, write_lock
-
-    definitions = load_definitions(args.prefixes, args.prefix)
-    refs = shard_refs(definitions, args.model, args.shard)
-    lock_file = lock_path(args.prefixes)
-    lock = read_lock(lock_file)
-    print(blas_status().notice, file=sys.stderr)
-    clean_staging(args.bundles)
-    for definition in definitions:
-        if not refs[definition.name]:
-            continue  # another shard's
-        only = refs[definition.name] if args.shard else None
-        plan = targets(definition, args.prefixes.resolve().parent, args.model, only)
-        if args.locked:  # before any prefill: CI builds only what prefixes.lock names
-            planned = [(t.slug, model_fingerprint(t.model_dir)) for t in plan]
-            check_locked(definition, lock, {model_folder(sl, fp): fp for sl, fp in planned})
-        built: dict[str, str] = {}
-        for ref, target in zip(refs[definition.name], plan, strict=True):
-            m = _build_one(args, target, ref, lock, done).manifest
-            built[model_folder(m.model.slug, m.model.fingerprint)] = m.model.fingerprint
-        if not args.locked:
-            entries = {**lock.prefixes, definition.name: locked_entry(definition, lock, built)}
-            lock = lock.model_copy(update={"prefixes": entries})
-            write_lock(lock_file, lock)  # after each definition: a later failure keeps this one
-
-
-def _build_one(args: argparse.Namespace, target, ref: str, lock, done: list[BuiltTarget]):
-    """Build one target, record it in `done` (built, up to date, or failed and re-raised)."""
-    from pipeline.builder.builder import build
-
-    d = target.definition
-    label = f"{d.name}@{d.version} -> {target.slug}"
-    try:
-        result = build(
-            target,
-            args.bundles,
-            force=args.force,
-            check=args.check,
-            progress=progress(label),
-            lock=lock,
-            parent=args.parent,
-            incremental=not args.full,
+def _record(args: argparse.Namespace, outcome) -> BuiltTarget:
+    """One target for --json; built and up-to-date ones are printed (stderr with --json)."""
+    d, result = outcome.definition, outcome.result
+    if result is None:
+        error = error_text(outcome.error)
+        return BuiltTarget(
+            prefix=d.name, version=d.version, model=outcome.ref, status="failed", error=error
         )
-    except (PipelineError, OSError) as exc:
-        error = error_text(exc)
-        done.append(
-            BuiltTarget(prefix=d.name, version=d.version, model=ref, status="failed", error=error)
-        )
-        raise
-    m, r = result.manifest, result.report
-    status = "up-to-date" if result.up_to_date else "built"
-    done.append(
-        BuiltTarget(
-            prefix=d.name,
-            version=d.version,
-            model=ref,
-            status=status,
-            path=str(result.bundle),
-            tokens=m.tokens.count,
-            bytes=m.cache.file_bytes,
-            prefill_seconds=r.get("prefill_seconds"),
-            tokens_per_second=r.get("tokens_per_second"),
-            reused_tokens=r.get("reused_tokens"),
-        )
-    )
-    _print_built(label, result, sys.stderr if args.json else sys.stdout)
+    _print_built(outcome.label, result, sys.stderr if args.json else sys.stdout)
     if result.advice and not result.up_to_date:
         warn(result.advice)
-    return result
+    m, r = result.manifest, result.report
+    return BuiltTarget(
+        prefix=d.name,
+        version=d.version,
+        model=outcome.ref,
+        status="up-to-date" if result.up_to_date else "built",
+        path=str(result.bundle),
+        tokens=m.tokens.count,
+        bytes=m.cache.file_bytes,
+        prefill_seconds=r.get("prefill_seconds"),
+        tokens_per_second=r.get("tokens_per_second"),
+        reused_tokens=r.get("reused_tokens"),
+    )
 
 
 def _report(args: argparse.Namespace, done: list[BuiltTarget], error: str | None) -> BuildReport:

@@ -104,24 +104,12 @@ def _lines(label: str):
 
 def load_definitions(prefix_dir: Path, names: list[str]) -> list:
     """The named definitions (all when none are named); a warning for any *.toml in a subfolder."""
-    from pipeline.builder.definition import find_definitions, load_definition, stray_definitions
+    from pipeline.builder.batch import select_definitions
+    from pipeline.builder.definition import stray_definitions
 
     for stray in stray_definitions(prefix_dir):
         warn(f"{stray}: definitions in subfolders are not loaded; move it to {prefix_dir}/")
-    paths = find_definitions(prefix_dir)
-    if names:
-        by_name = {p.stem: p for p in paths}
-        missing = [n for n in names if n not in by_name]
-        if missing:
-            raise PipelineError(
-                f"no definition named {', '.join(missing)} in {prefix_dir}/ "
-                f"(have: {', '.join(sorted(by_name)) or 'none'})"
-            )
-        paths = [by_name[n] for n in names]
-    if not paths:
-        raise PipelineError(f"no prefix definitions (*.toml) in {prefix_dir}/")
-    root = Path(prefix_dir).resolve().parent
-    return [load_definition(p, root) for p in paths]
+    return select_definitions(prefix_dir, names)
 
 
 def read_template(path: Path | None) -> str | None:

@@ -5,3 +5,10 @@ Push validates every bundle's integrity before one commit; pull downloads only t
 folder names the local model's fingerprint, validates them against that model with the real
 validator, and publishes them atomically. No printing here: pipeline.cli.push / pull do that.
 """
+
+# Modules the CLI imports from.
+__all__ = [
+    "hub",
+    "pull",
+    "push",
+]

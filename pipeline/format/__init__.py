@@ -1,1 +1,22 @@
 """What the build side and the runtime side agree on: bundle layout, manifest schema, fingerprints, errors."""
+
+# Public modules: the builder, the runtime, distribute and the CLI import from each.
+__all__ = [
+    "bundle_folder",
+    "bundle_signature",
+    "cache_codec",
+    "cache_header",
+    "compat",
+    "errors",
+    "fingerprint",
+    "identity",
+    "lockfile",
+    "manifest",
+    "memo",
+    "names",
+    "regular_files",
+    "safetensors_read",
+    "secret_key",
+    "signature",
+    "validate",
+]

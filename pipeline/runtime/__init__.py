@@ -18,6 +18,12 @@ from pipeline.runtime.mount import (
 from pipeline.runtime.prompt_cache import CacheHit, PromptCacheManager, fork_cache
 
 __all__ = [
+    # modules the CLI imports from (serve and its options)
+    "discovery",
+    "hugepages",
+    "serve",
+    "servers",
+    # the library API a server uses
     "BundleError",
     "CacheHit",
     "MountResult",

@@ -1,0 +1,133 @@
+"""Build every target of a set of definitions: shards, prefixes.lock, staging left by dead builds.
+
+`python build.py build` parses its options, calls `build_all` and prints each outcome.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pipeline.builder.builder import BuildResult, build
+from pipeline.builder.definition import LoadedDefinition, find_definitions, load_definition
+from pipeline.builder.prefill import Progress
+from pipeline.builder.shards import Shard, shard_refs
+from pipeline.builder.targets import Target, targets
+from pipeline.builder.versioning import check_locked, locked_entry
+from pipeline.builder.writer import clean_staging
+from pipeline.format.bundle_folder import model_folder
+from pipeline.format.errors import PipelineError
+from pipeline.format.fingerprint import model_fingerprint
+from pipeline.format.lockfile import Lockfile, lock_path, read_lock, write_lock
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """Where definitions and bundles live, and which targets to build."""
+
+    prefixes: Path
+    bundles: Path
+    model: Path | None = None  # instead of the definitions' models
+    shard: Shard | None = None
+    locked: bool = False  # CI: refuse anything prefixes.lock does not name; never write it
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One target: built, up to date, or failed (then build_all raises `error` next)."""
+
+    definition: LoadedDefinition
+    ref: str  # the model as the definition names it: models.path or repo@revision
+    slug: str
+    result: BuildResult | None
+    error: Exception | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.definition.name}@{self.definition.version} -> {self.slug}"
+
+
+def select_definitions(prefix_dir: Path, names: Sequence[str]) -> list[LoadedDefinition]:
+    """The named definitions in prefix_dir, in the order named (all, sorted, when none are)."""
+    paths = find_definitions(prefix_dir)
+    if names:
+        by_name = {p.stem: p for p in paths}
+        missing = [n for n in names if n not in by_name]
+        if missing:
+            raise PipelineError(
+                f"no definition named {', '.join(missing)} in {prefix_dir}/ "
+                f"(have: {', '.join(sorted(by_name)) or 'none'})"
+            )
+        paths = [by_name[n] for n in names]
+    if not paths:
+        raise PipelineError(f"no prefix definitions (*.toml) in {prefix_dir}/")
+    root = Path(prefix_dir).resolve().parent
+    return [load_definition(p, root) for p in paths]
+
+
+def build_all(
+    definitions: Sequence[LoadedDefinition],
+    plan: BuildPlan,
+    report: Callable[[Outcome], None],
+    progress: Callable[[str], Progress | None] = lambda label: None,
+    **options: Any,
+) -> None:
+    """Build in order, stopping at the first error; `options` go to builder.build.
+
+    Every target is reported, a failed one too (then its error is raised). prefixes.lock is
+    written after each definition, so a later failure keeps what was built.
+    """
+    refs = shard_refs(list(definitions), plan.model, plan.shard)
+    lock = read_lock(lock_path(plan.prefixes))
+    clean_staging(plan.bundles)
+    for definition in definitions:
+        if refs[definition.name]:  # else another shard's
+            lock = _build_definition(definition, refs[definition.name], lock, plan, report, progress, options)  # fmt: skip
+
+
+def _build_definition(
+    definition: LoadedDefinition,
+    refs: list[str],
+    lock: Lockfile,
+    plan: BuildPlan,
+    report: Callable[[Outcome], None],
+    progress: Callable[[str], Progress | None],
+    options: dict[str, Any],
+) -> Lockfile:
+    """Build one definition's targets; return the lockfile as it now is."""
+    root = plan.prefixes.resolve().parent
+    planned = targets(definition, root, plan.model, refs if plan.shard else None)
+    if plan.locked:  # before any prefill: CI builds only what prefixes.lock names
+        fingerprints = [(t.slug, model_fingerprint(t.model_dir)) for t in planned]
+        check_locked(definition, lock, {model_folder(s, fp): fp for s, fp in fingerprints})
+    built: dict[str, str] = {}
+    for ref, target in zip(refs, planned, strict=True):
+        m = _build_one(target, ref, lock, plan, report, progress, options).manifest
+        built[model_folder(m.model.slug, m.model.fingerprint)] = m.model.fingerprint
+    if plan.locked:
+        return lock
+    entries = {**lock.prefixes, definition.name: locked_entry(definition, lock, built)}
+    lock = lock.model_copy(update={"prefixes": entries})
+    write_lock(lock_path(plan.prefixes), lock)
+    return lock
+
+
+def _build_one(
+    target: Target,
+    ref: str,
+    lock: Lockfile,
+    plan: BuildPlan,
+    report: Callable[[Outcome], None],
+    progress: Callable[[str], Progress | None],
+    options: dict[str, Any],
+) -> BuildResult:
+    outcome = Outcome(target.definition, ref, target.slug, None)
+    try:
+        result = build(target, plan.bundles, progress=progress(outcome.label), lock=lock, **options)
+    except (PipelineError, OSError) as exc:
+        report(Outcome(target.definition, ref, target.slug, None, exc))
+        raise
+    report(Outcome(target.definition, ref, target.slug, result))
+    return result

@@ -1,0 +1,229 @@
+"""The packages' boundaries: one-way data flow, public names only, a thin runtime, no import-order trap.
+
+Static checks read the sources (every import, also those inside functions); the runtime and BLAS
+checks run a fresh interpreter, since this one has imported everything already.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PIPELINE = ROOT / "pipeline"
+PACKAGES = sorted(p.name for p in PIPELINE.iterdir() if (p / "__init__.py").is_file())
+# Code outside pipeline/ that uses it as a library, and must keep to the same public names.
+USERS = [
+    ROOT / "build.py",
+    ROOT / ".github/scripts/release.py",
+    *sorted((ROOT / "examples").glob("*.py")),
+]
+USERS += sorted((ROOT / "bench").glob("*.py"))
+# What each package may import from the others (the data flow of docs/architecture.md).
+MAY_IMPORT = {
+    "format": set(),
+    "runtime": {"format"},
+    "builder": {"format", "runtime", "testmodels"},
+    "distribute": {"format", "runtime", "builder"},
+    "testmodels": {"format"},
+}
+TOP_LEVEL = {p.stem for p in PIPELINE.glob("*.py") if p.stem != "__init__"}  # blas, reexec, ...
+NEVER_IN_RUNTIME = (
+    "pipeline.builder",
+    "pipeline.cli",
+    "pipeline.distribute",
+    "jinja2",
+    "transformers",
+)
+
+
+def package_of(path: Path) -> str | None:
+    parts = path.relative_to(ROOT).parts
+    return parts[1] if parts[0] == "pipeline" and len(parts) > 2 else None
+
+
+def imports(path: Path) -> list[tuple[str, str | None, int]]:
+    """(module, imported name or None, line) for every import in a file, nested ones included."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(a.name, None, node.lineno) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found += [(node.module, a.name, node.lineno) for a in node.names]
+    return found
+
+
+def public(package: str) -> set[str]:
+    """The package's __all__ (names and public modules), read from its __init__.py."""
+    tree = ast.parse((PIPELINE / package / "__init__.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+        ):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def sources() -> list[Path]:
+    return sorted(PIPELINE.rglob("*.py")) + USERS
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_every_package_says_what_it_exports(package: str):
+    names = public(package)
+    assert names, f"pipeline/{package}/__init__.py has no __all__"
+    folder = PIPELINE / package
+    init = (folder / "__init__.py").read_text(encoding="utf-8")
+    missing = [
+        n
+        for n in sorted(names)
+        if not (folder / f"{n}.py").is_file()
+        and not (folder / n / "__init__.py").is_file()
+        and f" {n}" not in init  # imported or defined in __init__
+    ]
+    assert missing == [], f"pipeline/{package}.__all__ names what it does not have"
+
+
+def test_nothing_reaches_into_another_package():
+    """Across packages: only names or modules in the target's __all__, never a _private one."""
+    exported = {p: public(p) for p in PACKAGES}
+    bad = []
+    for path in sources():
+        own = package_of(path)
+        for module, name, line in imports(path):
+            parts = module.split(".")
+            if parts[0] != "pipeline" or len(parts) < 2 or parts[1] in (own, *TOP_LEVEL):
+                continue
+            inner = parts[2] if len(parts) > 2 else None
+            shown = f"{path.relative_to(ROOT)}:{line}: {module}{f' import {name}' if name else ''}"
+            if (name or "").startswith("_") or (inner or "").startswith("_"):
+                bad.append(f"{shown} (private)")
+            elif (inner or name) is not None and not {inner, name} & exported[parts[1]]:
+                bad.append(f"{shown} (not in pipeline.{parts[1]}.__all__)")
+    assert bad == []
+
+
+@pytest.mark.parametrize("package", sorted(MAY_IMPORT))
+def test_data_flows_one_way(package: str):
+    allowed = MAY_IMPORT[package] | {package} | TOP_LEVEL
+    bad = sorted(
+        f"{path.relative_to(ROOT)}:{line}: {module}"
+        for path in (PIPELINE / package).rglob("*.py")
+        for module, _, line in imports(path)
+        if module.startswith("pipeline.")
+        and module.split(".")[1] not in allowed
+        or package in ("runtime", "format")
+        and module.startswith(("jinja2", "transformers"))
+    )
+    assert bad == []
+
+
+def run_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    """A fresh interpreter in the repo root, without this process's preload or BLAS override."""
+    clean = {
+        k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "PREFIX_BUNDLES_OPENBLAS")
+    }
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_importing_the_runtime_only_imports():
+    """No build side, no jinja2/transformers/mlx_lm, no OpenBLAS loaded, no environment change."""
+    code = (
+        "import os, sys; before = dict(os.environ)\n"
+        "import pipeline.runtime, pipeline.runtime.serve, pipeline.format.validate\n"
+        "from pipeline.blas import mapped_libraries\n"
+        f"heavy = [m for m in sys.modules if m.startswith({NEVER_IN_RUNTIME!r} + ('mlx_lm',))]\n"
+        "blas = [m for m in mapped_libraries() if os.path.basename(m).startswith('libopenblas')]\n"
+        "print(heavy, blas, dict(os.environ) == before)\n"
+    )
+    done = run_python(code)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "[] [] True\n"
+
+
+linux_openblas = pytest.mark.skipif(
+    platform.system() != "Linux" or not __import__("pipeline.blas").blas.find_openblas(),
+    reason="needs Linux with a system OpenBLAS (apt-get install libopenblas0-pthread)",
+)
+SHOW_BLAS = (
+    "from pipeline.blas import mapped_libraries\n"
+    "import os\n"
+    "print(s.notice)\n"
+    "print(any(os.path.basename(m).startswith('libopenblas') for m in mapped_libraries()))\n"
+)
+
+
+@linux_openblas
+def test_blas_before_mlx_is_loaded_in_process():
+    code = "from pipeline.blas import ensure_fast_blas\ns = ensure_fast_blas()\nimport mlx.core\n"
+    done = run_python(code + SHOW_BLAS)
+    assert done.returncode == 0, done.stderr
+    notice, mapped = done.stdout.splitlines()
+    assert notice.endswith("(loaded before mlx)") and mapped == "True"
+
+
+@linux_openblas
+def test_blas_after_mlx_re_executes_once_with_the_preload():
+    code = "import sys, mlx.core\nfrom pipeline.blas import ensure_fast_blas\ns = ensure_fast_blas(sys.argv[1:])\n"
+    done = run_python(code + SHOW_BLAS)
+    assert done.returncode == 0, done.stderr
+    notice, mapped = done.stdout.splitlines()
+    assert notice.endswith("(preloaded)") and mapped == "True"
+
+
+@linux_openblas
+def test_blas_re_execution_does_not_loop_when_the_preload_fails(tmp_path: Path):
+    not_a_library = tmp_path / "libopenblas.so.0"
+    not_a_library.write_text("not a library\n")
+    code = "import sys, mlx.core\nfrom pipeline.blas import ensure_fast_blas\ns = ensure_fast_blas(sys.argv[1:])\n"
+    done = run_python(code + SHOW_BLAS, PREFIX_BUNDLES_OPENBLAS=str(not_a_library))
+    assert done.returncode == 0, done.stderr
+    notice, mapped = done.stdout.splitlines()
+    assert notice.endswith(
+        f"re-executed with LD_PRELOAD={not_a_library} but it is not loaded; mlx-cpu's own BLAS is in use"
+    )
+    assert mapped == "False" and done.stderr.count("cannot be preloaded") == 1  # ld.so, once
+
+
+def test_blas_is_left_alone_without_the_library():
+    code = (
+        "import sys, os, mlx.core\nfrom pipeline.blas import ensure_fast_blas\npid = os.getpid()\n"
+    )
+    code += "s = ensure_fast_blas(sys.argv[1:])\nprint(os.getpid() == pid, s.active, s.notice)\n"
+    done = run_python(code, PREFIX_BUNDLES_OPENBLAS="/nonexistent/libopenblas.so.0")
+    assert done.returncode == 0, done.stderr
+    if platform.system() == "Linux":
+        assert done.stdout.startswith("True False BLAS: no system OpenBLAS found; float32 prefill")
+
+
+@linux_openblas
+def test_the_example_gets_openblas_although_it_imports_mlx_first(
+    shop_bundle: Path, tiny_model: Path
+):
+    example = ROOT / "examples" / "custom_server.py"
+    source = example.read_text(encoding="utf-8")
+    assert source.index("from mlx_lm import") < source.index("ensure_fast_blas(")  # mlx first
+    done = subprocess.run(
+        [sys.executable, str(example), str(tiny_model), str(shop_bundle.parents[2])],
+        cwd=ROOT,
+        env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[0].endswith("(preloaded)")
+    assert "first request: " in done.stdout
