@@ -11,7 +11,7 @@ import mlx.core as mx
 import pytest
 from blake3 import blake3
 
-from pipeline.format.safetensors_read import FormatError, read_data, read_header
+from pipeline.format.safetensors_read import FormatError, open_file, read_data, read_header
 
 
 @pytest.fixture
@@ -108,11 +108,12 @@ def test_bytes_appended_after_the_header_was_read_are_refused(tensors_file: Path
 
 
 @pytest.mark.parametrize("swap", ["other data", "other layout"])
-def test_a_file_swapped_in_just_before_the_load_is_caught(tensors_file: Path, monkeypatch, swap):
-    """The loader reopens the file by name: a rename landing between the header check and the
-    load must not hand out other bytes under the pinned digest."""
-    header = read_header(tensors_file)
-    pristine = read_data(tensors_file, header, digests=("blake3",), load=False).digests
+def test_a_file_swapped_in_just_before_the_load_changes_nothing(
+    tensors_file: Path, monkeypatch, swap
+):
+    """The file is opened once and every step reads that open file: a rename landing between
+    the header check and the load does not reach the load (issue 16, finding 3)."""
+    pristine = read_data(tensors_file, read_header(tensors_file), digests=("blake3",), load=True)
     other = tensors_file.with_name("other.safetensors")
     if swap == "other data":
         raw = bytearray(tensors_file.read_bytes())
@@ -127,9 +128,24 @@ def test_a_file_swapped_in_just_before_the_load_is_caught(tensors_file: Path, mo
         return real_load(path, *args, **kwargs)
 
     monkeypatch.setattr(mx, "load", swapped_load)
-    if swap == "other data":
-        data = read_data(tensors_file, header, digests=("blake3",), load=True)
-        assert data.digests != pristine  # the validator refuses on the pinned digest
-    else:
-        with pytest.raises(FormatError, match="changed while the file was being read"):
-            read_data(tensors_file, header, digests=("blake3",), load=True)
+    with open_file(tensors_file) as opened:
+        header = read_header(opened)
+        data = read_data(opened, header, digests=("blake3",), load=True)
+    assert not other.exists()  # the swap happened, during the load
+    assert data.digests == pristine.digests
+    assert sorted(data.arrays) == sorted(pristine.arrays)
+    for name, array in data.arrays.items():
+        assert mx.array_equal(array, pristine.arrays[name]).item()
+
+
+def test_open_file_refuses_links_and_fifos_without_blocking(tensors_file: Path, tmp_path: Path):
+    import os
+
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(tensors_file)
+    fifo = tmp_path / "fifo.safetensors"
+    os.mkfifo(fifo)
+    for path, says in ((link, "cannot be opened"), (fifo, "is not a regular file")):
+        with pytest.raises(FormatError, match=says):
+            with open_file(path):
+                pass

@@ -6,6 +6,8 @@ clock as root), so an in-place edit with a restored mtime is re-hashed. The memo
 ~/.cache/mlx-prefix-bundles (PREFIX_BUNDLES_CACHE_DIR or XDG_CACHE_HOME move it), 0700 folder,
 0600 file; a memo file or folder that is not owned by this user or is open to others is ignored.
 Used for model weights (fingerprints) and by `mount` on a restart; `verify` always hashes in full.
+The validator takes a cache file's key from the one open file it then reads (open_key), never
+from a second lookup of the path, and re-checks it after the read.
 """
 
 from __future__ import annotations
@@ -33,7 +35,12 @@ def memo_path() -> Path:
 def stat_key(path: Path) -> str:
     """Identity of a file's current contents as the filesystem reports it."""
     real = os.path.realpath(path)
-    st = os.stat(real)
+    return open_key(real, os.stat(real))
+
+
+def open_key(real: str, st: os.stat_result) -> str:
+    """stat_key of a file already open, from its fstat: the numbers are those of the bytes that
+    will be read (the path is only the label that lets `store` forget its older states)."""
     return f"{real}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}|{st.st_dev}"
 
 

@@ -4,8 +4,12 @@ The header is parsed and checked by the `safetensors` library (length, JSON, dty
 tile the data exactly, nothing past the end). The data pass goes front to back: when loading, MLX's
 own reader fills fresh arrays (each page touched once) and worker threads hash the arrays' memory,
 one tensor behind the read; otherwise the file's bytes stream through the hashers. BLAKE3 and, for
-a full verification, sha256 release the GIL, so a verified load costs about max(read, hash). The
-pass re-reads the header bytes and requires them unchanged, so a file swapped in between is caught.
+a full verification, sha256 release the GIL, so a verified load costs about max(read, hash).
+
+A file is opened once (`open_file`: no link followed, regular files only, never blocking) and
+every later step reads that open file: its stat, the header (the library reads it through
+/proc/self/fd), the load (MLX reads the same descriptor path) and the hashes. No path is resolved
+twice, so a folder swapped in between cannot give the stat of one file and the bytes of another.
 """
 
 from __future__ import annotations
@@ -13,8 +17,12 @@ from __future__ import annotations
 import hashlib
 import os
 import queue
+import stat
 import struct
+import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,18 +58,62 @@ class Header:
         return {t.name: t for t in self.tensors}
 
 
-def read_header(path: Path) -> Header:
+@dataclass(frozen=True)
+class OpenFile:
+    """One open regular file: `stat` is its fstat when opened; `fd_path` names this descriptor
+    (not the path it was opened by) for libraries that take a path."""
+
+    path: Path
+    fd: int
+    stat: os.stat_result
+
+    @property
+    def fd_path(self) -> str:
+        proc = f"/proc/self/fd/{self.fd}"
+        return proc if sys.platform.startswith("linux") else f"/dev/fd/{self.fd}"
+
+    def real_path(self) -> str:
+        """Where the open file is now (the kernel's name for it where it says, else the path)."""
+        try:
+            return os.readlink(f"/proc/self/fd/{self.fd}")
+        except OSError:
+            return os.path.realpath(self.path)
+
+    def restat(self) -> os.stat_result:
+        return os.fstat(self.fd)
+
+
+@contextmanager
+def open_file(path: Path) -> Iterator[OpenFile]:
+    """Open path once for reading: a link, FIFO or device is a FormatError (never blocks)."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        raise FormatError(f"cannot be opened ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError("is not a regular file")
+        yield OpenFile(Path(path), fd, st)
+    finally:
+        os.close(fd)
+
+
+def read_header(source: Path | OpenFile) -> Header:
     """Parse and check the header (FormatError when the library refuses it)."""
+    if not isinstance(source, OpenFile):
+        with open_file(source) as opened:
+            return read_header(opened)
     from safetensors import SafetensorError, safe_open
 
-    with open(path, "rb") as fh:
-        prefix = fh.read(8)
-        if len(prefix) != 8:
-            raise FormatError("file is shorter than a safetensors header")
-        (n,) = struct.unpack("<Q", prefix)
-        raw = prefix + fh.read(min(n, 100 << 20))
+    prefix = os.pread(source.fd, 8, 0)
+    if len(prefix) != 8:
+        raise FormatError("file is shorter than a safetensors header")
+    (n,) = struct.unpack("<Q", prefix)
+    raw = prefix + os.pread(source.fd, min(n, 100 << 20), 8)
     try:
-        with safe_open(str(path), framework="numpy") as f:
+        with safe_open(source.fd_path, framework="numpy") as f:
             names = list(f.offset_keys())
             layout = [(name, f.get_slice(name)) for name in names]
             tensors_info = [(name, s.get_dtype(), tuple(s.get_shape())) for name, s in layout]
@@ -127,20 +179,26 @@ def _drain(digest: Any, chunks: queue.Queue) -> None:
         digest.update(chunk)
 
 
-def read_data(path: Path, header: Header, *, digests: tuple[str, ...], load: bool) -> DataRead:
+def read_data(
+    source: Path | OpenFile, header: Header, *, digests: tuple[str, ...], load: bool
+) -> DataRead:
     """One front-to-back pass over the file: hash it ("blake3", "sha256"), load the tensors, keep
     the scalars."""
+    if not isinstance(source, OpenFile):
+        with open_file(source) as opened:
+            return read_data(opened, header, digests=digests, load=load)
     hashers = {name: _new_digest(name) for name in digests}
     chunks = _Hashers(hashers)
     result = DataRead({}, {}, {})
     try:
-        with open(path, "rb", buffering=0) as fh:
+        with os.fdopen(os.dup(source.fd), "rb", buffering=0) as fh:
+            fh.seek(0)
             raw = _read_exact(fh, len(header.raw))
             if raw != header.raw:
                 raise FormatError("header changed while the file was being read")
             chunks.put(raw)
             if load:
-                _load_tensors(path, header, chunks, result)
+                _load_tensors(source, header, chunks, result)
             else:
                 _stream_tensors(fh, header, chunks, result)
             if os.fstat(fh.fileno()).st_size != _data_end(header):
@@ -163,7 +221,7 @@ def _stream_tensors(fh: Any, header: Header, chunks: _Hashers, result: DataRead)
             result.small[t.name] = data
 
 
-def _load_tensors(path: Path, header: Header, chunks: _Hashers, result: DataRead) -> None:
+def _load_tensors(source: OpenFile, header: Header, chunks: _Hashers, result: DataRead) -> None:
     """Load with MLX's own reader (parallel reads into fresh arrays, each page touched once: no
     zero-filled buffers to overwrite), then hash the arrays' memory itself in file order. The
     digest is over the exact bytes handed out; a file swapped after the header was read fails it,
@@ -171,7 +229,7 @@ def _load_tensors(path: Path, header: Header, chunks: _Hashers, result: DataRead
     to overlap hashing with reading was 2x slower than one parallel load followed by the hash.)"""
     import mlx.core as mx
 
-    loaded = mx.load(str(path))
+    loaded = mx.load(source.fd_path, format="safetensors")  # this descriptor, not the path
     if set(loaded) != {t.name for t in header.tensors}:
         raise FormatError("tensors changed while the file was being read")
     for t in header.tensors:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +41,14 @@ from pipeline.format.errors import BundleError
 from pipeline.format.fingerprint import ModelIdentity, ModelShape, canonical_json, sha256_bytes
 from pipeline.format.identity import check_identity
 from pipeline.format.manifest import Manifest
-from pipeline.format.safetensors_read import FormatError, Header, read_data, read_header
+from pipeline.format.safetensors_read import (
+    FormatError,
+    Header,
+    OpenFile,
+    open_file,
+    read_data,
+    read_header,
+)
 
 
 @dataclass(frozen=True)
@@ -93,13 +102,14 @@ def _validate(
     stage[0] = "identity"
     check_identity(bundle, manifest, identity)
     stage[0] = "cache file"
-    _check_cache_record(bundle, manifest, sums[CACHE_FILE])
-    stage[0] = "layout"
-    header, expected = _check_cache_header(bundle, manifest, identity.shape)
-    stage[0] = "tokens"
-    tokens = _check_tokens(bundle, header, manifest, identity.shape)
-    stage[0] = "data"
-    data = _read_cache(bundle, header, manifest, load, trust_memo)
+    with _open_cache(bundle) as cache_file:  # one open file: its stat, header, load and hash
+        _check_cache_record(bundle, manifest, sums[CACHE_FILE], cache_file)
+        stage[0] = "layout"
+        header, expected = _check_cache_header(bundle, manifest, identity.shape, cache_file)
+        stage[0] = "tokens"
+        tokens = _check_tokens(bundle, header, manifest, identity.shape)
+        stage[0] = "data"
+        data = _read_cache(bundle, header, manifest, load, trust_memo, cache_file)
     check_scalars(scalar_values(header, data.small, expected), expected)
     c = manifest.cache
     cache = rebuild(data.arrays, header.metadata, c.layout, c.classes) if load else None
@@ -166,7 +176,19 @@ def check_runtime(bundle: Path, manifest: Manifest) -> None:
         )
 
 
-def _check_cache_record(bundle: Path, manifest: Manifest, listed_sha256: str) -> None:
+@contextmanager
+def _open_cache(bundle: Path) -> Iterator[OpenFile]:
+    """The cache file, opened once (no link followed); every later check reads this open file."""
+    try:
+        with open_file(bundle / CACHE_FILE) as opened:
+            yield opened
+    except FormatError as exc:
+        raise refuse(bundle, f"{CACHE_FILE} {exc}", CACHE_FILE) from None
+
+
+def _check_cache_record(
+    bundle: Path, manifest: Manifest, listed_sha256: str, cache_file: OpenFile
+) -> None:
     """SHA256SUMS and the manifest agree on the cache file, and its size is as recorded."""
     c = manifest.cache
     if listed_sha256 != c.file_sha256:
@@ -176,7 +198,7 @@ def _check_cache_record(bundle: Path, manifest: Manifest, listed_sha256: str) ->
             f"{c.file_sha256[:12]}..; the bundle was altered: rebuild or re-copy it",
             "cache.file_sha256",
         )
-    size = os.stat(bundle / CACHE_FILE).st_size
+    size = cache_file.stat.st_size
     if size != c.file_bytes:
         raise refuse(
             bundle,
@@ -187,11 +209,11 @@ def _check_cache_record(bundle: Path, manifest: Manifest, listed_sha256: str) ->
 
 
 def _check_cache_header(
-    bundle: Path, manifest: Manifest, shape: ModelShape
+    bundle: Path, manifest: Manifest, shape: ModelShape, cache_file: OpenFile
 ) -> tuple[Header, Expected]:
     """The safetensors header, parsed by the library, exactly as the manifest and model require."""
     try:
-        header = read_header(bundle / CACHE_FILE)
+        header = read_header(cache_file)
     except FormatError as exc:
         raise refuse(
             bundle, f"{CACHE_FILE} is not a valid safetensors file ({exc})", CACHE_FILE
@@ -226,18 +248,25 @@ def _check_tokens(bundle: Path, header: Header, manifest: Manifest, shape: Model
     return tokens
 
 
-def _read_cache(bundle: Path, header: Header, manifest: Manifest, load: bool, trust_memo: bool):
+def _read_cache(
+    bundle: Path, header: Header, manifest: Manifest, load: bool, trust_memo: bool, f: OpenFile
+):
     """One pass over the cache file, checked against the manifest's BLAKE3 pin (all cores); a full
     verification (trust_memo False: verify, verify_full) checks its sha256 too. On a restart the
-    memo may vouch for an unchanged file instead."""
-    path, c = bundle / CACHE_FILE, manifest.cache
-    key = memo.stat_key(path)
+    memo may vouch for an unchanged file instead: the key is the open file's own fstat, and the
+    file must still have it after the read (an in-place write in between changes its ctime)."""
+    c = manifest.cache
+    key = memo.open_key(f.real_path(), f.stat)
     known = trust_memo and memo.lookup(key) == c.file_blake3
     algorithms = () if known else ("blake3",) if trust_memo else ("blake3", "sha256")
     try:
-        data = read_data(path, header, digests=algorithms, load=load)
+        data = read_data(f, header, digests=algorithms, load=load)
     except FormatError as exc:
         raise refuse(bundle, f"{CACHE_FILE} cannot be read ({exc})", CACHE_FILE) from None
+    if memo.open_key(f.real_path(), f.restat()).split("|", 1)[1] != key.split("|", 1)[1]:
+        raise refuse(
+            bundle, f"{CACHE_FILE} changed while it was being read; mount again", CACHE_FILE
+        )
     for algorithm, expected in (("blake3", c.file_blake3), ("sha256", c.file_sha256)):
         found = data.digests.get(algorithm)
         if found is not None and found != expected:
