@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import json
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.builder.definition import NAME_PATTERN, _parse_tools, load_definition
+from pipeline.builder.definition import _parse_tools, load_definition
 from pipeline.builder.stability import common_prefix_length
 from pipeline.format.errors import DefinitionError, TemplateError
 from pipeline.format.fingerprint import model_chat_template, sha256_text
+from pipeline.format.names import NAME_HINT, is_name
 from pipeline.format.regular_files import FileProblem, read_text
 from pipeline.format.validate import Validated
 
@@ -41,10 +41,8 @@ def new_definition(
     the definition schema, and removed again if that fails.
     """
     prefix_dir = Path(prefix_dir)
-    if not re.match(NAME_PATTERN, name):
-        raise DefinitionError(
-            f"name {name!r}: use 1-64 of a-z 0-9 . _ - starting with a letter or digit"
-        )
+    if not is_name(name):
+        raise DefinitionError(f"name {name!r}: use {NAME_HINT}")
     path, folder = prefix_dir / f"{name}.toml", prefix_dir / name
     if path.exists() or folder.exists():
         raise DefinitionError(
@@ -106,7 +104,15 @@ def match_request(
     from mlx_lm.utils import load_tokenizer
 
     tokenizer = load_tokenizer(Path(model_dir))
-    request = list(tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True))
+    try:
+        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+    except Exception as exc:  # the model's own template refusing this request: one line
+        detail = " ".join(str(exc).split())[:200]
+        raise TemplateError(
+            f"model {model_dir}: its chat template cannot render this request "
+            f"({exc.__class__.__name__}: {detail}); mlx_lm.server would fail on it the same way"
+        ) from None
+    request = list(ids)
     out = []
     for b in bundles:
         common = common_prefix_length(b.tokens, request)

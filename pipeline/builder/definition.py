@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pipeline.format.errors import DefinitionError
 from pipeline.format.fingerprint import canonical_json
+from pipeline.format.names import MAX_VERSION, NAME_RULE
 from pipeline.format.regular_files import FileProblem, read_text
 
 if sys.version_info >= (3, 11):
@@ -22,7 +23,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,63}$"
+NAME_PATTERN = NAME_RULE  # for pydantic fields; Python code checks names with is_name()
 MAX_INCLUDE_BYTES = 256 << 20
 
 
@@ -30,10 +31,13 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+Role = Literal["system", "user", "assistant", "tool"]
+
+
 class MessageSpec(Strict):
     """One message of the prefix; content inline or concatenated from files."""
 
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Role
     content: str | None = None
     content_files: list[str] = Field(default_factory=list)
 
@@ -120,7 +124,7 @@ class PrefixDefinition(Strict):
     """A versioned prefix definition as written in prefixes/<name>.toml."""
 
     name: str = Field(pattern=NAME_PATTERN)
-    version: int = Field(ge=1, strict=True)
+    version: int = Field(ge=1, le=MAX_VERSION, strict=True)
     description: str = ""
     template: TemplateSpec
     prefix: PrefixSpec
@@ -320,6 +324,14 @@ def slugify(text: str) -> str:
 def find_definitions(prefix_dir: Path) -> list[Path]:
     """All definition files in prefixes/, sorted by name."""
     return sorted(Path(prefix_dir).glob("*.toml"))
+
+
+def require_definitions(prefix_dir: Path) -> list[Path]:
+    """find_definitions, refusing a --prefixes folder that is missing or holds none."""
+    paths = find_definitions(prefix_dir)
+    if not paths:
+        raise DefinitionError(f"no prefix definitions (*.toml) in {prefix_dir}/")
+    return paths
 
 
 def stray_definitions(prefix_dir: Path) -> list[Path]:

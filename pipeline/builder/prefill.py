@@ -19,7 +19,8 @@ from pipeline.format.cache_codec import with_state
 from pipeline.format.errors import BuildError, ModelError
 from pipeline.format.fingerprint import ModelShape
 
-Progress = Callable[[int, int, float], None]  # (tokens done, total, seconds elapsed)
+# (tokens in the cache, total, seconds spent prefilling, of the tokens those reused from a parent)
+Progress = Callable[[int, int, float, int], None]
 
 
 @dataclass
@@ -101,14 +102,15 @@ def prefill(
     cache, first = resume if resume else (make_prompt_cache(loaded.model), 0)
     mx.reset_peak_memory()
     if progress:
-        progress(first, len(tokens), 0.0)  # announce the size before the first chunk runs
+        progress(first, len(tokens), 0.0, first)  # the size, before the first chunk runs
     start = time.perf_counter()
     for done in range(first, len(tokens), step):
         chunk = mx.array(tokens[done : done + step])[None]
         loaded.model(chunk, cache=cache)  # logits stay lazy and are never computed
         mx.eval([c.state for c in cache])
         if progress:
-            progress(min(done + step, len(tokens)), len(tokens), time.perf_counter() - start)
+            elapsed = time.perf_counter() - start
+            progress(min(done + step, len(tokens)), len(tokens), elapsed, first)
     seconds = time.perf_counter() - start
     computed = len(tokens) - first
     stats = PrefillStats(seconds, computed / max(seconds, 1e-9), mx.get_peak_memory())

@@ -30,6 +30,7 @@ from pipeline.builder.writer import abandoned_staging, is_abandoned, staging_roo
 from pipeline.format.bundle_folder import STAGING_DIR
 from pipeline.format.errors import PipelineError
 from pipeline.format.lockfile import lock_path, read_lock
+from pipeline.format.names import parse_version
 
 Kind = Literal["older-version", "no-definition", "staging"]
 
@@ -131,9 +132,9 @@ def layout_bundles(root: Path) -> list[Bundle]:
         if name.name == STAGING_DIR:
             continue
         for version in _subfolders(name):
-            if version.name.isascii() and version.name.isdigit():
+            if (number := parse_version(version.name)) is not None:
                 for model in _subfolders(version):
-                    found.append(Bundle(model, name.name, int(version.name), model.name))
+                    found.append(Bundle(model, name.name, number, model.name))
     return found
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pipeline.builder.definition import LoadedDefinition, ModelSpec
 
-SHARD = re.compile(r"^(\d+)/(\d+)$")
+SHARD = re.compile(r"^([0-9]{1,9})/([0-9]{1,9})\Z")  # ASCII digits only
 
 
 @dataclass(frozen=True)

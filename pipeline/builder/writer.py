@@ -37,6 +37,7 @@ from pipeline.format.cache_codec import write_cache as save_cache
 from pipeline.format.errors import BuildError, PipelineError
 from pipeline.format.fingerprint import FileDigests, file_digests, sha256_bytes
 from pipeline.format.manifest import Manifest, manifest_bytes
+from pipeline.format.names import parse_index
 
 LOCKS_DIR = "locks"
 
@@ -160,7 +161,7 @@ def abandoned_staging(bundles_root: Path) -> list[Path]:
 
 def is_abandoned(tmp: Path) -> bool:
     pid = tmp.name.split("-", 1)[0]
-    return tmp.name != LOCKS_DIR and pid.isascii() and pid.isdigit() and not _alive(int(pid))
+    return tmp.name != LOCKS_DIR and (number := parse_index(pid)) is not None and not _alive(number)
 
 
 def clean_staging(bundles_root: Path) -> list[Path]:

@@ -59,24 +59,37 @@ def progress(label: str):
     """Prefill progress on stderr: a rich bar on a terminal, else plain lines (CI logs).
 
     Plain lines: the size first, an ETA after the first chunk, then at most one every 0.5 s.
+    Tokens reused from a parent are shown as reused; the rate counts prefilled tokens only.
     """
     return _bar(label) if sys.stderr.isatty() else _lines(label)
 
 
-def _bar(label: str):
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+def progress_text(done: int, total: int, elapsed: float, reused: int = 0) -> str:
+    """'16/40 tokens, 1,600 tok/s, ETA 0.0s', or the size alone before the first chunk ran."""
+    of_them = f" ({reused:,} reused)" if reused else ""
+    if done <= reused:  # nothing prefilled yet: no rate, so no ETA
+        todo = f"{total - reused} of {total}" if reused else f"{total}"
+        return f"{todo} tokens{of_them}"
+    rate = (done - reused) / max(elapsed, 1e-9)
+    eta = (total - done) / max(rate, 1e-9)
+    return f"{done}/{total} tokens{of_them}, {rate:,.0f} tok/s, ETA {eta:.1f}s"
 
-    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,} tok"), TimeRemainingColumn())  # fmt: skip
+
+def _bar(label: str, console: Any = None):
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[text]}"))
     # no refresh thread: a failed prefill cannot leave a live display behind
-    bar = Progress(*columns, console=Console(stderr=True), auto_refresh=False)
+    bar = Progress(*columns, console=console or Console(stderr=True), auto_refresh=False)
     task: list = []
 
-    def report(done: int, total: int, elapsed: float) -> None:
-        if not task:
-            task.append(bar.add_task(f"{label}: prefill", total=total))
+    def report(done: int, total: int, elapsed: float, reused: int = 0) -> None:
+        text = progress_text(done, total, elapsed, reused)
+        if not task:  # starts at the reused tokens: they are not progress of this prefill
+            task.append(bar.add_task(f"{label}: prefill", total=total, completed=done, text=text))
             bar.start()
-        bar.update(task[0], completed=done, total=total, refresh=True)
+        bar.update(task[0], completed=done, total=total, text=text, refresh=True)
         if done >= total:
             bar.stop()
 
@@ -86,18 +99,14 @@ def _bar(label: str):
 def _lines(label: str):
     last: list[float | None] = [None]  # when the last rate line was printed
 
-    def report(done: int, total: int, elapsed: float) -> None:
+    def report(done: int, total: int, elapsed: float, reused: int = 0) -> None:
         now = time.perf_counter()
-        if done == 0:  # no rate yet, so no ETA: just the size
-            line = f"{label}: prefill {total} tokens"
-        elif done < total and last[0] is not None and now - last[0] < 0.5:
+        first = done <= reused
+        if not first and done < total and last[0] is not None and now - last[0] < 0.5:
             return
-        else:
-            rate = done / max(elapsed, 1e-9)
-            eta = (total - done) / max(rate, 1e-9)
-            line = f"{label}: prefill {done}/{total} tokens, {rate:,.0f} tok/s, ETA {eta:.1f}s"
-        last[0] = now if done else None
-        print(line, file=sys.stderr, flush=True)
+        last[0] = None if first else now
+        text = progress_text(done, total, elapsed, reused)
+        print(f"{label}: prefill {text}", file=sys.stderr, flush=True)
 
     return report
 

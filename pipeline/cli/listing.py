@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.cli.common import add_json_option, emit, integrity_identity
+from pipeline.cli.common import add_json_option, emit, integrity_identity, warn
 from pipeline.cli.reports import ListedBundle, ListedDefinition, ListReport, ListTotals, refusal_of
 from pipeline.format.errors import PipelineError
 
@@ -19,12 +19,12 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.builder.definition import find_definitions
+    from pipeline.builder.definition import require_definitions
 
+    definitions = require_definitions(args.prefixes)
     root = Path(args.prefixes).resolve().parent
-    listed = [
-        _definition(path, root, Path(args.bundles)) for path in find_definitions(args.prefixes)
-    ]
+    found = _discovered(Path(args.bundles))
+    listed = [_definition(path, root, Path(args.bundles), found) for path in definitions]
     report = ListReport(
         prefixes=str(args.prefixes),
         bundles=str(args.bundles),
@@ -36,7 +36,26 @@ def run(args: argparse.Namespace) -> int:
     return 1 if t.broken_definitions or t.broken else 0
 
 
-def _definition(path: Path, root: Path, bundles_root: Path) -> ListedDefinition:
+def _discovered(bundles_root: Path) -> dict[tuple[str, int], list[Path]]:
+    """Bundles by (name, version), found as serve finds them; what is outside the layout is
+    reported on stderr (serve would not mount it)."""
+    from pipeline.runtime.discovery import find_bundles, version_key
+
+    if not bundles_root.is_dir():
+        return {}
+    paths, problems = find_bundles(bundles_root)
+    for problem in problems:
+        warn(f"bundle {problem.path}: {problem.reason}")
+    found: dict[tuple[str, int], list[Path]] = {}
+    for path in paths:
+        if (key := version_key(bundles_root, path)) is not None:
+            found.setdefault((key[0][0], key[1]), []).append(path)
+    return found
+
+
+def _definition(
+    path: Path, root: Path, bundles_root: Path, found: dict[tuple[str, int], list[Path]]
+) -> ListedDefinition:
     from pipeline.builder.definition import load_definition
 
     name, file = path.stem, str(path)
@@ -45,8 +64,8 @@ def _definition(path: Path, root: Path, bundles_root: Path) -> ListedDefinition:
     except PipelineError as exc:
         return ListedDefinition(name=name, file=file, status="broken", error=str(exc), bundles=[])
     folder = bundles_root / definition.name / str(definition.version)
-    found = sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
-    bundles = [_bundle(b) for b in found] or [ListedBundle(path=str(folder), status="missing")]
+    built = found.get((definition.name, definition.version), [])
+    bundles = [_bundle(b) for b in built] or [ListedBundle(path=str(folder), status="missing")]
     version = definition.version
     return ListedDefinition(name=name, file=file, status="ok", version=version, bundles=bundles)
 

@@ -24,6 +24,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
 
 
 def _request(args: argparse.Namespace) -> tuple[list[dict], list[dict] | None]:
+    from pipeline.builder.request import parse_request
     from pipeline.format.regular_files import FileProblem, read_text
 
     try:
@@ -33,11 +34,8 @@ def _request(args: argparse.Namespace) -> tuple[list[dict], list[dict] | None]:
         raise PipelineError(f"--prompt-file {args.prompt_file}: {exc}") from None
     except (ValueError, RecursionError) as exc:
         raise PipelineError(f"the request is not valid JSON ({exc})") from None
-    body = {"messages": body} if isinstance(body, list) else body
-    messages = body.get("messages") if isinstance(body, dict) else None
-    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-        raise PipelineError('the request needs "messages": a list of {"role", "content"} objects')
-    return messages, body.get("tools")
+    where = f"--prompt-file {args.prompt_file}" if args.prompt_file else "--messages"
+    return parse_request(body, where)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,7 +46,9 @@ def run(args: argparse.Namespace) -> int:
 
     messages, tools = _request(args)
     identity = identity_for(args.model)
-    paths, _ = find_bundles(args.bundles)
+    paths, problems = find_bundles(args.bundles)
+    for problem in problems:  # what serve would not mount either
+        err(f"bundle {problem.path}: {problem.reason} (not considered)")
     valid = []
     for path in choose_versions(args.bundles, paths)[0]:
         try:

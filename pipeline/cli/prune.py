@@ -7,6 +7,7 @@ import argparse
 from pipeline.cli.common import add_json_option, emit, err, error_text
 from pipeline.cli.reports import KeptFolder, PrunedFolder, PruneReport, PruneTotals
 from pipeline.format.errors import PipelineError
+from pipeline.format.names import parse_version
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
@@ -32,9 +33,9 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
 
 
 def _at_least_one(text: str) -> int:
-    if not text.isdigit() or int(text) < 1:
+    if (number := parse_version(text)) is None:
         raise argparse.ArgumentTypeError(f"{text!r}: keep at least 1 version, e.g. --keep 2")
-    return int(text)
+    return number
 
 
 def run(args: argparse.Namespace) -> int:

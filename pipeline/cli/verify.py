@@ -92,8 +92,10 @@ def _next_to_model(model: Path, results: list[VerifiedBundle]) -> list[Path]:
     """
     import sys
 
+    from pipeline.format.fingerprint import check_model_folder
     from pipeline.runtime import model_bundles, model_bundles_dir
 
+    check_model_folder(model)  # named first: the bundles folder inside it is missing too
     folder = model_bundles_dir(model)
     fix = f"pass bundle folders, or copy bundles there (python build.py pull --model {model} ...)"
     if not folder.is_dir():

@@ -8,14 +8,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.builder.definition import NAME_PATTERN
-from pipeline.format.bundle_folder import FINGERPRINT_CHARS, LAYOUT_FOLDER
+from pipeline.format.bundle_folder import FINGERPRINT_CHARS
 from pipeline.format.errors import PipelineError
+from pipeline.format.names import is_model_folder, is_name, parse_version
 from pipeline.hubnet import require_hub
 
 REPO_TYPE = "model"  # bundles live in a (private) model repo: the hub's plain file store
-REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_NAME = re.compile(NAME_PATTERN)
+REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
 
 
 @dataclass(frozen=True)
@@ -45,8 +44,9 @@ def remote_bundles(files: list[str]) -> list[RemoteBundle]:
         if len(parts) != 4:
             continue
         name, version, folder, file = parts
-        if _NAME.match(name) and version.isdigit() and LAYOUT_FOLDER.match(folder) and file:
-            found.setdefault((name, int(version), folder), []).append(file)
+        number = parse_version(version)
+        if is_name(name) and number is not None and is_model_folder(folder) and file:
+            found.setdefault((name, number, folder), []).append(file)
     return [RemoteBundle(n, v, f, tuple(sorted(fs))) for (n, v, f), fs in sorted(found.items())]
 
 

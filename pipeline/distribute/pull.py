@@ -28,6 +28,7 @@ from pipeline.builder.writer import (
 from pipeline.distribute.hub import REPO_TYPE, RemoteBundle, connect, hub_errors, remote_bundles
 from pipeline.format.bundle_folder import FINGERPRINT_CHARS
 from pipeline.format.errors import BundleError, PipelineError
+from pipeline.format.names import NAME_HINT, parse_ref
 from pipeline.format.validate import validate
 from pipeline.runtime.mount import identity_for, model_bundles_dir
 
@@ -104,10 +105,13 @@ def parse_wanted(prefixes: list[str] | None) -> dict[str, int | None] | None:
         return None
     wanted: dict[str, int | None] = {}
     for item in prefixes:
-        name, _, version = item.partition("@")
-        if not name or (version and not version.isdigit()):
-            raise PipelineError(f"--prefix {item!r}: pass NAME or NAME@VERSION (e.g. shop@2)")
-        wanted[name] = int(version) if version else None
+        ref = parse_ref(item)
+        if ref is None:
+            raise PipelineError(
+                f"--prefix {item!r}: pass NAME or NAME@VERSION (e.g. shop@2; the name {NAME_HINT}, "
+                "the version ASCII digits)"
+            )
+        wanted[ref[0]] = ref[1]
     return wanted
 
 

@@ -20,6 +20,7 @@ from pydantic import ValidationError
 from pipeline.format.errors import BundleError
 from pipeline.format.fingerprint import sha256_bytes
 from pipeline.format.manifest import FORMAT_VERSION, MAX_MANIFEST_BYTES, Manifest
+from pipeline.format.names import LAYOUT_FOLDER  # noqa: F401  (re-exported: the layout's name)
 from pipeline.format.regular_files import FileProblem, kind_of, read_regular
 
 CACHE_FILE = "cache.safetensors"
@@ -31,9 +32,6 @@ ALLOWED_FILES = frozenset({*CHECKSUMMED, SUMS_FILE, REPORT_FILE})
 STAGING_DIR = ".staging"  # under the bundles root; never read as bundles
 MAX_SUMS_BYTES = 4096
 FINGERPRINT_CHARS = 12
-LAYOUT_FOLDER = re.compile(  # <slug>-<fingerprint12>
-    r"^[a-z0-9][a-z0-9._-]*-[0-9a-f]{12}$"
-)
 
 
 def sums_text(digests: dict[str, str]) -> str:
@@ -51,7 +49,7 @@ def bundle_path(bundles_root: Path, name: str, version: int, slug: str, fingerpr
     return Path(bundles_root) / name / str(version) / model_folder(slug, fingerprint)
 
 
-SUMS_LINE = re.compile(r"^([0-9a-f]{64}) [ *](\S+)$")
+SUMS_LINE = re.compile(r"^([0-9a-f]{64}) [ *](\S+)\Z")
 
 
 def refuse(bundle: Path, message: str, field: str | None = None) -> BundleError:

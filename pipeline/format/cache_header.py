@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from pipeline.format.fingerprint import ModelShape
 from pipeline.format.manifest import Manifest
+from pipeline.format.names import parse_index
 from pipeline.format.safetensors_read import Header, Tensor
 
 DTYPE_CODES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
@@ -142,10 +143,16 @@ def _quantized(out: Logical, i: int, manifest: Manifest, shape: ModelShape, dtyp
     out.scalar(f"{i}.4", bits)
 
 
+def _index(text: str) -> int:
+    """A tensor name's last part as a sort key: its index, or -1 when it is not one."""
+    number = parse_index(text)
+    return -1 if number is None else number
+
+
 def _arrays(out: Logical, i: int, view: LogicalView) -> None:
     names = sorted(
         (name for name in view.tensors if name.startswith(f"{i}.0.")),
-        key=lambda n: int(n.rsplit(".", 1)[1]) if n.rsplit(".", 1)[1].isdigit() else -1,
+        key=lambda n: _index(n.rsplit(".", 1)[1]),
     )
     for name in names:
         if name in view.nones:

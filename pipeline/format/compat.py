@@ -6,6 +6,7 @@ from importlib import metadata
 from typing import Any
 
 from pipeline.format.errors import PipelineError
+from pipeline.format.names import parse_index
 
 # mlx-lm minors whose prompt-cache file layout has a codec and a CI job (latest patch of each;
 # tested: 0.31.3 and 0.32.2). pyproject pins the same range.
@@ -16,7 +17,7 @@ ALLOWED_CACHE_CLASSES = ("KVCache", "QuantizedKVCache", "RotatingKVCache", "Arra
 
 
 def _minor(version: str) -> tuple[int, ...]:
-    return tuple(int(x) for x in version.split(".")[:2] if x.isdigit())
+    return tuple(n for x in version.split(".")[:2] if (n := parse_index(x)) is not None)
 
 
 def mlx_lm_supported(version: str) -> bool:

@@ -119,8 +119,19 @@ def weight_files(model_dir: Path) -> list[Path]:
     return sorted(p for p in Path(model_dir).glob("*.safetensors") if p.is_file())
 
 
+def check_model_folder(model_dir: Path) -> None:
+    """ModelError naming the --model folder when it does not exist or is not a folder."""
+    if not Path(model_dir).is_dir():
+        what = "is not a folder" if Path(model_dir).exists() else "does not exist"
+        raise ModelError(
+            f"model folder {model_dir} {what}; point --model at an MLX model folder "
+            "(config.json, *.safetensors, tokenizer files)"
+        )
+
+
 def _read_model_file(model_dir: Path, name: str, limit: int) -> bytes | None:
     """A model folder file's bytes, None when absent; ModelError when it is not a readable file."""
+    check_model_folder(model_dir)  # a missing folder is named as such, not as a missing file
     path = Path(model_dir) / name
     if not path.exists() and not path.is_symlink():
         return None

@@ -18,6 +18,7 @@ from pipeline.format.errors import PipelineError
 from pipeline.format.regular_files import FileProblem, read_regular
 
 LOCK_NAME = "prefixes.lock"
+LOCK_VERSION = 1  # the lockfile layout this code reads and writes
 Hex64 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 
 
@@ -37,7 +38,7 @@ class LockedPrefix(BaseModel):
 class Lockfile(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    lock_version: int = 1
+    lock_version: Annotated[int, Field(ge=LOCK_VERSION, le=LOCK_VERSION)] = LOCK_VERSION
     prefixes: dict[str, LockedPrefix] = Field(default_factory=dict)
 
 
@@ -57,6 +58,12 @@ def read_lock(path: Path) -> Lockfile:
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        if where == "lock_version":
+            raise LockError(
+                f"{path}: lock_version {err.get('input')!r} is not supported (this version reads "
+                f"lock_version {LOCK_VERSION}, an integer); use the pipeline version that wrote it, or delete "
+                "it and rebuild to write a new one"
+            ) from None
         raise LockError(
             f"{path}: {where}: {err['msg']}; restore it from version control or delete it and rebuild"
         ) from None

@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pipeline.format.names import NAME_RULE
+
 FORMAT_VERSION = 2  # 2: cache file digest and size in the manifest, fingerprinted model folders
 MAX_MANIFEST_BYTES = 1 << 20
 
@@ -30,7 +32,7 @@ class Record(BaseModel):
 
 
 class PrefixInfo(Record):
-    name: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]
+    name: Annotated[str, Field(pattern=NAME_RULE)]
     version: Count
     content_sha256: Hex64
 
@@ -49,13 +51,13 @@ class TokenInfo(Record):
 
 
 class ModelInfo(Record):
-    slug: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]
+    slug: Annotated[str, Field(pattern=NAME_RULE)]
     fingerprint: Hex64
     tokenizer_fingerprint: Hex64
     template_sha256: Hex64
     template_source: Short  # "model" or "file:<name>"
     # the date strftime_now rendered (definition's template.date), when the template uses it
-    template_date: Annotated[str, Field(pattern=r"^\d{4}-\d{2}-\d{2}$")] | None = None
+    template_date: Annotated[str, Field(pattern=r"^[0-9]{4}-[0-9]{2}-[0-9]{2}$")] | None = None
 
 
 class CacheInfo(Record):
@@ -113,7 +115,7 @@ class ParentInfo(Record):
     bytes). Informational: the child's own pins cover the child, and its cache file is
     byte-identical to a build from token 0."""
 
-    prefix: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,63}$")]
+    prefix: Annotated[str, Field(pattern=NAME_RULE)]
     version: Count
     folder: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,127}$")]
     file_sha256: Hex64

@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 
 _lock = threading.Lock()
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}\Z")
 MAX_MEMO_BYTES = 16 << 20
 
 

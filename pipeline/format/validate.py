@@ -41,6 +41,7 @@ from pipeline.format.errors import BundleError
 from pipeline.format.fingerprint import ModelIdentity, ModelShape, canonical_json, sha256_bytes
 from pipeline.format.identity import check_identity
 from pipeline.format.manifest import Manifest
+from pipeline.format.names import parse_version
 from pipeline.format.safetensors_read import (
     FormatError,
     Header,
@@ -144,7 +145,7 @@ def check_location(bundle: Path, manifest: Manifest) -> None:
     copied anywhere else (no such layout) is judged by its contents alone.
     """
     path = Path(os.path.abspath(bundle))
-    if not (LAYOUT_FOLDER.match(path.name) and path.parent.name.isdigit()):
+    if not (LAYOUT_FOLDER.match(path.name) and parse_version(path.parent.name) is not None):
         return
     m = manifest
     want = (m.prefix.name, str(m.prefix.version), model_folder(m.model.slug, m.model.fingerprint))

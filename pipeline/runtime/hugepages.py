@@ -13,6 +13,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from pipeline.format.names import parse_index
 from pipeline.reexec import execute, reexec_argv
 
 log = logging.getLogger("prefix-bundles")
@@ -55,7 +56,7 @@ def unsupported(system: str, libc: tuple[str, str]) -> str | None:
     name, version = libc
     if name != "glibc":
         return f"without glibc ({name or 'libc unknown'})"
-    parts = tuple(int(p) for p in version.split(".")[:2] if p.isdigit())
+    parts = tuple(n for p in version.split(".")[:2] if (n := parse_index(p)) is not None)
     if parts < GLIBC_MIN:
         return f"with glibc {version} ({TUNABLE_NAME} needs glibc {'.'.join(map(str, GLIBC_MIN))}+)"
     return None

@@ -8,18 +8,24 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.format.bundle_folder import ALLOWED_FILES, STAGING_DIR
+from pipeline.format.bundle_folder import model_folder
 from pipeline.format.errors import BundleError
 from pipeline.format.fingerprint import ModelIdentity, model_config, model_identity
 from pipeline.format.identity import model_cache_classes
 from pipeline.format.manifest import Manifest
 from pipeline.format.validate import validate
+from pipeline.runtime.discovery import (  # noqa: F401  (re-exported: pipeline.runtime's API)
+    Refusal,
+    choose,
+    choose_versions,
+    find_bundles,
+    version_key,
+)
 from pipeline.runtime.prompt_cache import PromptCacheManager
 
 
@@ -49,20 +55,12 @@ class MountedBundle:
         )
 
 
-@dataclass(frozen=True)
-class Refusal:
-    """Why a bundle was not mounted."""
-
-    path: Path
-    field: str | None
-    reason: str
-
-
 @dataclass
 class MountResult:
     bundles: list[MountedBundle] = field(default_factory=list)
     refused: list[Refusal] = field(default_factory=list)
-    older: list[Path] = field(default_factory=list)  # valid or not, never mounted: a newer exists
+    # valid or not, never mounted: a newer version (or the one the lockfile pins) is chosen
+    older: list[Path] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -82,82 +80,6 @@ def identity_for(model_dir: Path, chat_template: str | None = None) -> ModelIden
     return dataclasses.replace(
         identity, shape=dataclasses.replace(identity.shape, cache_classes=classes)
     )
-
-
-def _is_bundle_folder(path: Path) -> bool:
-    """Any bundle file name present, whatever it is: the validator decides what it is worth."""
-    return any(os.path.lexists(path / name) for name in ALLOWED_FILES)
-
-
-def find_bundles(root: Path) -> tuple[list[Path], list[Refusal]]:
-    """Bundle folders under root (or root itself), and symlinks not followed (target outside root).
-
-    Staging folders are skipped; a symlinked folder is followed only when it resolves inside root.
-    """
-    root = Path(root)
-    if not root.is_dir():
-        raise BundleError(
-            str(root), "bundles folder does not exist; pass the folder the bundles were copied to"
-        )
-    if _is_bundle_folder(root):
-        return [root], []
-    real_root = root.resolve()
-    found, problems, seen = [], [], {real_root}
-    stack = [root]
-    while stack:
-        folder = stack.pop()
-        for entry in sorted(os.scandir(folder), key=lambda e: e.name, reverse=True):
-            path = Path(entry.path)
-            if entry.is_symlink() and not path.exists():
-                problems.append(Refusal(path, None, "broken symlink; not followed"))
-                continue
-            if entry.name == STAGING_DIR or not entry.is_dir(follow_symlinks=True):
-                continue
-            if entry.is_symlink():
-                target = path.resolve()
-                if not target.is_relative_to(real_root):
-                    problems.append(
-                        Refusal(
-                            path,
-                            None,
-                            f"symlink to {target} outside the bundles root {root}; not followed",
-                        )
-                    )
-                    continue
-                if target in seen:
-                    continue
-                seen.add(target)
-            (found if _is_bundle_folder(path) else stack).append(path)
-    return sorted(found), problems
-
-
-def version_key(root: Path, bundle: Path) -> tuple[tuple[str, str], int] | None:
-    """((prefix name, model folder), version) for bundles/<name>/<version>/<model>, else None."""
-    try:
-        parts = bundle.relative_to(root).parts
-    except ValueError:
-        return None
-    if len(parts) != 3 or not parts[1].isdigit():
-        return None
-    return (parts[0], parts[2]), int(parts[1])
-
-
-def choose_versions(
-    root: Path, paths: list[Path], versions: dict[str, int] | None = None
-) -> tuple[list[Path], list[Path]]:
-    """(to mount, older): per prefix and model the highest version, or the one `versions` names."""
-    best: dict[tuple[str, str], int] = {}
-    for path in paths:
-        if (key := version_key(root, path)) is not None:
-            (name, model), version = key
-            pinned = (versions or {}).get(name)
-            if pinned is None or version == pinned:
-                best[(name, model)] = max(best.get((name, model), 0), version)
-    chosen, older = [], []
-    for path in paths:
-        key = version_key(root, path)
-        (chosen if key is None or best.get(key[0]) == key[1] else older).append(path)
-    return chosen, older
 
 
 def model_bundles(model_dir: Path) -> tuple[list[Path], list[Path], list[Refusal]]:
@@ -196,37 +118,79 @@ def mount(
 ) -> MountResult:
     """Mount the newest version of every bundle found for the served model; refuse bad ones.
 
-    `bundles` is a folder searched recursively (default: <model_dir>/prefix-bundles) or a list of
-    bundle folders mounted as given.
+    `bundles` is a bundles folder, searched at <name>/<version>/<model folder> only (default:
+    <model_dir>/prefix-bundles; anything else there is refused, never mounted), one bundle folder,
+    or a list of bundle folders; the newest-only and `versions` rules apply to all of them.
     Raises BundleError for the first refused bundle unless skip_refused, which collects refusals.
     With a manager, mounted caches are pinned into it under `model_key` (default: model_dir).
     verify_full hashes every cache file even when the memo knows it; `versions` pins
-    {prefix name: version} (from a lockfile) instead of the newest.
+    {prefix name: version} (from a lockfile) instead of the newest, and mounts no other prefix.
     """
     start = time.perf_counter()
     result = MountResult()
     identity = identity_for(model_dir, chat_template)
     bundles = model_bundles_dir(model_dir) if bundles is None else bundles
-    paths, problems = [Path(b) for b in bundles] if isinstance(bundles, list) else [], []
+    paths = [Path(b) for b in bundles] if isinstance(bundles, list) else []
     if not isinstance(bundles, list):
-        try:
-            paths, problems = find_bundles(Path(bundles))
-        except BundleError as exc:
-            _refuse(result, exc, skip_refused)
-        paths, result.older = choose_versions(Path(bundles), paths, versions)
-    for problem in problems:
-        _refuse(result, BundleError(str(problem.path), problem.reason), skip_refused)
+        paths = _found(result, Path(bundles), versions, skip_refused)
     for path in paths:
         try:
             result.bundles.append(mount_one(path, identity, verify_full=verify_full))
         except BundleError as exc:
             _refuse(result, exc, skip_refused)
+    _keep_chosen(result, versions, skip_refused)
     if manager is not None:
         key = model_key or str(model_dir)
         for b in result.bundles:
             manager.pin(key, b.tokens, b.cache, b.name)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _found(
+    result: MountResult, root: Path, versions: dict[str, int] | None, skip_refused: bool
+) -> list[Path]:
+    """The bundles under root to validate: layout only, newest or locked; the rest is reported."""
+    try:
+        paths, problems = find_bundles(root)
+    except BundleError as exc:
+        _refuse(result, exc, skip_refused)
+        return []
+    for problem in problems:
+        _refuse(result, BundleError(str(problem.path), problem.reason, problem.field), skip_refused)
+    keys = {}
+    for path in paths:
+        if (key := version_key(root, path)) is not None:
+            keys[path] = (*key[0], key[1])
+    chosen, older, unlocked = choose(keys, versions)
+    result.older += older
+    for path in unlocked:
+        _refuse(result, _unlocked(path, keys[path][0], versions or {}), skip_refused)
+    return sorted(chosen + [p for p in paths if p not in keys])
+
+
+def _keep_chosen(result: MountResult, versions: dict[str, int] | None, skip_refused: bool) -> None:
+    """Apply the newest-only and lockfile rules to what was mounted, by manifest (this covers
+    bundles given as folders, which no layout names)."""
+    keys = {}
+    for b in result.bundles:
+        p, m = b.manifest.prefix, b.manifest.model
+        keys[b.path] = (p.name, model_folder(m.slug, m.fingerprint), p.version)
+    chosen, older, unlocked = choose(keys, versions)
+    result.older += [p for p in older if p not in result.older]
+    result.bundles = [b for b in result.bundles if b.path in chosen]
+    for path in unlocked:
+        _refuse(result, _unlocked(path, keys[path][0], versions or {}), skip_refused)
+
+
+def _unlocked(path: Path, name: str, versions: dict[str, int]) -> BundleError:
+    pins = ", ".join(f"{n}@{v}" for n, v in sorted(versions.items())) or "nothing"
+    return BundleError(
+        str(path),
+        f"prefix {name} is not in the lockfile (it pins {pins}); not mounted: build {name} so "
+        "the lockfile names it, or serve without --lockfile",
+        "lockfile",
+    )
 
 
 def _refuse(result: MountResult, exc: BundleError, skip_refused: bool) -> None:

@@ -1,0 +1,166 @@
+"""Where bundles are found: exactly <root>/<name>/<version>/<model folder>, and nothing else.
+
+Discovery reads real folders only, at exactly that depth, with names the format defines (a prefix
+name, a version in ASCII digits, <slug>-<fingerprint12>). Anything else under the root (a nested
+copy such as backup/shop/1/..., a symlink, a misnamed folder) is reported, never mounted, so the
+newest-only and lockfile rules see every bundle that can be mounted. `mount`, `verify --model`,
+`match`, `list` and `serve` all call find_bundles.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.format.bundle_folder import ALLOWED_FILES, STAGING_DIR
+from pipeline.format.errors import BundleError
+from pipeline.format.names import NAME_HINT, is_model_folder, is_name, parse_version
+from pipeline.format.regular_files import kind_of
+
+LAYOUT = "<bundles>/<name>/<version>/<model folder>"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a bundle (or something found where bundles are looked for) was not mounted."""
+
+    path: Path
+    field: str | None
+    reason: str
+
+
+def _name_problem(name: str) -> str | None:
+    return None if is_name(name) else f"{name!r} is not a prefix name ({NAME_HINT})"
+
+
+def _version_problem(name: str) -> str | None:
+    if parse_version(name) is not None:
+        return None
+    return f"{name!r} is not a version folder (ASCII digits without a leading zero, e.g. 2)"
+
+
+def _model_problem(name: str) -> str | None:
+    if is_model_folder(name):
+        return None
+    return f"{name!r} is not a model folder (<slug>-<first 12 hex digits of the model fingerprint>)"
+
+
+LEVELS: tuple[Callable[[str], str | None], ...] = (_name_problem, _version_problem, _model_problem)
+
+
+def _outside(path: Path, root: Path, what: str) -> Refusal:
+    return Refusal(
+        path,
+        "layout",
+        f"{what}; outside the layout {LAYOUT}, never mounted: move it out of {root}",
+    )
+
+
+def _entry_problem(entry: os.DirEntry, root: Path, depth: int) -> Refusal | None:
+    """Why an entry at this depth (0: name, 1: version, 2: model folder) is not in the layout."""
+    path = Path(entry.path)
+    if entry.is_symlink():
+        if not path.exists():
+            return Refusal(path, "layout", "broken symlink; not followed")
+        return _outside(path, root, f"a symlink to {path.resolve()} (links are not followed)")
+    if not entry.is_dir(follow_symlinks=False):  # the directory entry's type: no stat call
+        mode = entry.stat(follow_symlinks=False).st_mode
+        return _outside(path, root, "a file" if stat.S_ISREG(mode) else kind_of(mode))
+    problem = LEVELS[depth](entry.name)
+    return None if problem is None else _outside(path, root, problem)
+
+
+def _children(folder: Path, root: Path, depth: int, problems: list[Refusal]) -> list[Path]:
+    """The layout folders in folder at this depth; everything else goes to problems."""
+    try:
+        entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError as exc:
+        problems.append(Refusal(folder, "layout", f"cannot list it ({exc.strerror})"))
+        return []
+    found = []
+    for entry in entries:
+        if depth == 0 and entry.name == STAGING_DIR:
+            continue  # the builders' own work area, part of the layout
+        if depth == 0 and entry.is_file(follow_symlinks=False):
+            continue  # a README beside the bundles: never a bundle, not worth a warning
+        problem = _entry_problem(entry, root, depth)
+        if problem is None:
+            found.append(Path(entry.path))
+        else:
+            problems.append(problem)
+    return found
+
+
+def is_bundle_folder(path: Path) -> bool:
+    """Any bundle file name present, whatever it is: the validator decides what it is worth."""
+    return any(os.path.lexists(path / name) for name in ALLOWED_FILES)
+
+
+def find_bundles(root: Path) -> tuple[list[Path], list[Refusal]]:
+    """Bundle folders at exactly <root>/<name>/<version>/<model folder> (or root itself when it is
+    one), and everything else found under root that is not in that layout (never mounted).
+
+    BundleError when root is not a folder.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise BundleError(
+            str(root), "bundles folder does not exist; pass the folder the bundles were copied to"
+        )
+    if is_bundle_folder(root):
+        return [root], []
+    found: list[Path] = []
+    problems: list[Refusal] = []
+    for name in _children(root, root, 0, problems):
+        for version in _children(name, root, 1, problems):
+            found += _children(version, root, 2, problems)
+    return sorted(found), problems
+
+
+def version_key(root: Path, bundle: Path) -> tuple[tuple[str, str], int] | None:
+    """((prefix name, model folder), version) for <root>/<name>/<version>/<model>, else None."""
+    try:
+        parts = Path(bundle).relative_to(root).parts
+    except ValueError:
+        return None
+    if len(parts) != 3 or (version := parse_version(parts[1])) is None:
+        return None
+    return (parts[0], parts[2]), version
+
+
+def choose(
+    keys: dict[Path, tuple[str, str, int]], versions: dict[str, int] | None
+) -> tuple[list[Path], list[Path], list[Path]]:
+    """(chosen, older, unlocked) of {path: (name, model folder, version)}: per prefix and model the
+    highest version, or the one `versions` (a lockfile) pins; with a lockfile, a prefix it does not
+    name is unlocked, never chosen."""
+    best: dict[tuple[str, str], int] = {}
+    for name, model, version in keys.values():
+        if versions is None or versions.get(name) == version:
+            best[(name, model)] = max(best.get((name, model), 0), version)
+    chosen, older, unlocked = [], [], []
+    for path, (name, model, version) in keys.items():
+        if versions is not None and name not in versions:
+            unlocked.append(path)
+        else:
+            (chosen if best.get((name, model)) == version else older).append(path)
+    return chosen, older, unlocked
+
+
+def choose_versions(
+    root: Path, paths: list[Path], versions: dict[str, int] | None = None
+) -> tuple[list[Path], list[Path]]:
+    """(to mount, not mounted) of find_bundles' paths: per prefix and model the highest version, or
+    the one `versions` pins (a prefix it does not name is not mounted). A path outside the layout
+    (root itself being a bundle) is kept: the caller judges it by its manifest."""
+    keys, loose = {}, []
+    for path in paths:
+        if (key := version_key(root, path)) is None:
+            loose.append(path)
+        else:
+            keys[path] = (key[0][0], key[0][1], key[1])
+    chosen, older, unlocked = choose(keys, versions)
+    return sorted(loose + chosen), sorted(older + unlocked)
