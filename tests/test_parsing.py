@@ -410,6 +410,21 @@ def test_a_missing_model_folder_is_named(command: int, shop_v1: Path, tmp_path: 
     )
 
 
+def test_build_names_a_missing_model_folder(tmp_path: Path, tiny_model: Path, capsys):
+    path = write_definition(tmp_path, tiny_model)
+    argv = ["--prefixes", str(tmp_path / "prefixes"), "--bundles", str(tmp_path / "b"), "build"]
+    missing = tmp_path / "nonexistent"
+    assert one_error(capsys, main([*argv, "--model", str(missing)])) == (
+        f"error: model folder {missing} does not exist; point --model at an MLX model folder "
+        "(config.json, *.safetensors, tokenizer files)"
+    )
+    path.write_text(path.read_text().replace(f'path = "{tiny_model}"', f'path = "{missing}"'))
+    assert one_error(capsys, main(argv)) == (
+        f"error: model {missing}: folder {missing} does not exist; generate the demo model with "
+        "'python build.py demo-model', fix models.path or pass --model"
+    )
+
+
 @pytest.mark.parametrize("make", [False, True])
 def test_list_refuses_a_prefixes_folder_without_definitions_like_build(
     make: bool, tmp_path: Path, capsys

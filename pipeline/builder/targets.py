@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pipeline.builder.definition import LoadedDefinition, ModelSpec, model_slug, slugify
 from pipeline.format.errors import ModelError
+from pipeline.format.fingerprint import check_model_folder
 
 HUB_PATTERNS = [
     "*.json",
@@ -35,6 +36,11 @@ def resolve_model(spec: ModelSpec, root: Path) -> Path:
     """A local model folder for the spec: a path under the repo, or a hub snapshot at a revision."""
     if spec.path is not None:
         path = (root / spec.path).resolve()
+        if not path.is_dir():
+            raise ModelError(
+                f"model {spec.path}: folder {path} does not exist; generate the demo model with "
+                "'python build.py demo-model', fix models.path or pass --model"
+            )
         if not (path / "config.json").is_file():
             raise ModelError(
                 f"model {spec.path}: no config.json in {path}; generate the demo model with "
@@ -95,6 +101,7 @@ def targets(
     if only is not None and model_override is not None and str(model_override) not in only:
         return []
     if model_override is not None:
+        check_model_folder(model_override)  # the --model folder, named as the user gave it
         path = Path(model_override).resolve()
         model_dir = resolve_model(ModelSpec(path=str(path)), root)
         return [Target(definition, model_dir, slugify(path.name), str(model_override))]
