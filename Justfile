@@ -12,9 +12,13 @@ demo:
 build *args:
     python build.py build "$@"
 
-# Run the test suite (no network, no GPU; the tiny model is generated on the fly).
+# The tests without the slow ones (no network, no GPU; the tiny model is generated on the fly).
 test *args:
-    python -m pytest "$@"
+    python -m pytest -m "not slow" "$@"
+
+# Only the slow tests (real servers, both mlx-lm minors, the full fuzz sweep); CI runs both.
+test-slow *args:
+    python -m pytest -m slow "$@"
 
 # Side-by-side benchmarks against mlx_lm; writes bench/RESULTS.md and a chart. `just bench --quick`.
 bench *args:
