@@ -4,11 +4,13 @@ Each mutation edits a copy of the bundle in place. A seal level then says how mu
 covered its tracks: "raw" (nothing), "sums" (SHA256SUMS recomputed, as `sha256sum` would), or
 "resealed" (also the manifest's record of cache.safetensors' digest and size). Data-value edits are
 not resealed: a mutator who rewrites the manifest's digest of the data itself is indistinguishable
-from a builder (that needs signing, which the format does not have), so the corpus claims nothing there.
+from a builder without signatures, so the main corpus claims nothing there; `signature_corpus`
+covers it (the forged bundle) and the signature file itself, given a trusted key.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -18,8 +20,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.format.bundle_folder import CACHE_FILE, MANIFEST_FILE, REPORT_FILE, SUMS_FILE
+from pipeline.format.bundle_folder import (
+    CACHE_FILE,
+    MANIFEST_FILE,
+    REPORT_FILE,
+    SIGNATURE_FILE,
+    SUMS_FILE,
+)
 from pipeline.format.fingerprint import file_digests, sha256_file
+from pipeline.format.secret_key import SecretKey
 
 Mutation = Callable[[Path], None]
 SEALS = ("raw", "sums", "resealed")
@@ -478,3 +487,98 @@ def corpus(pristine: Path) -> list[Case]:
     add("extra-dir", lambda b: (b / "sub").mkdir(), ("raw",))
     add("report-garbage", replace(REPORT_FILE, b"\xff\xfe not json"), ("raw",))
     return cases
+
+
+# --- signatures (issue 18): every case is refused given the trusted key ---------------------------
+
+
+def forge_cache(bundle: Path) -> None:
+    """The issue's forged bundle: one K/V byte flipped mid-data, the manifest's cache.file_sha256,
+    file_blake3 and file_bytes rewritten, SHA256SUMS regenerated (the signature left as it was)."""
+    header, data = split_safetensors(bundle / CACHE_FILE)
+    kv = min((v["data_offsets"] for k, v in header.items() if len(v.get("shape", ())) == 4))
+    middle = len(data) - (kv[0] + kv[1]) // 2  # the middle of the first K/V tensor, from the end
+    flip(CACHE_FILE, lambda n: n - middle, 0x10)(bundle)
+    reseal_manifest(bundle)
+
+
+def edit_signature(fn: Callable[[bytearray], None], line: int = 1) -> Mutation:
+    """Decode one base64 line of the signature file (1: alg + key id + sig, 3: global), edit, re-encode."""
+
+    def mutate(bundle: Path) -> None:
+        lines = (bundle / SIGNATURE_FILE).read_bytes().split(b"\n")
+        raw = bytearray(base64.b64decode(lines[line]))
+        fn(raw)
+        lines[line] = base64.b64encode(bytes(raw))
+        (bundle / SIGNATURE_FILE).write_bytes(b"\n".join(lines))
+
+    return mutate
+
+
+def set_trusted_comment(text: str) -> Mutation:
+    def mutate(bundle: Path) -> None:
+        lines = (bundle / SIGNATURE_FILE).read_bytes().split(b"\n")
+        lines[2] = b"trusted comment: " + text.encode()
+        (bundle / SIGNATURE_FILE).write_bytes(b"\n".join(lines))
+
+    return mutate
+
+
+def xor_at(pos: int, mask: int = 0x01) -> Callable[[bytearray], None]:
+    def edit(raw: bytearray) -> None:
+        raw[pos] ^= mask
+
+    return edit
+
+
+def signature_corpus(signed: Path, key: SecretKey, other: SecretKey) -> list[Case]:
+    """Mutations of a bundle signed by `key` (the trusted one); `other` is a key nobody trusts."""
+    manifest = (signed / MANIFEST_FILE).read_bytes()
+    sig = (signed / SIGNATURE_FILE).read_bytes()
+    comment = sig.split(b"\n")[2].decode().removeprefix("trusted comment: ")
+    cases: list[Case] = []
+    add = lambda name, fn: cases.append(Case(name, fn, ("raw",)))  # noqa: E731
+    for pos in (0, 1, 2, 9, 10, 40, 73):  # algorithm, key id, signature bytes
+        add(f"sig-byte-{pos}", edit_signature(xor_at(pos)))
+    for pos in (0, 31, 63):
+        add(f"sig-global-byte-{pos}", edit_signature(xor_at(pos), line=3))
+    add("sig-legacy-alg", edit_signature(lambda r: r.__setitem__(slice(0, 2), b"Ed")))
+    add("sig-unknown-alg", edit_signature(lambda r: r.__setitem__(slice(0, 2), b"XX")))
+    add("sig-wrong-key-id", edit_signature(lambda r: r.__setitem__(slice(2, 10), other.key_id)))
+    for pos in (0, len(comment) // 2, len(comment) - 1):
+        changed = comment[:pos] + chr(ord(comment[pos]) ^ 1) + comment[pos + 1 :]
+        add(f"trusted-comment-char-{pos}", set_trusted_comment(changed))
+    add("trusted-comment-other-version", set_trusted_comment(comment.replace("@1 ", "@2 ")))
+    add("trusted-comment-empty", set_trusted_comment(""))
+    other_bundle = manifest.replace(b'"version": 1', b'"version": 2', 1)
+    add(
+        "sig-of-another-bundle",
+        replace(SIGNATURE_FILE, key.sign(other_bundle, comment).file_bytes()),
+    )
+    other_comment = key.sign(manifest, comment.replace("shop@1", "other@1"))
+    add("sig-with-another-bundles-comment", replace(SIGNATURE_FILE, other_comment.file_bytes()))
+    add("sig-by-untrusted-key", replace(SIGNATURE_FILE, other.sign(manifest, comment).file_bytes()))
+    add("sig-line-swapped", lambda b: (b / SIGNATURE_FILE).write_bytes(b"\n".join(reversed(sig.split(b"\n")))))  # fmt: skip
+    for label, keep in {"empty": 0, "one-line": sig.index(b"\n") + 1, "mid-sig": len(sig) // 3,
+                        "no-global": sig.rindex(b"\n", 0, -1) + 1, "minus-2": len(sig) - 2}.items():  # fmt: skip
+        add(f"sig-truncated-{label}", truncate(SIGNATURE_FILE, lambda n, k=keep: k))
+    add("sig-appended-line", append(SIGNATURE_FILE, b"untrusted comment: more\n"))
+    add("sig-not-utf8", replace(SIGNATURE_FILE, b"\xff" + sig))
+    add("sig-huge", replace(SIGNATURE_FILE, sig + b"#" * 20_000))
+    add("sig-missing", remove(SIGNATURE_FILE))
+    add("sig-symlink", symlink_to_copy(SIGNATURE_FILE))
+    add("sig-fifo", fifo_instead(SIGNATURE_FILE))
+    add("sig-dir", dir_instead(SIGNATURE_FILE))
+    for extra in ("manifest.json.minisig.bak", "cache.safetensors.minisig", "SHA256SUMS.minisig"):
+        add(f"sig-extra-file-{extra}", add_file(extra, sig))
+    add("forged-cache", forge_cache)
+    add("forged-cache-signed-by-untrusted-key", lambda b: (forge_cache(b), _resign(b, other)))
+    add("manifest-edited-sums-resealed", lambda b: (edit_manifest(set_path(("prefix", "version"), lambda v: 2))(b), reseal_sums(b)))  # fmt: skip
+    return cases
+
+
+def _resign(bundle: Path, key: SecretKey) -> None:
+    """Sign the bundle's manifest as it now is, with `key` (an attacker's own key)."""
+    comment = (bundle / SIGNATURE_FILE).read_bytes().split(b"\n")[2].decode()[17:]
+    signature = key.sign((bundle / MANIFEST_FILE).read_bytes(), comment)
+    (bundle / SIGNATURE_FILE).write_bytes(signature.file_bytes())

@@ -14,14 +14,17 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from fuzz_corpus import apply, corpus, flip, reseal_sums, truncate
+from fuzz_corpus import apply, corpus, flip, reseal_sums, signature_corpus, truncate
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mlx_lm import load
 
+from pipeline.builder.signing import sign_bundle
 from pipeline.cli import main
 from pipeline.format.bundle_folder import CACHE_FILE
 from pipeline.format.errors import BundleError
+from pipeline.format.secret_key import generate
+from pipeline.format.signature import read_trusted_keys
 from pipeline.runtime import PromptCacheManager, mount, verify
 
 SUMMARY: dict[str, int] = {}
@@ -55,18 +58,21 @@ def pristine_logits(loaded, tiny_model: Path, shop_bundle: Path, request_tokens)
     return next_logits(loaded, tiny_model, shop_bundle, request_tokens)
 
 
-def decide(bundle: Path, model: Path) -> dict[str, str]:
-    """What verify, mount and inspect each decide: 'accepted' or 'refused'."""
+def decide(bundle: Path, model: Path, key_file: Path | None = None) -> dict[str, str]:
+    """What verify, mount and inspect each decide: 'accepted' or 'refused' (given a trusted key
+    file: every bundle must be signed by it)."""
+    keys = read_trusted_keys([key_file] if key_file else [])
     out: dict[str, str] = {}
     try:
-        verify(bundle, model)
+        verify(bundle, model, trusted_keys=keys)
         out["verify"] = "accepted"
     except BundleError:
         out["verify"] = "refused"
-    result = mount(model, [bundle], skip_refused=True)
+    result = mount(model, [bundle], skip_refused=True, trusted_keys=keys)
     out["mount"] = "accepted" if result.bundles else "refused"
+    trust = ["--trusted-key", str(key_file)] if key_file else []
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        code = main(["inspect", str(bundle), "--model", str(model), "--json"])
+        code = main(["inspect", str(bundle), "--model", str(model), "--json", *trust])
     out["inspect"] = {0: "accepted", 1: "refused"}.get(code, f"exit {code}")
     return out
 
@@ -140,3 +146,40 @@ def test_a_recomputed_sums_file_alone_never_passes_a_changed_cache(
         verify(bundle, tiny_model)
     assert info.value.field == "cache.file_sha256"
     assert "SHA256SUMS lists cache.safetensors as" in str(info.value)
+
+
+def test_with_a_trusted_key_every_signature_case_is_refused(
+    tmp_path: Path, shop_bundle: Path, tiny_model: Path, monkeypatch
+):
+    """Issue 18's corpus: altered, foreign, truncated, extra, linked or FIFO signatures and the
+    forged bundle are refused by verify, mount and inspect given the trusted key, each with a
+    BundleError; the pristine signed bundle is accepted, and the forged one only without a key."""
+    monkeypatch.setenv("PREFIX_BUNDLES_CACHE_DIR", str(tmp_path / "memo"))
+    key, other = generate(), generate()
+    key_file = tmp_path / "trusted.pub"
+    key_file.write_text(key.public_key().file_text())
+    signed = tmp_path / "signed" / "bundles" / "shop" / "1" / shop_bundle.name
+    shutil.copytree(shop_bundle, signed)
+    sign_bundle(signed, key)
+    assert set(decide(signed, tiny_model, key_file).values()) == {"accepted"}
+    failures, refused = [], 0
+    cases = signature_corpus(signed, key, other)
+    for i, case in enumerate(cases):
+        bundle = apply(
+            case, "raw", signed, tmp_path / f"s{i}" / "bundles" / "shop" / "1" / signed.name
+        )
+        try:
+            decisions = decide(bundle, tiny_model, key_file)
+            assert set(decisions.values()) == {"refused"}, f"not refused everywhere: {decisions}"
+            refused += 1
+        except Exception as exc:  # noqa: BLE001 - anything escaping is a finding to report
+            failures.append(f"{case.name}: {exc.__class__.__name__}: {exc}")
+        shutil.rmtree(tmp_path / f"s{i}", ignore_errors=True)
+    SUMMARY.update(signature_cases=len(cases), signature_refused=refused)
+    assert not failures, "\n".join(failures)
+    assert len(cases) >= 35
+    forged = apply(
+        cases[-3], "raw", signed, tmp_path / "forged" / "bundles" / "shop" / "1" / signed.name
+    )
+    assert cases[-3].name == "forged-cache"
+    assert set(decide(forged, tiny_model).values()) == {"accepted"}  # what signatures are for

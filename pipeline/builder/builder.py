@@ -29,6 +29,7 @@ from pipeline.builder.prefill import (
     resolve_compute,
 )
 from pipeline.builder.render import Rendered, check_rendered, render_prefix
+from pipeline.builder.signing import sign_bundle, sign_manifest
 from pipeline.builder.stability import StableCut, stable_prefix
 from pipeline.builder.targets import Target
 from pipeline.builder.versioning import check_version
@@ -64,6 +65,7 @@ from pipeline.format.manifest import (
     TextInfo,
     TokenInfo,
 )
+from pipeline.format.secret_key import SecretKey
 from pipeline.format.validate import validate
 
 
@@ -164,12 +166,14 @@ def build(
     lock: Lockfile | None = None,
     parent: Path | None = None,
     incremental: bool = True,
+    sign_key: SecretKey | None = None,
 ) -> BuildResult:
     """Build one bundle (or report it up to date); the folder appears complete or not at all.
 
     incremental: start from the bundle under bundles_root that shares the most whole prefill
     chunks with these tokens, when one can give a byte-identical result (pipeline.builder.
-    incremental); parent: start from this bundle or fail."""
+    incremental); parent: start from this bundle or fail; sign_key: add manifest.json.minisig
+    before the bundle is published (an up-to-date bundle is signed in place)."""
     d = target.definition
     identity = model_identity(target.model_dir)
     if target.expected_fingerprint and target.expected_fingerprint != identity.model:
@@ -191,9 +195,11 @@ def build(
     dest = bundle_path(bundles_root, d.name, d.version, target.slug, identity.model)
     current = None if force else existing_manifest(dest, identity)
     if current is not None and current.build_key == key:
+        if sign_key is not None:
+            sign_bundle(dest, sign_key)
         return BuildResult(dest, current, {}, up_to_date=True)
     reuse = parent if parent is not None else incremental
-    job = Job(target, identity, rendered, builder, key, dest, check, progress, reuse)
+    job = Job(target, identity, rendered, builder, key, dest, check, progress, reuse, sign_key)
     try:
         with target_lock(bundles_root, dest):
             return _build_locked(job, bundles_root)
@@ -221,6 +227,7 @@ class Job:
     check: bool
     progress: Progress | None
     reuse: Path | bool  # a parent bundle to start from, or whether to look for one
+    sign_key: SecretKey | None = None  # sign before publishing (pipeline.builder.signing)
 
 
 def _build_locked(job: Job, bundles_root: Path) -> BuildResult:
@@ -246,6 +253,8 @@ def _build_locked(job: Job, bundles_root: Path) -> BuildResult:
         report_extra = {"reused_tokens": parent.reused_tokens if parent else 0, "reuse": reuse_note}
         manifest, report = _write(job, loaded, cut, cache, stats, tmp, needed, parent, report_extra)
         validate(tmp, job.identity)  # the builder never ships what the one validator refuses
+        if job.sign_key is not None:
+            sign_manifest(tmp, job.sign_key)
         publish(bundles_root, tmp, job.dest)
         return BuildResult(job.dest, manifest, report, up_to_date=False)
     finally:

@@ -30,6 +30,8 @@ COMMANDS = (
     "schema",
     "demo",
     "serve",
+    "keygen",
+    "sign",
 )
 DEFAULT_PREFIXES = Path("prefixes")
 # `pull` and `serve` put or look for bundles in <model>/prefix-bundles unless --bundles is given.

@@ -58,12 +58,29 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         help="start from this bundle's cache, or fail saying why it cannot give the same bytes",
     )
     b.add_argument("--shard", type=_shard, metavar="I/N", help=SHARD_HELP)
+    b.add_argument(
+        "--sign-key",
+        type=Path,
+        metavar="FILE",
+        help="sign each bundle with this minisign secret key before it is published (an "
+        "up-to-date bundle is signed in place); PREFIX_BUNDLES_SIGNING_KEY may hold the key text "
+        "instead: pass --sign-key env",
+    )
     add_json_option(
         b,
         "build",
         "; per-target lines go to stderr; on an error it lists what was done and the failed target",
     )
     b.set_defaults(func=run)
+
+
+def _signing_key(option: Path | None):
+    """The --sign-key secret key (`env`: from PREFIX_BUNDLES_SIGNING_KEY), or None."""
+    if option is None:
+        return None
+    from pipeline.cli.keys import load_secret_key
+
+    return load_secret_key(None if str(option) == "env" else option, "--sign-key")
 
 
 def _shard(text: str):
@@ -88,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
             "check": args.check,
             "parent": args.parent,
             "incremental": not args.full,
+            "sign_key": _signing_key(args.sign_key),  # before any prefill: a bad key fails first
         }
         plan = BuildPlan(args.prefixes, args.bundles, args.model, args.shard, args.locked)
         print(blas_status().notice, file=sys.stderr)

@@ -7,7 +7,15 @@ import json
 from pathlib import Path
 
 from pipeline.cli.common import add_json_option, emit_json, integrity_identity, read_template
-from pipeline.cli.reports import CheckResult, InspectReport, Refusal, Validity, refusal_of
+from pipeline.cli.keys import add_trusted_key_option, trusted_keys
+from pipeline.cli.reports import (
+    CheckResult,
+    InspectReport,
+    Refusal,
+    SignatureReport,
+    Validity,
+    refusal_of,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
@@ -18,6 +26,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
     i.add_argument("--model", type=Path, help="also check validity for this model folder")
     i.add_argument("--chat-template", type=Path, help="the template file the server will use")
     add_json_option(i, "inspect")
+    add_trusted_key_option(i)
     i.set_defaults(func=run)
 
 
@@ -29,10 +38,12 @@ def run(args: argparse.Namespace) -> int:
         return _run_json(bundle, args)
     manifest = read_manifest(bundle, None)  # shown even when invalid; validity is decided below
     identity = _identity(args, manifest)
-    refusal = _validity(bundle, identity)
+    keys = trusted_keys(args)
+    refusal = _validity(bundle, identity, keys)
     _print_manifest(bundle, manifest.model_dump(mode="json"))
     print("  files: " + ", ".join(f"{k} {v:,} B" for k, v in _sizes(bundle).items()))
-    _print_checks(manifest, args, identity, refusal)
+    print(f"  signature: {_signature_line(bundle)}")
+    _print_checks(manifest, args, identity, refusal, keys)
     return 0 if refusal is None else 1
 
 
@@ -47,17 +58,23 @@ def _run_json(bundle: Path, args: argparse.Namespace) -> int:
     except BundleError:
         manifest = None  # the validator below says why, at the stage that refuses it
     identity = _identity(args, manifest) if args.model else integrity_identity(bundle)
-    refusal = _validity(bundle, identity)
+    keys = trusted_keys(args)
+    refusal = _validity(bundle, identity, keys)
     fields = {name: getattr(manifest, name, None) for name in Manifest.model_fields}
     validity = Validity(
         valid=refusal is None,
         for_model=str(args.model) if args.model else None,
         refusal=refusal_of(refusal) if refusal else None,
         refusals=_refusals(bundle, manifest, identity, refusal),
-        checks=_check_results(refusal),
+        checks=_check_results(refusal, bool(keys)),
     )
     sizes = _sizes(bundle) if bundle.is_dir() else {}
-    emit_json(InspectReport(bundle=str(bundle), files=sizes, validity=validity, **fields))
+    signature = _signature_report(bundle, bool(keys) and refusal is None)
+    emit_json(
+        InspectReport(
+            bundle=str(bundle), files=sizes, validity=validity, signature=signature, **fields
+        )
+    )
     return 0 if refusal is None else 1
 
 
@@ -75,14 +92,16 @@ def _refusals(bundle: Path, manifest, identity, refusal) -> list[Refusal]:
     return [refusal_of(exc) for exc in failed] or [refusal_of(refusal)]
 
 
-def _check_results(refusal) -> list[CheckResult]:
+def _check_results(refusal, signed: bool) -> list[CheckResult]:
     """The validator's stages in order: ok up to the one that refused, then not reached."""
     from pipeline.format.validate import CHECKS
 
     failed = refusal.check if refusal is not None else None
     results, reached = [], True
     for name, detail in CHECKS:
-        if name == failed:
+        if name == "signature" and not signed and reached:
+            results.append(CheckResult(name=name, status="skipped", detail=NO_KEY))
+        elif name == failed:
             results.append(CheckResult(name=name, status="failed", detail=refusal.reason))
             reached = False
         else:
@@ -105,19 +124,48 @@ def _identity(args: argparse.Namespace, manifest):
     return recorded_identity(manifest)
 
 
-def _validity(bundle: Path, identity):
+NO_KEY = "not checked: no --trusted-key given"
+
+
+def _signature_line(bundle: Path) -> str:
+    """Who signed the bundle and the trusted comment, as written (the checks below verify it)."""
+    from pipeline.format.bundle_signature import describe
+
+    info = describe(bundle)
+    if info is None:
+        return "none (unsigned)"
+    if info.problem is not None:
+        return f"unreadable: {info.problem}"
+    return f"key id {info.key_id}, trusted comment {info.trusted_comment!r}"
+
+
+def _signature_report(bundle: Path, verified: bool) -> SignatureReport | None:
+    from pipeline.format.bundle_signature import describe
+
+    info = describe(bundle) if bundle.is_dir() else None
+    if info is None:
+        return None
+    return SignatureReport(
+        key_id=info.key_id,
+        trusted_comment=info.trusted_comment,
+        problem=info.problem,
+        verified=verified and info.problem is None,
+    )
+
+
+def _validity(bundle: Path, identity, keys: tuple = ()):
     """The validator's verdict: None when valid, else the BundleError."""
     from pipeline.format.errors import BundleError
     from pipeline.format.validate import validate
 
     try:
-        validate(bundle, identity)
+        validate(bundle, identity, trusted_keys=keys)
     except BundleError as exc:
         return exc
     return None
 
 
-def _print_checks(manifest, args: argparse.Namespace, identity, refusal) -> None:
+def _print_checks(manifest, args: argparse.Namespace, identity, refusal, keys: tuple = ()) -> None:
     """The validator's stages in order: ok up to the one that refused, which says why."""
     from pipeline.format.identity import identity_checks
     from pipeline.format.validate import CHECKS
@@ -135,6 +183,8 @@ def _print_checks(manifest, args: argparse.Namespace, identity, refusal) -> None
             for c in identity_checks(manifest, identity):
                 line = f"{(c.found or 'none')[:16]}.. matches" if c.ok else c.error(Path("")).reason
                 print(f"  {'ok  ' if c.ok else 'FAIL'} {c.what:<21} {line}")
+        elif name == "signature" and not keys and reached:
+            print(f"  --   {name:<21} {NO_KEY}")
         elif name == failed:
             print(f"  FAIL {name:<21} {refusal.reason}")
         elif reached:

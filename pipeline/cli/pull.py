@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.cli.common import add_json_option, emit_json, err
+from pipeline.cli.keys import add_trusted_key_option, trusted_keys
 from pipeline.cli.reports_base import refusal_of
 from pipeline.cli.reports_fleet import PulledBundle, PullReport, PullTotals
 
@@ -36,6 +37,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         help="only this prefix (repeatable; default: every prefix, highest version)",
     )
     add_json_option(p, "pull")
+    add_trusted_key_option(p)
     p.set_defaults(func=run, bundles_near_model=True)  # default: <model>/prefix-bundles
 
 
@@ -43,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.distribute.pull import pull
 
     # --bundles not given (None): pull() puts them next to the model, in <model>/prefix-bundles
-    result = pull(args.repo, args.model, args.bundles, args.revision, args.prefix)
+    result = pull(
+        args.repo, args.model, args.bundles, args.revision, args.prefix, trusted_keys(args)
+    )
     for refused in result.refused:
         err(f"{refused.error} (nothing was published)")
     for failed in result.failed:

@@ -62,8 +62,19 @@ class VerifyReport(Report):
 
 class CheckResult(Report):
     name: str = Field(description="validator stage, in the order the validator runs them")
-    status: Literal["ok", "failed", "not-reached"]
+    status: Literal["ok", "failed", "not-reached", "skipped"] = Field(
+        description="skipped: the signature stage without --trusted-key"
+    )
     detail: str = Field(description="what the stage establishes, or why it failed")
+
+
+class SignatureReport(Report):
+    key_id: str | None = Field(description="the signing key's id as minisign prints it")
+    trusted_comment: str | None = Field(description="the signed comment: prefix@version model")
+    problem: str | None = Field(description="why manifest.json.minisig cannot be read, if so")
+    verified: bool = Field(
+        description="true: it verified against a --trusted-key; false: not checked or refused"
+    )
 
 
 class Validity(Report):
@@ -98,6 +109,9 @@ class InspectReport(Report):
     build_key: str | None
     parent: ParentInfo | None = Field(
         description="the bundle an incremental build started from; null: built from token 0"
+    )
+    signature: SignatureReport | None = Field(
+        None, description="manifest.json.minisig as written; null: the bundle is unsigned"
     )
     validity: Validity
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from pipeline.cli.keys import add_trusted_key_option
 from pipeline.runtime.hugepages import CHOICES, DEFAULT_HUGE_PAGES
 from pipeline.runtime.servers.tokens import SERVER_NAMES
 
@@ -56,6 +57,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> argparse.Argum
         help="on: restart serve with GLIBC_TUNABLES=glibc.malloc.hugetlb=1, so malloc uses "
         f"transparent huge pages (Linux with glibc 2.35+; default: {DEFAULT_HUGE_PAGES})",
     )
+    add_trusted_key_option(p)  # each refusal is logged and serve goes on; --strict exits 1
     # unknown options belong to the server; bundles default to <model>/prefix-bundles
     p.set_defaults(func=run, passes_through=True, bundles_near_model=True)
     return p

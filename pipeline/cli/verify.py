@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 
 from pipeline.cli.common import add_json_option, emit_json, err, read_template
+from pipeline.cli.keys import add_trusted_key_option, trusted_keys
 from pipeline.cli.reports import Refusal, VerifiedBundle, VerifyReport, VerifyTotals, refusal_of
 from pipeline.format.errors import PipelineError
 
@@ -29,15 +30,17 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         help="template file the server will use instead of the model's",
     )
     add_json_option(v, "verify")
+    add_trusted_key_option(v)
     v.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     template = read_template(args.chat_template)
     identity = _served_identity(args.model, template)
+    keys = trusted_keys(args)
     results = []
     for bundle in args.bundle or _next_to_model(args.model, results):
-        r = _verify_one(bundle, identity)
+        r = _verify_one(bundle, identity, keys)
         if r.status == "ok" and not args.json:
             print(f"ok {bundle} ({r.prefix}@{r.version}, {r.tokens} tokens)")
         results.append(r)
@@ -64,14 +67,14 @@ def _served_identity(model: Path, template: str | None):
         return exc
 
 
-def _verify_one(bundle: Path, identity) -> VerifiedBundle:
+def _verify_one(bundle: Path, identity, keys: tuple = ()) -> VerifiedBundle:
     """Validate one bundle in full; a refusal is also the one `error:` line on stderr."""
     from pipeline.format.validate import validate
 
     try:
         if isinstance(identity, PipelineError):
             raise identity
-        m = validate(bundle, identity).manifest
+        m = validate(bundle, identity, trusted_keys=keys).manifest
     except PipelineError as exc:
         err(str(exc))
         return VerifiedBundle(path=str(bundle), status="refused", refusal=refusal_of(exc))

@@ -11,6 +11,7 @@ folder and follows no link (pipeline.builder.bundles_tree).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from pipeline.distribute.hub import REPO_TYPE, RemoteBundle, connect, hub_errors
 from pipeline.format.bundle_folder import FINGERPRINT_CHARS
 from pipeline.format.errors import BundleError, PipelineError
 from pipeline.format.names import NAME_HINT, parse_ref
+from pipeline.format.signature import PublicKey
 from pipeline.format.validate import validate
 from pipeline.runtime.mount import identity_for, model_bundles_dir
 
@@ -145,8 +147,11 @@ def pull(
     bundles_dir: Path | None = None,
     revision: str | None = None,
     prefixes: list[str] | None = None,
+    trusted_keys: Sequence[PublicKey] = (),
 ) -> PullResult:
-    """Download, validate and publish the bundles of `repo` that fit the model in `model_dir`."""
+    """Download, validate and publish the bundles of `repo` that fit the model in `model_dir`.
+
+    With trusted_keys each must carry a valid signature by one of them (it is published with it)."""
     model_dir = Path(model_dir)
     root = Path(bundles_dir) if bundles_dir is not None else model_bundles_dir(model_dir)
     wanted = parse_wanted(prefixes)
@@ -174,7 +179,7 @@ def pull(
             )
         with ExitStack() as held:  # every target locked before anything is checked or moved
             busy = {b.path for b in chosen if not _lock(root / b.path, root, held)}
-            validated = _validate_all(result, chosen, staging, identity)
+            validated = _validate_all(result, chosen, staging, identity, tuple(trusted_keys))
             if not (result.refused or busy):
                 _publish_all(result, staging, validated)
             else:
@@ -194,14 +199,14 @@ def _lock(dest: Path, root: Path, held: ExitStack) -> bool:
 
 
 def _validate_all(
-    result: PullResult, chosen: list[RemoteBundle], staging: Path, identity
+    result: PullResult, chosen: list[RemoteBundle], staging: Path, identity, keys: tuple = ()
 ) -> list[tuple[RemoteBundle, int]]:
     """(bundle, tokens) of every downloaded bundle the real validator accepts (every byte
     hashed); the others go to result.refused."""
     validated = []
     for b in chosen:
         try:
-            v = validate(staging / b.path, identity)
+            v = validate(staging / b.path, identity, trusted_keys=keys)
             validated.append((b, v.manifest.tokens.count))
         except BundleError as exc:
             where = f"{b.path} from hub repo {result.repo}@{result.commit[:12]}"

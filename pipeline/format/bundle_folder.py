@@ -1,7 +1,7 @@
 """A bundle folder (format v2): its layout, file names, the SHA256SUMS text, and strict readers.
 
 bundles/<name>/<version>/<model-slug>-<fingerprint[:12]>/
-    cache.safetensors  manifest.json  SHA256SUMS  [build-report.json]
+    cache.safetensors  manifest.json  SHA256SUMS  [build-report.json]  [manifest.json.minisig]
 
 The readers (folder listing, SHA256SUMS, manifest.json) are used by the validator
 (pipeline.format.validate) and by the build side to read old manifests. Each refuses with a
@@ -27,8 +27,11 @@ CACHE_FILE = "cache.safetensors"
 MANIFEST_FILE = "manifest.json"
 SUMS_FILE = "SHA256SUMS"
 REPORT_FILE = "build-report.json"  # measurements; informational, not checksummed (varies per run)
+# minisign signature of manifest.json's bytes (pipeline.format.bundle_signature); not in SHA256SUMS:
+# signing adds it to a finished bundle without changing any other file
+SIGNATURE_FILE = "manifest.json.minisig"
 CHECKSUMMED = (CACHE_FILE, MANIFEST_FILE)
-ALLOWED_FILES = frozenset({*CHECKSUMMED, SUMS_FILE, REPORT_FILE})
+ALLOWED_FILES = frozenset({*CHECKSUMMED, SUMS_FILE, REPORT_FILE, SIGNATURE_FILE})
 STAGING_DIR = ".staging"  # under the bundles root; never read as bundles
 MAX_SUMS_BYTES = 4096
 FINGERPRINT_CHARS = 12
@@ -118,12 +121,22 @@ def digest_mismatch(
 
 def read_manifest(bundle: Path, expected_sha256: str | None) -> Manifest:
     """manifest.json, its sha256 checked when given, parsed into the strict schema."""
+    return parse_manifest(bundle, read_manifest_bytes(bundle, expected_sha256))
+
+
+def read_manifest_bytes(bundle: Path, expected_sha256: str | None) -> bytes:
+    """manifest.json's bytes, read once, their sha256 checked when given (what a signature covers)."""
     try:
         data = read_regular(bundle / MANIFEST_FILE, MAX_MANIFEST_BYTES)
     except FileProblem as exc:
         raise refuse(bundle, f"{MANIFEST_FILE} {exc}", MANIFEST_FILE) from None
     if expected_sha256 is not None and sha256_bytes(data) != expected_sha256:
         raise digest_mismatch(bundle, MANIFEST_FILE, expected_sha256, sha256_bytes(data))
+    return data
+
+
+def parse_manifest(bundle: Path, data: bytes) -> Manifest:
+    """manifest.json's bytes parsed into the strict schema; BundleError naming the field if not."""
     try:
         return Manifest.model_validate_json(data)
     except ValidationError as exc:

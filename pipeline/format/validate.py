@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,10 +24,12 @@ from pipeline.format.bundle_folder import (
     check_folder,
     digest_mismatch,
     model_folder,
-    read_manifest,
+    parse_manifest,
+    read_manifest_bytes,
     read_sums,
     refuse,
 )
+from pipeline.format.bundle_signature import check_binding, check_signature
 from pipeline.format.cache_codec import expected_file, rebuild, user_metadata
 from pipeline.format.cache_header import (
     Expected,
@@ -50,6 +52,7 @@ from pipeline.format.safetensors_read import (
     read_data,
     read_header,
 )
+from pipeline.format.signature import PublicKey
 
 
 @dataclass(frozen=True)
@@ -63,17 +66,24 @@ class Validated:
 
 
 def validate(
-    bundle: Path, identity: ModelIdentity, *, load: bool = False, trust_memo: bool = False
+    bundle: Path,
+    identity: ModelIdentity,
+    *,
+    load: bool = False,
+    trust_memo: bool = False,
+    trusted_keys: Sequence[PublicKey] = (),
 ) -> Validated:
     """Check everything about a bundle for a model; load its cache when asked. BundleError if not.
 
     trust_memo lets a file this user already hashed in full, unchanged since by its stat, skip the
-    re-hash (mount's restart path); verify passes False and always hashes in full.
+    re-hash (mount's restart path); verify passes False and always hashes in full. With
+    trusted_keys (pipeline.format.signature.read_trusted_keys), the bundle must carry a valid
+    signature by one of them.
     """
     bundle = Path(bundle)
     stage = ["files"]
     try:
-        return _validate(bundle, identity, load, trust_memo, stage)
+        return _validate(bundle, identity, load, trust_memo, stage, tuple(trusted_keys))
     except BundleError as exc:
         exc.check = stage[0]
         raise
@@ -90,12 +100,27 @@ def validate(
 
 
 def _validate(
-    bundle: Path, identity: ModelIdentity, load: bool, trust_memo: bool, stage: list[str]
+    bundle: Path,
+    identity: ModelIdentity,
+    load: bool,
+    trust_memo: bool,
+    stage: list[str],
+    trusted_keys: tuple[PublicKey, ...] = (),
 ) -> Validated:
     check_folder(bundle)
     stage[0] = "checksums"
     sums = read_sums(bundle)
-    manifest = read_manifest(bundle, sums[MANIFEST_FILE])
+    manifest_bytes = read_manifest_bytes(bundle, sums[MANIFEST_FILE])
+    # --- signature (issue 18): over the bytes just read, before they are parsed ---
+    signature = None
+    if trusted_keys:
+        stage[0] = "signature"
+        signature = check_signature(bundle, manifest_bytes, trusted_keys)
+    stage[0] = "manifest"
+    manifest = parse_manifest(bundle, manifest_bytes)
+    if signature is not None:
+        check_binding(bundle, signature, manifest)
+    # --- end signature ---
     stage[0] = "location"
     check_location(bundle, manifest)
     stage[0] = "mlx-lm"
@@ -126,8 +151,10 @@ def recorded_identity(manifest: Manifest) -> ModelIdentity:
 
 # What `validate` establishes, in order (inspect prints these for a bundle that passes).
 CHECKS = (
-    ("files", "only SHA256SUMS, manifest.json, cache.safetensors (+ build-report.json), all regular files"),
-    ("checksums", "SHA256SUMS lists both files; manifest.json matches it and fits the strict schema"),
+    ("files", "only SHA256SUMS, manifest.json, cache.safetensors (+ build-report.json, manifest.json.minisig), all regular files"),
+    ("checksums", "SHA256SUMS lists both files; manifest.json matches it"),
+    ("signature", "with trusted keys: manifest.json.minisig by one of them verifies over manifest.json's bytes"),
+    ("manifest", "manifest.json fits the strict schema; a signature's trusted comment names this prefix, version and model"),
     ("location", "a folder in the <name>/<version>/<slug>-<fp> layout is where its manifest says"),
     ("mlx-lm", "the bundle's and the installed mlx-lm are supported; the cache-file layout is the builder's"),
     ("identity", "model weights/config, tokenizer and chat template fingerprints match"),

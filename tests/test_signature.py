@@ -1,0 +1,353 @@
+"""Signed bundles (issue 18): minisign-format keys and signatures, interop with the real minisign
+tool both ways, the validator's "signature" stage through verify, mount, inspect, serve and pull."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from fuzz_corpus import forge_cache
+from test_distribute import REPO, fake_hub, model  # noqa: F401  (fixtures used by name)
+
+from pipeline.builder.signing import sign_bundle
+from pipeline.cli import main
+from pipeline.cli.reports import InspectReport
+from pipeline.format.bundle_folder import CACHE_FILE, MANIFEST_FILE, SIGNATURE_FILE
+from pipeline.format.errors import BundleError
+from pipeline.format.secret_key import (
+    SecretKey,
+    generate,
+    parse_secret_key,
+    scrypt_params,
+    secret_key_text,
+)
+from pipeline.format.signature import (
+    SignatureError,
+    check,
+    parse_public_key,
+    parse_signature,
+    read_public_key,
+)
+from pipeline.runtime import mount, verify
+
+from conftest import document
+
+MINISIGN = shutil.which("minisign")
+needs_minisign = pytest.mark.skipif(MINISIGN is None, reason="minisign is not installed")
+
+
+def write_keys(folder: Path, key: SecretKey, name: str = "k") -> tuple[Path, Path]:
+    """An unencrypted secret key file and its public key file, as keygen -W writes them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{name}.key").write_text(secret_key_text(key, None))
+    (folder / f"{name}.pub").write_text(key.public_key().file_text())
+    return folder / f"{name}.key", folder / f"{name}.pub"
+
+
+@pytest.fixture
+def key() -> SecretKey:
+    return generate()
+
+
+@pytest.fixture
+def bundle(tmp_path: Path, shop_bundle: Path) -> Path:
+    """A copy of the shop bundle in the bundles/<name>/<version>/<model> layout, unsigned."""
+    dest = tmp_path / "bundles" / "shop" / "1" / shop_bundle.name
+    shutil.copytree(shop_bundle, dest)
+    return dest
+
+
+def minisign(*args: str, stdin: str = "") -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [MINISIGN, *args], input=stdin, capture_output=True, text=True, timeout=120
+    )
+
+
+def comment_of(bundle: Path) -> str:
+    m = json.loads((bundle / MANIFEST_FILE).read_text())
+    return f"prefix-bundles shop@1 {m['model']['slug']}-{m['model']['fingerprint'][:12]}"
+
+
+# --- the formats ---------------------------------------------------------------------------------
+
+
+def test_key_files_round_trip_and_key_id_prints_as_minisign_does(key: SecretKey):
+    text = key.public_key().file_text()
+    assert text.splitlines()[0] == f"untrusted comment: minisign public key {key.public_key().id}"
+    assert key.public_key().id == key.key_id[::-1].hex().upper()
+    assert parse_public_key(text) == key.public_key()
+    assert parse_public_key(text.splitlines()[1]) == key.public_key()  # the bare -P form
+    assert parse_secret_key(secret_key_text(key, None)) == key
+
+
+def test_an_encrypted_secret_key_needs_its_password(key: SecretKey):
+    text = secret_key_text(key, "hunter2", opslimit=524288, memlimit=16777216)
+    assert parse_secret_key(text, lambda: "hunter2") == key
+    with pytest.raises(ValueError, match="^wrong password$"):
+        parse_secret_key(text, lambda: "hunter3")
+    with pytest.raises(ValueError, match="^it is encrypted and no password was given$"):
+        parse_secret_key(text)
+
+
+def test_scrypt_parameters_are_libsodiums():
+    assert scrypt_params(33554432, 1073741824) == (1 << 20, 8, 1)  # minisign -G: 1 GiB
+    assert scrypt_params(524288, 16777216) == (1 << 14, 8, 1)  # libsodium's interactive limits
+
+
+def test_a_signature_verifies_only_over_the_exact_bytes(key: SecretKey):
+    sig = key.sign(b"manifest bytes", "prefix-bundles shop@1 tiny-0123456789ab")
+    parsed = parse_signature(sig.file_bytes())
+    assert parsed == sig and parsed.algorithm == b"ED"
+    assert check(parsed, b"manifest bytes", key.public_key()) is None
+    assert "does not match the file" in check(parsed, b"manifest bytes!", key.public_key())
+    other = generate().public_key()
+    assert check(parsed, b"manifest bytes", other) == f"it is by key id {sig.key}, not {other.id}"
+
+
+def test_a_bad_public_key_file_is_one_error_naming_it(tmp_path: Path):
+    path = tmp_path / "k.pub"
+    path.write_text("untrusted comment: x\nnot base64!\n")
+    with pytest.raises(SignatureError) as info:
+        read_public_key(path)
+    assert str(info.value) == (
+        f"public key {path} is not a minisign public key (the public key line is not base64); "
+        "pass the .pub file that 'python build.py keygen' or 'minisign -G' wrote"
+    )
+
+
+# --- interop with the real minisign tool -----------------------------------------------------------
+
+
+@needs_minisign
+def test_a_minisign_key_signs_with_our_sign_and_minisign_verifies_it(
+    bundle: Path, tmp_path: Path, tiny_model: Path, capsys
+):
+    pub, sec = tmp_path / "ms.pub", tmp_path / "ms.key"
+    assert minisign("-G", "-W", "-p", str(pub), "-s", str(sec)).returncode == 0
+    before = {p.name: p.read_bytes() for p in bundle.iterdir()}
+    assert main(["sign", str(bundle), "--key", str(sec)]) == 0
+    key_id = read_public_key(pub).id
+    assert capsys.readouterr().out == (
+        f"signed {bundle} (key id {key_id}, trusted comment {comment_of(bundle)!r})\n"
+    )
+    after = {p.name: p.read_bytes() for p in bundle.iterdir()}
+    assert sorted(after) == sorted([*before, SIGNATURE_FILE])  # nothing else was rewritten
+    assert all(after[name] == data for name, data in before.items())
+    assert not [p for p in bundle.parent.iterdir() if p != bundle]  # no temporary file left
+    done = minisign("-Vm", str(bundle / MANIFEST_FILE), "-p", str(pub))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == f"Trusted comment: {comment_of(bundle)}"
+    assert main(["verify", str(bundle), "--model", str(tiny_model), "--trusted-key", str(pub)]) == 0
+
+
+@needs_minisign
+def test_our_keygen_keys_sign_and_verify_in_minisign(
+    tmp_path: Path, bundle: Path, tiny_model: Path, capsys
+):
+    sec, pub = tmp_path / "ours.key", tmp_path / "ours.pub"
+    assert main(["keygen", "--secret-key", str(sec), "--unencrypted"]) == 0
+    key_id = read_public_key(pub).id
+    assert capsys.readouterr().out.splitlines()[0] == f"key id {key_id}"
+    assert oct(sec.stat().st_mode & 0o777) == "0o600"
+    # minisign signs with our secret key (trusted comment as we write it); we accept it
+    signed = minisign("-S", "-W", "-s", str(sec), "-m", str(bundle / MANIFEST_FILE),
+                      "-t", comment_of(bundle))  # fmt: skip
+    assert signed.returncode == 0, signed.stderr
+    assert verify(bundle, tiny_model, trusted_keys=[read_public_key(pub)]).prefix.name == "shop"
+    # minisign's legacy (not prehashed) format verifies too
+    legacy = minisign("-S", "-l", "-W", "-s", str(sec), "-m", str(bundle / MANIFEST_FILE),
+                      "-t", comment_of(bundle))  # fmt: skip
+    assert legacy.returncode == 0, legacy.stderr
+    assert parse_signature((bundle / SIGNATURE_FILE).read_bytes()).algorithm == b"Ed"
+    verify(bundle, tiny_model, trusted_keys=[read_public_key(pub)])
+    # our sign, then minisign -V with our public key
+    assert main(["sign", str(bundle), "--key", str(sec)]) == 0
+    done = minisign("-Vm", str(bundle / MANIFEST_FILE), "-p", str(pub))
+    assert done.returncode == 0, done.stderr
+
+
+@needs_minisign
+def test_minisigns_default_trusted_comment_is_refused_naming_the_one_to_use(
+    tmp_path: Path, bundle: Path, tiny_model: Path, key: SecretKey
+):
+    sec, pub = write_keys(tmp_path / "keys", key)
+    assert minisign("-S", "-W", "-s", str(sec), "-m", str(bundle / MANIFEST_FILE)).returncode == 0
+    written = parse_signature((bundle / SIGNATURE_FILE).read_bytes()).trusted_comment
+    with pytest.raises(BundleError) as info:
+        verify(bundle, tiny_model, trusted_keys=[key.public_key()])
+    want = comment_of(bundle)
+    assert info.value.reason == (
+        f"the trusted comment of {SIGNATURE_FILE} (key id {key.public_key().id}) is "
+        f"{written!r}, not {want!r}: the signature was made for something else; sign this "
+        f"bundle ('python build.py sign', or minisign -S -t '{want}')"
+    )
+    assert (info.value.check, info.value.field) == ("manifest", SIGNATURE_FILE)
+
+
+@needs_minisign
+@pytest.mark.slow
+def test_encrypted_keys_work_both_ways(tmp_path: Path, bundle: Path, tiny_model: Path, monkeypatch):
+    """scrypt-encrypted secret keys (minisign's default, 1 GiB scrypt): theirs with our sign,
+    ours (keygen with a password) with minisign -S."""
+    monkeypatch.setenv("PREFIX_BUNDLES_KEY_PASSWORD", "correct horse")
+    pub, sec = tmp_path / "ms.pub", tmp_path / "ms.key"
+    made = minisign("-G", "-p", str(pub), "-s", str(sec), stdin="correct horse\ncorrect horse\n")
+    assert made.returncode == 0, made.stderr
+    assert main(["sign", str(bundle), "--key", str(sec)]) == 0
+    verify(bundle, tiny_model, trusted_keys=[read_public_key(pub)])
+    ours, ours_pub = tmp_path / "ours.key", tmp_path / "ours.pub"
+    assert main(["keygen", "--secret-key", str(ours)]) == 0
+    signed = minisign("-S", "-s", str(ours), "-m", str(bundle / MANIFEST_FILE),
+                      "-t", comment_of(bundle), stdin="correct horse\n")  # fmt: skip
+    assert signed.returncode == 0, signed.stderr
+    verify(bundle, tiny_model, trusted_keys=[read_public_key(ours_pub)])
+
+
+# --- the validator's signature stage -------------------------------------------------------------
+
+
+def test_unsigned_and_foreign_signatures_are_refused_naming_the_key_ids(
+    bundle: Path, tiny_model: Path, key: SecretKey
+):
+    trusted = key.public_key()
+    with pytest.raises(BundleError) as info:
+        verify(bundle, tiny_model, trusted_keys=[trusted])
+    assert str(info.value) == (
+        f"bundle {bundle}: {SIGNATURE_FILE} is missing: every bundle must be signed by a trusted "
+        f"key (trusted key id {trusted.id}); sign it ('python build.py sign {bundle} --key KEY') "
+        "or re-copy it with its signature"
+    )
+    assert (info.value.check, info.value.field) == ("signature", SIGNATURE_FILE)
+    other = generate()
+    sign_bundle(bundle, other)
+    with pytest.raises(BundleError) as info:
+        verify(bundle, tiny_model, trusted_keys=[trusted])
+    assert info.value.reason == (
+        f"{SIGNATURE_FILE} is signed by key id {other.public_key().id}, which is not trusted "
+        f"(trusted key id {trusted.id}); sign it with a trusted key, or trust that key's .pub "
+        "file with --trusted-key if it is yours"
+    )
+    # rotation: either of two trusted keys will do; without keys the signature is not checked
+    assert verify(bundle, tiny_model, trusted_keys=[trusted, other.public_key()])
+    assert verify(bundle, tiny_model)
+
+
+def test_the_forged_bundle_is_refused_by_verify_and_mount_given_the_key(
+    bundle: Path, tiny_model: Path, key: SecretKey, tmp_path: Path, capsys
+):
+    sign_bundle(bundle, key)
+    _, pub = write_keys(tmp_path / "keys", key)
+    assert main(["verify", str(bundle), "--model", str(tiny_model), "--trusted-key", str(pub)]) == 0
+    capsys.readouterr()
+    forge_cache(bundle)
+    assert verify(bundle, tiny_model)  # integrity alone cannot tell (the issue's finding)
+    assert main(["verify", str(bundle), "--model", str(tiny_model), "--trusted-key", str(pub)]) == 1
+    assert capsys.readouterr().err == (
+        f"error: bundle {bundle}: {SIGNATURE_FILE} by key id {key.public_key().id} does not "
+        f"verify over {MANIFEST_FILE}: the signature does not match the file (the file or the "
+        "signature was altered); rebuild and sign the bundle again, or re-copy it\n"
+    )
+    result = mount(
+        tiny_model, bundle.parents[2], skip_refused=True, trusted_keys=[key.public_key()]
+    )
+    assert not result.bundles and [r.field for r in result.refused] == [SIGNATURE_FILE]
+
+
+def test_inspect_shows_the_key_id_and_trusted_comment(
+    bundle: Path, key: SecretKey, tmp_path: Path, capsys
+):
+    assert main(["inspect", str(bundle)]) == 0
+    out = capsys.readouterr().out
+    assert "  signature: none (unsigned)\n" in out
+    assert "  --   signature             not checked: no --trusted-key given\n" in out
+    sign_bundle(bundle, key)
+    _, pub = write_keys(tmp_path / "keys", key)
+    assert main(["inspect", str(bundle), "--trusted-key", str(pub)]) == 0
+    out = capsys.readouterr().out
+    kid = key.public_key().id
+    assert f"  signature: key id {kid}, trusted comment {comment_of(bundle)!r}\n" in out
+    assert "  ok   signature             with trusted keys: manifest.json.minisig" in out
+    assert main(["inspect", str(bundle), "--json", "--trusted-key", str(pub)]) == 0
+    doc = document(InspectReport, capsys.readouterr().out)
+    assert (doc.signature.key_id, doc.signature.trusted_comment) == (kid, comment_of(bundle))
+    assert doc.signature.verified and doc.signature.problem is None
+    assert {c.name: c.status for c in doc.validity.checks}["signature"] == "ok"
+    assert main(["inspect", str(bundle), "--json"]) == 0
+    doc = document(InspectReport, capsys.readouterr().out)
+    assert not doc.signature.verified
+    assert {c.name: c.status for c in doc.validity.checks}["signature"] == "skipped"
+
+
+# --- the CLI: keygen, sign, keys from the environment ----------------------------------------------
+
+
+def test_sign_takes_the_key_from_the_environment_and_refuses_an_invalid_bundle(
+    bundle: Path, key: SecretKey, tmp_path: Path, monkeypatch, capsys
+):
+    assert main(["sign", str(bundle)]) == 1
+    assert capsys.readouterr().err == (
+        "error: no signing key: pass --key FILE or set PREFIX_BUNDLES_SIGNING_KEY to the secret "
+        "key file's text\n"
+    )
+    monkeypatch.setenv("PREFIX_BUNDLES_SIGNING_KEY", secret_key_text(key, None))
+    broken = tmp_path / "broken"
+    shutil.copytree(bundle, broken)
+    (broken / CACHE_FILE).write_bytes(b"\xff" * 64)
+    assert main(["sign", str(broken), str(bundle)]) == 1
+    out = capsys.readouterr()
+    assert out.err.startswith(f"error: bundle {broken}: ") and out.err.endswith(" (not signed)\n")
+    assert out.out == (
+        f"signed {bundle} (key id {key.public_key().id}, trusted comment {comment_of(bundle)!r})\n"
+    )
+    assert not (broken / SIGNATURE_FILE).exists()
+    assert check(
+        parse_signature((bundle / SIGNATURE_FILE).read_bytes()),
+        (bundle / MANIFEST_FILE).read_bytes(),
+        key.public_key(),
+    ) is None  # fmt: skip
+
+
+def test_keygen_never_overwrites_and_needs_a_password_or_the_flag(
+    tmp_path: Path, capsys, monkeypatch
+):
+    sec = tmp_path / "k.key"
+    assert main(["keygen", "--secret-key", str(sec), "-W"]) == 0
+    first = sec.read_text()
+    capsys.readouterr()
+    assert main(["keygen", "--secret-key", str(sec), "-W"]) == 1
+    assert capsys.readouterr().err == f"error: {sec} exists; pass --force to replace the key pair\n"
+    assert sec.read_text() == first
+    monkeypatch.delenv("PREFIX_BUNDLES_KEY_PASSWORD", raising=False)
+    assert main(["keygen", "--secret-key", str(tmp_path / "e.key")]) == 1  # stdin is no terminal
+    assert capsys.readouterr().err == (
+        "error: the secret key is encrypted and no terminal can ask for its password; set "
+        "PREFIX_BUNDLES_KEY_PASSWORD\n"
+    )
+    assert not (tmp_path / "e.key").exists() and not (tmp_path / "e.pub").exists()
+
+
+# --- pull carries signatures ---------------------------------------------------------------------
+
+
+def test_pull_with_a_trusted_key_publishes_signed_bundles_only(
+    bundle: Path, key: SecretKey, tmp_path: Path, capsys, request
+):
+    request.getfixturevalue("fake_hub")  # test_distribute's folder-backed hub
+    deploy = request.getfixturevalue("model")
+    _, pub = write_keys(tmp_path / "keys", key)
+    _, stranger = write_keys(tmp_path / "keys", generate(), "stranger")
+    sign_bundle(bundle, key)
+    assert main(["push", str(bundle), "--repo", REPO]) == 0
+    assert (
+        main(["pull", "--repo", REPO, "--model", str(deploy), "--trusted-key", str(stranger)]) == 1
+    )
+    err = capsys.readouterr().err
+    assert "is not trusted" in err and f"key id {key.public_key().id}" in err
+    assert not (deploy / "prefix-bundles" / "shop").exists()
+    assert main(["pull", "--repo", REPO, "--model", str(deploy), "--trusted-key", str(pub)]) == 0
+    local = deploy / "prefix-bundles" / "shop" / "1" / bundle.name
+    assert (local / SIGNATURE_FILE).read_bytes() == (bundle / SIGNATURE_FILE).read_bytes()
+    assert mount(deploy, trusted_keys=[key.public_key()]).bundles
