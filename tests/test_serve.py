@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -35,8 +36,9 @@ def server(model: Path, bundles: Path, log: Path):
 
 
 @contextmanager
-def server_process(model: Path, bundles: Path, log: Path, *extra: str, env: dict | None = None):
-    """`build.py serve` (with extra options, under env) and its port, once it answers /health."""
+def server_process(model: Path, bundles: Path, log: Path, *extra: str, **popen):
+    """`build.py serve` (with extra options; `popen`: env, preexec_fn, ...) and its port, once it
+    answers /health."""
     port = free_port()
     args = [
         sys.executable,
@@ -53,7 +55,7 @@ def server_process(model: Path, bundles: Path, log: Path, *extra: str, env: dict
         *extra,
     ]
     with open(log, "w") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, **popen)
         try:
             wait_ready(port, proc, log)
             yield proc, port
@@ -172,35 +174,48 @@ DEATH = re.compile(
 )
 
 
+def ignore_sigint() -> None:
+    """As a script's background job starts: SIGINT ignored, so Python installs no handler."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("sigint", ["handled", "ignored"])
 def test_a_dead_generation_thread_ends_serve_with_status_1(
-    shop_bundle: Path, tiny_model: Path, tmp_path: Path
+    shop_bundle: Path, tiny_model: Path, tmp_path: Path, sigint: str
 ):
     # mlx_lm.server 0.32.2 checks top_k only inside its batched generation thread: a real request
     # that kills the thread. Before, the process stayed up and answered 404 to every request.
     log = tmp_path / "s.log"
-    with server_process(tiny_model, shop_bundle.parents[2], log) as (proc, port):
+    popen = {"preexec_fn": ignore_sigint} if sigint == "ignored" else {}
+    with server_process(tiny_model, shop_bundle.parents[2], log, **popen) as (proc, port):
         with pytest.raises(OSError):  # the connection drops (or errors): no answer
             chat(port, "Hello?", temperature=1.0, top_k=100_000)
+        start = time.monotonic()
         assert proc.wait(timeout=60) == 1
+        assert time.monotonic() - start < 5  # not the 10 s grace period's hard exit
     lines = log.read_text().splitlines()
     died = [line for line in lines if DEATH.search(line)]
-    assert len(died) == 2 and died[0].endswith("; serve exits with status 1")
-    assert died[1] == lines[-1] and lines[-1].startswith("error: mlx_lm.server's generation")
-    assert lines[-1].endswith("; serve stopped so that a service manager restarts it")
+    assert died[0].endswith("; serve exits with status 1")
+    if sigint == "handled":  # the HTTP server stopped, then the CLI's one error line
+        assert len(died) == 2 and died[1] == lines[-1]
+        assert lines[-1].startswith("error: mlx_lm.server's generation thread died (")
+        assert lines[-1].endswith("; serve stopped so that a service manager restarts it")
+    else:  # no way to interrupt the main thread: exited at once, the log line is the last
+        assert len(died) == 1 and died[0] == lines[-1]
     assert "Traceback" not in log.read_text()
 
 
-def test_serve_hard_exits_when_the_main_thread_cannot_be_interrupted(tmp_path: Path):
-    # The fallback: SIGINT ignored, so interrupt_main() does nothing; the grace timer ends it.
+def test_serve_hard_exits_when_the_main_thread_does_not_stop(tmp_path: Path):
+    # A SIGINT handler that swallows the interrupt: the grace period's timer ends the process.
     script = (
         "import signal, time\n"
         "from pipeline.runtime.serve import GenerationDeath\n"
-        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "signal.signal(signal.SIGINT, lambda *_: None)\n"
         "GenerationDeath(grace_s=0.5).report('RuntimeError: test')\n"
         "time.sleep(30)\n"
     )
     start = time.monotonic()
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
-    assert done.returncode == 1 and time.monotonic() - start < 20
-    assert "generation thread died (RuntimeError: test); serve exits with status 1" in done.stderr
+    assert done.returncode == 1 and 0.5 <= time.monotonic() - start < 20
+    assert done.stderr == "generation thread died (RuntimeError: test); serve exits with status 1\n"

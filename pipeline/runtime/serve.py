@@ -14,6 +14,7 @@ import argparse
 import datetime
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -48,7 +49,7 @@ def check_mlx_lm() -> str:
 def bundled_prompt_cache_class(manager: PromptCacheManager, model_path: str) -> type:
     """A LRUPromptCache subclass that also answers from the bundles pinned in `manager`, and hands
     the batched path only caches it can merge (see pipeline.runtime.batching)."""
-    from mlx_lm.models.cache import LRUPromptCache
+    from mlx_lm.server import LRUPromptCache  # 0.30 defines it there, later ones import it
 
     class BundledPromptCache(LRUPromptCache):
         single_path = False  # True while the ResponseGenerator serves a request on its own
@@ -86,19 +87,22 @@ class GenerationDeath:
     """Ends the process when mlx_lm.server's generation thread dies, so a service manager restarts
     it: the server would otherwise stay up answering every request with an error."""
 
-    def __init__(self, grace_s: float = 30.0) -> None:
+    def __init__(self, grace_s: float = 10.0) -> None:
         """`grace_s`: how long the main thread may take to shut down before a hard exit."""
         self.cause: str | None = None
         self.grace_s = grace_s
 
     def report(self, cause: str) -> None:
-        """Log the cause, interrupt the main thread (serve then raises), and hard-exit after the
-        grace period should the main thread not get there."""
+        """Log the cause, then interrupt the main thread (mlx_lm.server stops its HTTP server and
+        serve raises), with a hard exit after the grace period should it not get there; at once
+        when SIGINT is ignored (a background job of a script), which interrupt_main cannot pass."""
         if self.cause is not None:
             return
         self.cause = cause
         log.error("generation thread died (%s); serve exits with status 1", cause)
-        timer = threading.Timer(self.grace_s, os._exit, args=(1,))
+        if not callable(signal.getsignal(signal.SIGINT)):
+            _hard_exit()
+        timer = threading.Timer(self.grace_s, _hard_exit)
         timer.daemon = True
         timer.start()
         _thread.interrupt_main()
@@ -109,6 +113,13 @@ class GenerationDeath:
             f"mlx_lm.server's generation thread died ({self.cause}); serve stopped so that a "
             "service manager restarts it"
         )
+
+
+def _hard_exit() -> None:
+    """Exit with status 1 now, from any thread, output flushed."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(1)
 
 
 def guarded_response_generator_class(death: GenerationDeath) -> type:
