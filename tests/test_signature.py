@@ -6,10 +6,11 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from fuzz_corpus import forge_cache
+from fuzz_corpus import edit_manifest, forge_cache, reseal_sums, set_path
 from test_distribute import REPO, fake_hub, model  # noqa: F401  (fixtures used by name)
 
 from pipeline.builder.signing import sign_bundle
@@ -35,6 +36,7 @@ from pipeline.runtime import mount, verify
 
 from conftest import document
 
+ROOT = Path(__file__).resolve().parents[1]
 MINISIGN = shutil.which("minisign")
 needs_minisign = pytest.mark.skipif(MINISIGN is None, reason="minisign is not installed")
 
@@ -351,3 +353,69 @@ def test_pull_with_a_trusted_key_publishes_signed_bundles_only(
     local = deploy / "prefix-bundles" / "shop" / "1" / bundle.name
     assert (local / SIGNATURE_FILE).read_bytes() == (bundle / SIGNATURE_FILE).read_bytes()
     assert mount(deploy, trusted_keys=[key.public_key()]).bundles
+
+
+# --- build --sign-key, serve and rollback (real processes) -----------------------------------------
+
+
+@needs_minisign
+@pytest.mark.slow
+def test_signed_builds_serve_and_a_forged_or_rolled_back_bundle_does_not(
+    project: Path, tiny_model: Path, key: SecretKey, tmp_path: Path, capsys
+):
+    """build --sign-key signs before publishing (minisign verifies it); serve --trusted-key
+    --lockfile mounts the locked, genuinely signed version; a forged copy is refused (logged, or
+    exit 1 with --strict) and an older signed version copied back is never mounted."""
+    from test_serve import server_process
+
+    sec, pub = write_keys(tmp_path / "keys", key)
+    definition = project / "prefixes" / "shop.toml"
+    cli = ["--prefixes", str(project / "prefixes"), "--bundles", str(project / "bundles"), "build"]
+    assert main([*cli, "--sign-key", str(sec), "--no-check"]) == 0
+    definition.write_text(definition.read_text().replace("version = 1", "version = 2"))
+    assert main([*cli, "--sign-key", str(sec), "--no-check"]) == 0
+    capsys.readouterr()
+    (v1,) = (project / "bundles" / "shop" / "1").iterdir()
+    (v2,) = (project / "bundles" / "shop" / "2").iterdir()
+    done = minisign("-Vm", str(v2 / MANIFEST_FILE), "-p", str(pub))
+    assert done.returncode == 0 and f"prefix-bundles shop@2 {v2.name}" in done.stdout
+    lock = project / "prefixes" / "prefixes.lock"
+    deploy = tmp_path / "deploy"
+    shutil.copytree(project / "bundles", deploy, ignore=shutil.ignore_patterns(".staging"))
+    trust = ("--trusted-key", str(pub), "--lockfile", str(lock))
+    with server_process(tiny_model, deploy, tmp_path / "ok.log", *trust):
+        pass
+    log = (tmp_path / "ok.log").read_text()
+    assert "mounted shop@2" in log and "mounted shop@1" not in log
+
+    forge_cache(deploy / "shop" / "2" / v2.name)  # the issue's forged bundle, signature kept
+    with server_process(tiny_model, deploy, tmp_path / "forged.log", *trust):
+        pass
+    log = (tmp_path / "forged.log").read_text()
+    assert (
+        f"refused {deploy / 'shop' / '2' / v2.name}: {SIGNATURE_FILE} by key id {key.public_key().id}"
+        in log
+    )
+    assert "0 bundle(s) mounted, 1 refused" in log and "mounted shop@1" not in log
+    strict = subprocess.run(
+        [sys.executable, str(ROOT / "build.py"), "serve", "--model", str(tiny_model),
+         "--bundles", str(deploy), "--strict", *trust],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert strict.returncode == 1
+    assert strict.stderr.splitlines()[-1].startswith(
+        f"error: bundle {deploy / 'shop' / '2' / v2.name}: {SIGNATURE_FILE} by key id "
+    )
+    # rollback: shop@2 gone, the genuine signed shop@1 left: the lockfile names 2, so none mounts
+    shutil.rmtree(deploy / "shop" / "2")
+    result = mount(tiny_model, deploy, skip_refused=True, versions={"shop": 2},
+                   trusted_keys=[key.public_key()])  # fmt: skip
+    assert not result.bundles and result.older == [deploy / "shop" / "1" / v1.name]
+    # relabelled as version 2 (manifest edited, sums regenerated): the signature refuses it
+    relabelled = deploy / "shop" / "2" / v1.name
+    shutil.copytree(v1, relabelled)
+    edit_manifest(set_path(("prefix", "version"), lambda v: 2))(relabelled)
+    reseal_sums(relabelled)
+    result = mount(tiny_model, deploy, skip_refused=True, versions={"shop": 2},
+                   trusted_keys=[key.public_key()])  # fmt: skip
+    assert not result.bundles and [r.field for r in result.refused] == [SIGNATURE_FILE]
