@@ -44,9 +44,16 @@ def run_build(root: Path, name: str = "shop", bundles: Path | None = None, **kwa
     return build(target, bundles or root / "bundles", **kwargs)
 
 
+CONTINUED = "; continued from parent "
+
+
 def without_parent(bundle: Path) -> dict:
+    """The manifest but for what names the parent (its record, the fidelity reference's note)."""
     manifest = json.loads((bundle / MANIFEST_FILE).read_text())
     manifest.pop("parent", None)
+    fidelity = manifest["fidelity"]
+    if fidelity.get("reference"):
+        fidelity["reference"] = fidelity["reference"].split(CONTINUED)[0]
     return manifest
 
 
@@ -60,6 +67,7 @@ def assert_same_as_full_build(result: BuildResult, root: Path, name: str, tmp_pa
     checked = result.manifest.fidelity.checked
     full = run_build(root, name, bundles=tmp_path / "full-build", incremental=False, check=checked)
     assert full.manifest.parent is None and full.report["reused_tokens"] == 0
+    assert CONTINUED not in (full.manifest.fidelity.reference or "")
     assert "parent" not in json.loads((full.bundle / MANIFEST_FILE).read_text())
     assert (result.bundle / CACHE_FILE).read_bytes() == (full.bundle / CACHE_FILE).read_bytes()
     assert without_parent(result.bundle) == without_parent(full.bundle)
@@ -88,6 +96,17 @@ def test_a_new_version_with_appended_text_starts_from_the_old_one(
     assert parent.reused_tokens % step == 0 and parent.reused_tokens < new.manifest.tokens.count
     assert new.report["reuse"].startswith(f"reused {parent.reused_tokens:,} tokens from shop@1")
     assert new.manifest.fidelity.greedy_match  # warm from the bundle equals a cold prefill
+    chunks = parent.reused_tokens // step
+    assert parent.checked == (
+        f"unsigned (no trusted keys given); chunk {' and '.join(map(str, sorted({0, chunks - 1})))}"
+        f" of the {chunks} reused chunks of {step} tokens recomputed from token 0 and "
+        "byte-identical"
+    )
+    reference = new.manifest.fidelity.reference  # its reference run continued from the parent
+    assert reference.endswith(
+        f"{CONTINUED}shop@1/{old.bundle.name} at token {parent.reused_tokens:,} (cache sha256 "
+        f"{old.manifest.cache.file_sha256[:16]}..): not an independent prefill from token 0"
+    )
     identity = replace(model_identity(tiny_model), template=new.manifest.model.template_sha256)
     validate(new.bundle, identity, load=True)  # the one validator accepts the child
     assert_same_as_full_build(new, root, "shop", tmp_path)
@@ -206,3 +225,106 @@ def test_a_candidate_with_special_files_is_passed_over_without_reading_them(
     assert new.manifest.parent is None and new.report["reused_tokens"] == 0
     with pytest.raises(BuildError, match=r"cannot be reused \(.*not a regular file"):
         run_build(root, parent=base, force=True)
+
+
+# --- a tampered parent (issue 16, finding 2) ------------------------------------------------------
+
+
+def retamper(bundle: Path, layers: list[int], positions: range) -> None:
+    """Alter the K/V of these positions in these layers, then rewrite the manifest's pins and
+    SHA256SUMS so that the bundle passes the validator (the format has no signature here)."""
+    import numpy as np
+
+    from pipeline.format.bundle_folder import sums_text
+    from pipeline.format.fingerprint import file_digests, sha256_bytes
+    from pipeline.format.manifest import Manifest, manifest_bytes
+    from pipeline.format.safetensors_read import DTYPE_SIZES, read_header
+
+    header = read_header(bundle / CACHE_FILE)
+    raw = bytearray((bundle / CACHE_FILE).read_bytes())
+    for layer in layers:
+        for name in (f"{layer}.0", f"{layer}.1"):  # keys, values: (1, heads, tokens, head_dim)
+            t = header.by_name()[name]
+            _, heads, count, dim = t.shape
+            size = DTYPE_SIZES[t.dtype]
+            kind, bit = (np.uint32, 1 << 14) if size == 4 else (np.uint16, 1 << 2)
+            for h in range(heads):
+                offset = t.start + (h * count + positions.start) * dim * size
+                n = len(positions) * dim
+                np.frombuffer(raw, dtype=kind, count=n, offset=offset)[:] ^= bit
+    (bundle / CACHE_FILE).write_bytes(bytes(raw))
+    d = file_digests(bundle / CACHE_FILE)
+    m = Manifest.model_validate_json((bundle / MANIFEST_FILE).read_bytes())
+    cache = m.cache.model_copy(update={"file_sha256": d.sha256, "file_blake3": d.blake3})
+    data = manifest_bytes(m.model_copy(update={"cache": cache}))
+    (bundle / MANIFEST_FILE).write_bytes(data)
+    (bundle / SUMS_FILE).write_text(
+        sums_text({CACHE_FILE: d.sha256, MANIFEST_FILE: sha256_bytes(data)})
+    )
+
+
+def shared_tokens(a: Path, b: Path) -> int:
+    """How many leading token ids two bundles share."""
+    from pipeline.format.safetensors_read import read_header
+
+    ids = [json.loads(read_header(x / CACHE_FILE).metadata["0.token_ids"]) for x in (a, b)]
+    return next(
+        (i for i, (x, y) in enumerate(zip(*ids, strict=False)) if x != y), min(map(len, ids))
+    )
+
+
+TAMPERED = {
+    # what was altered -> (layers, which reused chunk; -1: the last), the chunk that shows it
+    "chunk 0, every layer": ("all", 0, 0),
+    "a middle chunk, the first layer": ([0], 2, -1),  # seen through the last chunk's attention
+    "the last reused chunk, the last layer": ("last", -1, -1),
+}
+
+
+@pytest.mark.parametrize("case", TAMPERED)
+def test_a_tampered_parent_is_refused_and_the_child_is_a_full_builds(
+    tmp_path: Path, tiny_model: Path, case: str, capsys
+):
+    """A parent whose K/V were altered and whose pins were rewritten passes the validator; the
+    spot check recomputes chunks from token 0 and refuses it: the build prefills from token 0
+    (a warning says why) and --parent fails."""
+    from pipeline.cli import main
+
+    root = tmp_path / "project"
+    define(root, tiny_model)
+    old = run_build(root)
+    identity = replace(model_identity(tiny_model), template=old.manifest.model.template_sha256)
+    define(root, tiny_model, version=2, system=SYSTEM + MORE)
+    layers, chunk, seen = TAMPERED[case]
+    total = len(old.manifest.cache.classes)
+    chunks = (
+        shared_tokens(
+            old.bundle, run_build(root, bundles=tmp_path / "v2", incremental=False).bundle
+        )
+        // STEP
+    )  # whole chunks v2 can reuse
+    chunk, seen = chunk % chunks, seen % chunks
+    layers = (
+        {"all": list(range(total)), "last": [total - 1]}[layers]
+        if isinstance(layers, str)
+        else layers
+    )
+    retamper(old.bundle, layers, range(chunk * STEP, (chunk + 1) * STEP))
+    validate(old.bundle, identity, load=True)  # the validator alone cannot tell
+
+    with pytest.raises(BuildError) as refused:
+        run_build(root, parent=old.bundle)
+    assert str(refused.value).startswith(
+        f"--parent {old.bundle}: cannot be reused (recomputed from token 0, chunk {seen} (tokens "
+        f"{seen * STEP}-{(seen + 1) * STEP}) differs from the parent's in layer "
+    )
+    capsys.readouterr()
+    code = main(["--prefixes", str(root / "prefixes"), "--bundles", str(root / "bundles"),
+                 "build", "--no-check"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 0, err
+    warning = f"warning: prefilled from token 0; refused as a parent: {old.bundle}: recomputed"
+    assert warning in err
+    new = run_build(root)  # up to date: the CLI's build
+    assert new.up_to_date and new.manifest.parent is None
+    assert_same_as_full_build(new, root, "shop", tmp_path)

@@ -13,7 +13,13 @@ from filelock import Timeout as LockTimeout
 from pipeline import __version__
 from pipeline.blas import blas_status
 from pipeline.builder.fidelity import run_checks
-from pipeline.builder.incremental import Resume, Wanted, find_parent
+from pipeline.builder.incremental import (
+    REFUSED_PARENT,
+    Resume,
+    Wanted,
+    continued_reference,
+    find_parent,
+)
 from pipeline.builder.prefill import (
     Progress,
     cache_nbytes,
@@ -251,6 +257,8 @@ def _build_locked(job: Job, bundles_root: Path) -> BuildResult:
         parent = resume.parent if resume else None
         del resume, start  # the parent's arrays: the prefill's cache holds what it needs
         report_extra = {"reused_tokens": parent.reused_tokens if parent else 0, "reuse": reuse_note}
+        if REFUSED_PARENT in reuse_note:  # a parent failed its spot check: the CLI warns
+            report_extra["parent_warning"] = reuse_note
         manifest, report = _write(job, loaded, cut, cache, stats, tmp, needed, parent, report_extra)
         validate(tmp, job.identity)  # the builder never ships what the one validator refuses
         if job.sign_key is not None:
@@ -267,7 +275,7 @@ def _resume(job: Job, loaded, tokens: list[int], bundles_root: Path) -> tuple[Re
         return None, "incremental builds off (--full)"
     wanted = Wanted(
         tokens, job.identity, job.builder, dtype_name(loaded.compute_dtype),
-        job.target.definition.spec.cache.prefill_step_size,
+        job.target.definition.spec.cache.prefill_step_size, loaded.model,
     )  # fmt: skip
     explicit = job.reuse if isinstance(job.reuse, Path) else None
     return find_parent(bundles_root, wanted, job.dest, explicit)
@@ -306,6 +314,8 @@ def _write(
                 loaded, job.target.model_dir, held, tmp / CACHE_FILE, cut.tokens,
                 cut.probe_tokens, d.spec,
             )  # fmt: skip
+            if parent is not None:  # its reference run started from the parent too: say so
+                fidelity = continued_reference(fidelity, parent)
         held.clear()
         facts = BuildFacts(
             job.identity, job.rendered, cut, layers, dtype_name(loaded.serving_dtype),

@@ -8,8 +8,15 @@ stored state IS the state a full build has at a chunk boundary:
   so a bfloat16 bundle prefilled in float32 does not hold the float32 state);
 - reuse stops at the last multiple of the chunk size at or below the shared token prefix, so the
   remaining chunks are exactly the full build's chunks.
-The parent passes the one validator in full (both digests) before any of its bytes is used: a
-child built on a tampered parent would carry valid pins over wrong data.
+The parent passes the one validator in full (both digests) before any of its bytes is used, and
+with trusted keys its signature too (`Wanted.trusted_keys`: the one place a parent is validated).
+Without keys its pins only prove it unchanged since someone wrote them, so before any of its
+state is used two chunks are recomputed and must give its bytes exactly (`spot_check`): chunk 0
+from token 0 (independent of the parent), and the last reused chunk from the parent's earlier
+chunks (a change to the K/V of any earlier position in any layer but the last changes what that
+chunk attends to). A parent that fails is refused: the build goes on from another parent or from
+token 0 with a warning, and `--parent` fails. What this cannot see: an edit confined to the last
+layer's K/V of the middle chunks; release builds use `--full` or trusted keys.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from pipeline.format.bundle_folder import (
 from pipeline.format.cache_codec import detect_layout, user_metadata
 from pipeline.format.errors import BuildError, BundleError
 from pipeline.format.fingerprint import ModelIdentity
-from pipeline.format.manifest import DEFAULT_LAYOUT, BuilderInfo, Manifest, ParentInfo
+from pipeline.format.manifest import DEFAULT_LAYOUT, BuilderInfo, FidelityInfo, Manifest, ParentInfo
 from pipeline.format.safetensors_read import FormatError, read_header
 from pipeline.format.validate import validate
 from pipeline.runtime.mount import find_bundles
@@ -44,6 +51,8 @@ class Wanted:
     builder: BuilderInfo
     compute_dtype: str  # the dtype the prefill holds its cache in
     step: int  # prefill chunk size
+    model: Any = None  # the loaded model, to recompute chunks of a parent with (spot_check)
+    trusted_keys: tuple = ()  # with keys, a parent must carry a valid signature by one of them
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,7 @@ class Resume:
     done: int
     parent: ParentInfo
     path: Path
+    refused: tuple[str, ...] = ()  # parents passed over after validation or the spot check, why
 
 
 def find_parent(
@@ -63,10 +73,10 @@ def find_parent(
     line saying what was reused or why nothing was."""
     if explicit is not None:
         manifest, reason = examine(explicit, wanted)
-        resume = None if manifest is None else _load(explicit, manifest, wanted)
+        resume, reason = (None, reason) if manifest is None else _load(explicit, manifest, wanted)
         if resume is None:
             raise BuildError(
-                f"--parent {explicit}: cannot be reused ({reason or 'refused by the validator'}); "
+                f"--parent {explicit}: cannot be reused ({reason}); "
                 "pass another bundle or drop --parent to build from token 0"
             )
         return resume, _reused_line(resume)
@@ -80,12 +90,18 @@ def find_parent(
         if manifest is not None:
             reused = reusable_tokens(_token_ids(path), wanted)
             candidates.append((reused, str(path), path, manifest))
+    refused: list[str] = []
     for reused, _, path, manifest in sorted(candidates, key=lambda c: (-c[0], c[1])):
         if reused == 0:
             break
-        resume = _load(path, manifest, wanted)
+        resume, reason = _load(path, manifest, wanted)
         if resume is not None:
+            resume = dataclasses.replace(resume, refused=tuple(refused))
             return resume, _reused_line(resume)
+        if reason and reason.startswith(SPOT_CHECK):
+            refused.append(f"{path}: {reason}")
+    if refused:
+        return None, f"prefilled from token 0; {REFUSED_PARENT}: {'; '.join(refused)}"
     return None, "no earlier bundle shares a whole prefill chunk with these tokens"
 
 
@@ -142,20 +158,52 @@ def _token_ids(bundle: Path) -> list[int]:
     return ids if isinstance(ids, list) else []
 
 
-def _load(bundle: Path, manifest: Manifest, wanted: Wanted) -> Resume | None:
-    """The parent validated in full and loaded, its cache replayed up to the reusable tokens."""
+def _load(bundle: Path, manifest: Manifest, wanted: Wanted) -> tuple[Resume | None, str | None]:
+    """The parent validated in full, spot-checked and loaded, its cache replayed up to the
+    reusable tokens; or None and why not."""
     # the template changes the text, not the cache of given tokens: check the parent as built
     identity = dataclasses.replace(wanted.identity, template=manifest.model.template_sha256)
+    keys = {"trusted_keys": wanted.trusted_keys} if wanted.trusted_keys else {}
     try:
-        checked = validate(bundle, identity, load=True, trust_memo=False)
-    except BundleError:
-        return None
+        checked = validate(bundle, identity, load=True, trust_memo=False, **keys)
+    except BundleError as exc:
+        return None, f"refused by the validator: {exc.reason}"
     done = reusable_tokens(checked.tokens, wanted)
     if done == 0 or checked.cache is None:
-        return None
-    return Resume(
-        _replay(checked.cache, done, wanted.step), done, _record(bundle, manifest, done), bundle
-    )
+        return None, "it shares no whole prefill chunk with these tokens"
+    chunks = spot_check(wanted.model, checked.cache, wanted.tokens, done, wanted.step)
+    if isinstance(chunks, str):
+        return None, chunks
+    record = _record(bundle, manifest, done, chunks, wanted.step, bool(wanted.trusted_keys))
+    return Resume(_replay(checked.cache, done, wanted.step), done, record, bundle), None
+
+
+SPOT_CHECK = "recomputed from token 0"
+REFUSED_PARENT = "refused as a parent"
+
+
+def spot_check(
+    model: Any, layers: list[Any], tokens: list[int], done: int, step: int
+) -> list[int] | str:
+    """Recompute chunk 0 from token 0, and the last reused chunk from the parent's earlier ones;
+    the chunks checked when every K/V byte is the parent's, else what differs."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    checked = sorted({0, done // step - 1})
+    for index in checked:
+        start, end = index * step, (index + 1) * step
+        cache = _replay(layers, start, step) if start else [KVCache() for _ in layers]
+        model(mx.array(tokens[start:end])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        for i, (fresh, old) in enumerate(zip(cache, layers, strict=True)):
+            for kind, got, want in (("keys", fresh.keys, old.keys), ("values", fresh.values, old.values)):  # fmt: skip
+                if not mx.array_equal(got[..., start:end, :], want[..., start:end, :]).item():
+                    return (
+                        f"{SPOT_CHECK}, chunk {index} (tokens {start}-{end}) differs from the "
+                        f"parent's in layer {i} {kind}: altered, or built differently"
+                    )
+    return checked
 
 
 def _replay(layers: list[Any], done: int, step: int) -> list[Any]:
@@ -180,17 +228,36 @@ def _replay(layers: list[Any], done: int, step: int) -> list[Any]:
     return out
 
 
-def _record(bundle: Path, manifest: Manifest, done: int) -> ParentInfo:
+def _record(
+    bundle: Path, manifest: Manifest, done: int, chunks: list[int], step: int, signed: bool
+) -> ParentInfo:
     p = manifest.prefix
+    which = " and ".join(map(str, chunks))
     return ParentInfo(
         prefix=p.name,
         version=p.version,
         folder=bundle.name,
         file_sha256=manifest.cache.file_sha256,
         reused_tokens=done,
+        checked=(
+            f"{'signed by a trusted key' if signed else 'unsigned (no trusted keys given)'}; "
+            f"chunk {which} of the {done // step} reused chunks of {step} tokens recomputed "
+            "from token 0 and byte-identical"
+        ),
     )
 
 
 def _reused_line(resume: Resume) -> str:
     p = resume.parent
-    return f"reused {p.reused_tokens:,} tokens from {p.prefix}@{p.version} ({resume.path})"
+    line = f"reused {p.reused_tokens:,} tokens from {p.prefix}@{p.version} ({resume.path})"
+    return f"{line}; {REFUSED_PARENT}: {'; '.join(resume.refused)}" if resume.refused else line
+
+
+def continued_reference(fidelity: FidelityInfo, parent: ParentInfo) -> FidelityInfo:
+    """The fidelity record of a child: its reference prefill continued from the parent too."""
+    where = f"{parent.prefix}@{parent.version}/{parent.folder}"
+    note = (
+        f"continued from parent {where} at token {parent.reused_tokens:,} (cache sha256 "
+        f"{parent.file_sha256[:16]}..): not an independent prefill from token 0"
+    )
+    return fidelity.model_copy(update={"reference": f"{fidelity.reference}; {note}"})

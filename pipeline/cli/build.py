@@ -130,6 +130,8 @@ def _record(args: argparse.Namespace, outcome) -> BuiltTarget:
     _print_built(outcome.label, result, sys.stderr if args.json else sys.stdout)
     if result.advice and not result.up_to_date:
         warn(result.advice)
+    if not result.up_to_date and result.report.get("parent_warning"):
+        warn(result.report["parent_warning"])  # a parent failed its spot check
     m, r = result.manifest, result.report
     return BuiltTarget(
         prefix=d.name,

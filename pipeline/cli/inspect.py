@@ -225,7 +225,9 @@ def _print_manifest(bundle: Path, data: dict) -> None:
     if data.get("parent"):  # an incremental build: which bundle's cache it started from
         p = data["parent"]
         print(
-            f"  parent: {p['prefix']}@{p['version']}/{p['folder']} (cache sha256 "
-            f"{p['file_sha256'][:16]}..), {p['reused_tokens']} tokens reused; the cache file is "
-            "byte-identical to a build from token 0"
+            f"  parent: continued from {p['prefix']}@{p['version']}/{p['folder']} (cache sha256 "
+            f"{p['file_sha256'][:16]}..), its first {p['reused_tokens']} tokens reused: as "
+            "trustworthy as that parent; 'build --full' owes no other bundle anything"
         )
+        if p.get("checked"):
+            print(f"  parent checked: {p['checked']}")

@@ -111,15 +111,17 @@ class FidelityInfo(Record):
 
 
 class ParentInfo(Record):
-    """The bundle an incremental build started from (its cache file's sha256 pins the exact
-    bytes). Informational: the child's own pins cover the child, and its cache file is
-    byte-identical to a build from token 0."""
+    """The bundle an incremental build continued from (its cache file's sha256 pins the exact
+    bytes): the child's first reused_tokens positions are that parent's state, so the child is as
+    trustworthy as the parent; `checked` says what was verified of it before use. Build with
+    --full for a child that owes nothing to another bundle."""
 
     prefix: Annotated[str, Field(pattern=NAME_RULE)]
     version: Count
     folder: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]{0,127}$")]
     file_sha256: Hex64
     reused_tokens: Count
+    checked: Short | None = None  # signature, chunks recomputed from token 0 (None: older builds)
 
 
 class Manifest(Record):
