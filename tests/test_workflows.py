@@ -207,7 +207,7 @@ def test_every_build_py_command_in_workflows_and_examples_exists_with_its_option
 
 def test_the_scan_finds_what_each_file_runs():
     release = list(workflow_invocations(WORKFLOWS / "release-bundles.yml"))
-    assert {i.argv[0] for i in release} == {"build", "verify", "demo-model", "push"}
+    assert {i.argv[0] for i in release} == {"build", "verify", "demo-model", "sign", "push"}
     builds = [i.argv for i in release if i.argv[0] == "build"]
     assert all({"--locked", "--json"} <= set(argv) for argv in builds)
     shards = sorted(argv[argv.index("--shard") + 1] for argv in builds)
