@@ -2,9 +2,11 @@
 
 Errors are raised (PipelineError); the CLI (pipeline.cli.serve) parses options and prints.
 
-The hook is one name: mlx_lm.server builds its prompt cache with `LRUPromptCache(size)`; we put
-a subclass there that answers from the mounted bundles when they cover more of the prompt than
-the server's own entries. Everything else (options, HTTP, generation) is mlx_lm.server's.
+The hook replaces three names in mlx_lm.server before its main() runs: `LRUPromptCache` (a
+subclass that answers from the mounted bundles when they cover more of the prompt than the
+server's own entries, and hands the batched path only caches it can merge), `ModelProvider`
+(optional warm-up) and `ResponseGenerator` (a dead generation thread ends the process; the prompt
+cache is told which path fetches). Everything else (options, HTTP, generation) is mlx_lm.server's.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ def check_mlx_lm() -> str:
 def bundled_prompt_cache_class(manager: PromptCacheManager, model_path: str) -> type:
     """A LRUPromptCache subclass that also answers from the bundles pinned in `manager`, and hands
     the batched path only caches it can merge (see pipeline.runtime.batching)."""
-    from mlx_lm.server import LRUPromptCache  # 0.30 defines it there, later ones import it
+    from mlx_lm.server import LRUPromptCache
 
     class BundledPromptCache(LRUPromptCache):
         single_path = False  # True while the ResponseGenerator serves a request on its own
@@ -172,7 +174,11 @@ def warming_model_provider_class(manager: PromptCacheManager, enabled: bool) -> 
                 return
             self.warmed = True
             start = time.perf_counter()
-            source = manager.warm_up(BUNDLE_KEY, self.model)
+            try:
+                source = manager.warm_up(BUNDLE_KEY, self.model)
+            except Exception as exc:  # optional: a failed warm-up must not stop the server
+                log.warning("warm-up failed (%s); serving without it", _describe(exc))
+                return
             if source is not None:
                 log.info(
                     "warmed up from %s in %.1f ms (the first request now costs what an "
