@@ -15,7 +15,7 @@ from types import ModuleType
 from typing import Any
 
 from pipeline.format.cache_codec import mlx_lm_031, mlx_lm_032
-from pipeline.format.cache_header import Expected, expected_layout
+from pipeline.format.cache_header import Expected, LayoutError, expected_layout
 from pipeline.format.compat import ALLOWED_CACHE_CLASSES, cache_classes, installed_layout
 from pipeline.format.errors import PipelineError
 from pipeline.format.fingerprint import ModelShape
@@ -53,6 +53,13 @@ def user_metadata(metadata: dict[str, str], layout: str) -> dict[str, str]:
 
 def expected_file(manifest: Manifest, shape: ModelShape, header: Header) -> Expected:
     """The exact file the manifest's layout holds for this manifest and model."""
+    found = detect_layout(header.metadata)
+    if found != manifest.cache.layout:
+        raise LayoutError(
+            f"cache.safetensors is in the {found or 'no known'} layout but the manifest records "
+            f"{manifest.cache.layout}",
+            "cache.layout",
+        )
     layout = codec(manifest.cache.layout)
     view = layout.logical_view(header, manifest.cache.classes)
     return layout.file_form(expected_layout(manifest, shape, view), manifest.cache.classes)

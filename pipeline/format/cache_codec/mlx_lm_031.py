@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from pipeline.format.cache_header import Expected, Logical, LogicalView
+from pipeline.format.names import parse_index
 from pipeline.format.safetensors_read import Header
 
 NAME = "mlx-lm-0.31"
@@ -26,7 +27,8 @@ META = {
 def _logical_name(name: str, classes: list[str]) -> str:
     """ArraysCache keeps its list of arrays as the whole state here, as state[0] in 0.32."""
     layer, _, rest = name.partition(".")
-    if layer.isdigit() and int(layer) < len(classes) and classes[int(layer)] == "ArraysCache":
+    index = parse_index(layer)  # ASCII digits only: int() would read '٣' and refuse '²'
+    if index is not None and index < len(classes) and classes[index] == "ArraysCache":
         return f"{layer}.0.{rest}"
     return name
 
