@@ -524,3 +524,23 @@ def test_an_incremental_build_prints_reused_tokens_and_a_prefill_rate(
     )
     rate = float(lines[1].split(", ")[1].removesuffix(" tok/s").replace(",", ""))
     assert f"({reused:,} reused), " in lines[1] and 0 < rate < 10_000_000
+
+
+# --- One line, whatever the user typed -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["build", "shop\n"],
+        ["inspect", "bundles/x\ny"],
+        ["verify", "--model", "/nonexistent\n\x1b[2J"],
+        ["match", "--model", "m\r", "--messages", '[{"role": "user", "content": "x"}]'],
+    ],
+)
+def test_a_newline_in_what_the_user_typed_stays_on_the_error_line(
+    argv: list[str], project: Path, capsys
+):
+    rc = main(["--prefixes", str(project / "prefixes"), "--bundles", str(project / "b"), *argv])
+    line = one_error(capsys, rc)
+    assert "\x1b" not in line and ("\\n" in line or "\\r" in line)

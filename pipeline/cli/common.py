@@ -13,14 +13,20 @@ from typing import Any
 from pipeline.format.errors import PipelineError
 
 
+def one_line(message: str) -> str:
+    """The message on one line: a newline or other control character inside a name or path the
+    user gave is shown escaped, never as a line break."""
+    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in message)
+
+
 def err(message: str) -> None:
     """The one-line error every failure becomes."""
-    print(f"error: {message}", file=sys.stderr)
+    print(f"error: {one_line(message)}", file=sys.stderr)
 
 
 def warn(message: str) -> None:
     """A one-line warning on stderr (the command goes on)."""
-    print(f"warning: {message}", file=sys.stderr)
+    print(f"warning: {one_line(message)}", file=sys.stderr)
 
 
 def error_text(exc: Exception) -> str:
