@@ -12,8 +12,11 @@ from typing import Any
 
 from common import HUGE_PAGES, MODEL_F32, Context, ratio, run_worker, stat, timed_command
 
+from pipeline.format.bundle_folder import SIGNATURE_FILE
+
 VARIANTS = {
     "verified": "pipeline.runtime.mount, a restart: file already verified once (memo hit)",
+    "verified_signed": "verified, given a trusted key: + the signature stage (manifest.json.minisig)",
     "verified_first": "pipeline.runtime.mount, first mount after a deploy: BLAKE3 of every byte",
     "unchecked": "mlx_lm load_prompt_cache + mx.eval (no checks)",
     "python_read": "Python open().read(): raw read into fresh memory",
@@ -32,7 +35,7 @@ def reps(quick: bool) -> int:
     return 2 if quick else 4
 
 
-def one(variant: str, bundle: Path, nbytes: int) -> dict[str, Any]:
+def one(variant: str, bundle: Path, nbytes: int, trusted_key: Path | None = None) -> dict[str, Any]:
     """Seconds (and peak RSS above baseline) of one variant in a fresh process."""
     path = bundle / "cache.safetensors"
     if variant == "cat":
@@ -40,6 +43,8 @@ def one(variant: str, bundle: Path, nbytes: int) -> dict[str, Any]:
         return {"seconds": seconds}
     base = variant.removesuffix("_hugepages")
     args = {"variant": base, "model": str(MODEL_F32), "bundle": str(bundle), "nbytes": nbytes}
+    if variant == "verified_signed":
+        args["trusted_key"] = str(trusted_key)
     r = run_worker("mount", args, **(HUGE_PAGES if base != variant else {}))
     out = {"seconds": r["seconds"], "phases": r.get("phases"), "faults": r["faults"]}
     if variant in RSS_VARIANTS:
@@ -56,10 +61,15 @@ def run(ctx: Context, bundle: dict[str, Any]) -> dict[str, Any]:
     )  # warm the page cache
     variants = [v for v in VARIANTS if not (ctx.quick and v == "verified_phases")]
     runs: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
-    for rep in range(reps(ctx.quick)):
-        for variant in variants:
-            ctx.note(f"mount cost: {variant} rep {rep + 1}")
-            runs[variant].append(one(variant, path, nbytes))
+    trusted_key, signature_ms = sign_for_bench(path)  # removed again below
+    try:
+        for rep in range(reps(ctx.quick)):
+            for variant in variants:
+                ctx.note(f"mount cost: {variant} rep {rep + 1}")
+                runs[variant].append(one(variant, path, nbytes, trusted_key))
+    finally:
+        (path / SIGNATURE_FILE).unlink(missing_ok=True)
+        trusted_key.unlink(missing_ok=True)
     rows = {}
     for variant, got in runs.items():
         row = {"what": VARIANTS[variant], "seconds": stat([g["seconds"] for g in got]).as_dict()}
@@ -95,4 +105,30 @@ def run(ctx: Context, bundle: dict[str, Any]) -> dict[str, Any]:
             med["unchecked"] + med["blake3_in_memory"], med["unchecked"]
         ),
         "python_read_over_prefaulted": ratio(med["python_read"], med["read_prefaulted"]),
+        "signed_minus_verified_ms": (med["verified_signed"] - med["verified"]) * 1000,
+        "signature_check_ms": signature_ms,
     }
+
+
+def sign_for_bench(bundle: Path) -> tuple[Path, dict[str, float]]:
+    """Sign the bundle with a fresh key (its public key file returned), and time the signature
+    stage alone in this process: read manifest.json, verify, parse, check the trusted comment."""
+    import time
+
+    from pipeline.builder.signing import sign_manifest
+    from pipeline.format.bundle_folder import parse_manifest, read_manifest_bytes
+    from pipeline.format.bundle_signature import check_binding, check_signature
+    from pipeline.format.secret_key import generate
+
+    key = generate()
+    sign_manifest(bundle, key)
+    public = bundle.parent / f".bench-{bundle.name}.pub"
+    public.write_text(key.public_key().file_text())
+    times = []
+    for _ in range(200):
+        start = time.perf_counter()
+        data = read_manifest_bytes(bundle, None)
+        sig = check_signature(bundle, data, [key.public_key()])
+        check_binding(bundle, sig, parse_manifest(bundle, data))
+        times.append((time.perf_counter() - start) * 1000)
+    return public, stat(times).as_dict()

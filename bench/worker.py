@@ -141,6 +141,16 @@ def _mount_verified(args: dict[str, Any]) -> Any:
     return mount(Path(args["model"]), Path(args["bundle"]))
 
 
+def _mount_signed(args: dict[str, Any]) -> Any:
+    """A restart mount given a trusted key: the signature stage on top of `verified`."""
+    from pipeline.format.signature import read_trusted_keys
+    from pipeline.runtime import mount
+
+    keys = read_trusted_keys([Path(args["trusted_key"])])
+    args["_start"] = time.perf_counter()  # reading the key file is serve's startup, not the mount
+    return mount(Path(args["model"]), Path(args["bundle"]), trusted_keys=keys)
+
+
 def _mount_first(args: dict[str, Any]) -> Any:
     """The first mount after a deploy: the verify-once memo has no entry for this file yet."""
     import os
@@ -215,6 +225,7 @@ def _blake3(args: dict[str, Any]) -> Any:
 
 MOUNT_VARIANTS = {
     "verified": _mount_verified,
+    "verified_signed": _mount_signed,
     "verified_first": _mount_first,
     "unchecked": _load_unchecked,
     "python_read": _python_read,

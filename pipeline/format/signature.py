@@ -19,9 +19,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
-
 from pipeline.format.errors import PipelineError
 from pipeline.format.regular_files import FileProblem, read_regular
 
@@ -172,6 +169,10 @@ def signed_bytes(algorithm: bytes, message: bytes) -> bytes:
 
 def check(signature: Signature, message: bytes, key: PublicKey) -> str | None:
     """None when `signature` by `key` verifies over `message` and its trusted comment, else why not."""
+    # imported here: ~35 ms, paid only by a process that checks signatures (measured, docs/signing.md)
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
     if signature.key_id != key.key_id:
         return f"it is by key id {signature.key}, not {key.id}"
     verifier = Ed25519PublicKey.from_public_bytes(key.key)
