@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from pipeline.format.errors import BundleError
 from pipeline.format.fingerprint import ModelIdentity, model_config, model_identity
 from pipeline.format.identity import model_cache_classes
 from pipeline.format.manifest import Manifest
+from pipeline.format.signature import PublicKey
 from pipeline.format.validate import validate
 from pipeline.runtime.discovery import (  # noqa: F401  (re-exported: pipeline.runtime's API)
     Refusal,
@@ -93,15 +95,32 @@ def model_bundles(model_dir: Path) -> tuple[list[Path], list[Path], list[Refusal
     return newest, older, problems
 
 
-def verify(bundle: Path, model_dir: Path, chat_template: str | None = None) -> Manifest:
-    """Validate one bundle in full without loading it (for deploy scripts): hashes every byte."""
-    return validate(Path(bundle), identity_for(model_dir, chat_template)).manifest
+def verify(
+    bundle: Path,
+    model_dir: Path,
+    chat_template: str | None = None,
+    *,
+    trusted_keys: Sequence[PublicKey] = (),
+) -> Manifest:
+    """Validate one bundle in full without loading it (for deploy scripts): hashes every byte.
+
+    With trusted_keys (pipeline.format.signature.read_trusted_keys) it must be signed by one."""
+    identity = identity_for(model_dir, chat_template)
+    return validate(Path(bundle), identity, trusted_keys=trusted_keys).manifest
 
 
-def mount_one(bundle: Path, identity: ModelIdentity, *, verify_full: bool = False) -> MountedBundle:
+def mount_one(
+    bundle: Path,
+    identity: ModelIdentity,
+    *,
+    verify_full: bool = False,
+    trusted_keys: Sequence[PublicKey] = (),
+) -> MountedBundle:
     """Validate and load one bundle, reading its cache file once."""
     start = time.perf_counter()
-    v = validate(Path(bundle), identity, load=True, trust_memo=not verify_full)
+    v = validate(
+        Path(bundle), identity, load=True, trust_memo=not verify_full, trusted_keys=trusted_keys
+    )
     return MountedBundle(v.path, v.manifest, v.tokens, v.cache or [], time.perf_counter() - start)
 
 
@@ -115,6 +134,7 @@ def mount(
     model_key: str | None = None,
     verify_full: bool = False,
     versions: dict[str, int] | None = None,
+    trusted_keys: Sequence[PublicKey] = (),
 ) -> MountResult:
     """Mount the newest version of every bundle found for the served model; refuse bad ones.
 
@@ -125,6 +145,8 @@ def mount(
     With a manager, mounted caches are pinned into it under `model_key` (default: model_dir).
     verify_full hashes every cache file even when the memo knows it; `versions` pins
     {prefix name: version} (from a lockfile) instead of the newest, and mounts no other prefix.
+    With trusted_keys every bundle must carry a valid signature by one of them (the version rules
+    then apply to signed manifests, so an older signed version copied back stays unmounted).
     """
     start = time.perf_counter()
     result = MountResult()
@@ -135,7 +157,8 @@ def mount(
         paths = _found(result, Path(bundles), versions, skip_refused)
     for path in paths:
         try:
-            result.bundles.append(mount_one(path, identity, verify_full=verify_full))
+            mounted = mount_one(path, identity, verify_full=verify_full, trusted_keys=trusted_keys)
+            result.bundles.append(mounted)
         except BundleError as exc:
             _refuse(result, exc, skip_refused)
     _keep_chosen(result, versions, skip_refused)
