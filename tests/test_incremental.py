@@ -328,3 +328,25 @@ def test_a_tampered_parent_is_refused_and_the_child_is_a_full_builds(
     new = run_build(root)  # up to date: the CLI's build
     assert new.up_to_date and new.manifest.parent is None
     assert_same_as_full_build(new, root, "shop", tmp_path)
+
+
+def test_with_trusted_keys_a_parent_must_be_signed(tmp_path: Path, tiny_model: Path):
+    """build --trusted-key: an unsigned parent is refused (validated in one place, with the
+    keys), a parent signed by one of the keys is used and the record says so."""
+    from pipeline.builder.signing import sign_bundle
+    from pipeline.format.secret_key import generate
+
+    root = tmp_path / "project"
+    define(root, tiny_model)
+    old = run_build(root)
+    define(root, tiny_model, version=2, system=SYSTEM + MORE)
+    key = generate()
+    keys = (key.public_key(),)
+    with pytest.raises(BuildError, match=r"cannot be reused \(refused by the validator: .*sign"):
+        run_build(root, parent=old.bundle, trusted_keys=keys)
+    unsigned = run_build(root, trusted_keys=keys)  # looking on its own: from token 0
+    assert unsigned.manifest.parent is None and unsigned.report["reused_tokens"] == 0
+    sign_bundle(old.bundle, key)
+    signed = run_build(root, trusted_keys=keys, force=True)
+    assert signed.manifest.parent is not None
+    assert signed.manifest.parent.checked.startswith("signed by a trusted key; chunk 0 and ")

@@ -173,13 +173,15 @@ def build(
     parent: Path | None = None,
     incremental: bool = True,
     sign_key: SecretKey | None = None,
+    trusted_keys: tuple = (),
 ) -> BuildResult:
     """Build one bundle (or report it up to date); the folder appears complete or not at all.
 
     incremental: start from the bundle under bundles_root that shares the most whole prefill
     chunks with these tokens, when one can give a byte-identical result (pipeline.builder.
     incremental); parent: start from this bundle or fail; sign_key: add manifest.json.minisig
-    before the bundle is published (an up-to-date bundle is signed in place)."""
+    before the bundle is published (an up-to-date bundle is signed in place); trusted_keys: a
+    parent must carry a valid signature by one of them."""
     d = target.definition
     identity = model_identity(target.model_dir)
     if target.expected_fingerprint and target.expected_fingerprint != identity.model:
@@ -206,6 +208,7 @@ def build(
         return BuildResult(dest, current, {}, up_to_date=True)
     reuse = parent if parent is not None else incremental
     job = Job(target, identity, rendered, builder, key, dest, check, progress, reuse, sign_key)
+    job = dataclasses.replace(job, trusted_keys=tuple(trusted_keys))
     try:
         with target_lock(bundles_root, dest):
             return _build_locked(job, bundles_root)
@@ -234,6 +237,7 @@ class Job:
     progress: Progress | None
     reuse: Path | bool  # a parent bundle to start from, or whether to look for one
     sign_key: SecretKey | None = None  # sign before publishing (pipeline.builder.signing)
+    trusted_keys: tuple = ()  # a parent must be signed by one of these (incremental.Wanted)
 
 
 def _build_locked(job: Job, bundles_root: Path) -> BuildResult:
@@ -275,7 +279,7 @@ def _resume(job: Job, loaded, tokens: list[int], bundles_root: Path) -> tuple[Re
         return None, "incremental builds off (--full)"
     wanted = Wanted(
         tokens, job.identity, job.builder, dtype_name(loaded.compute_dtype),
-        job.target.definition.spec.cache.prefill_step_size, loaded.model,
+        job.target.definition.spec.cache.prefill_step_size, loaded.model, job.trusted_keys,
     )  # fmt: skip
     explicit = job.reuse if isinstance(job.reuse, Path) else None
     return find_parent(bundles_root, wanted, job.dest, explicit)

@@ -57,6 +57,15 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         metavar="BUNDLE",
         help="start from this bundle's cache, or fail saying why it cannot give the same bytes",
     )
+    b.add_argument(
+        "--trusted-key",
+        action="append",
+        type=Path,
+        default=[],
+        metavar="FILE",
+        help="a minisign public key (repeatable): an incremental build then starts only from a "
+        "parent carrying a valid manifest.json.minisig by one of them",
+    )
     b.add_argument("--shard", type=_shard, metavar="I/N", help=SHARD_HELP)
     b.add_argument(
         "--sign-key",
@@ -72,6 +81,13 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         "; per-target lines go to stderr; on an error it lists what was done and the failed target",
     )
     b.set_defaults(func=run)
+
+
+def _parent_keys(args: argparse.Namespace) -> tuple:
+    """The --trusted-key public keys a parent must be signed by (empty: none given)."""
+    from pipeline.cli.keys import trusted_keys
+
+    return trusted_keys(args)
 
 
 def _signing_key(option: Path | None):
@@ -106,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
             "parent": args.parent,
             "incremental": not args.full,
             "sign_key": _signing_key(args.sign_key),  # before any prefill: a bad key fails first
+            "trusted_keys": _parent_keys(args),  # a parent must be signed by one of them
         }
         plan = BuildPlan(args.prefixes, args.bundles, args.model, args.shard, args.locked)
         print(blas_status().notice, file=sys.stderr)
