@@ -279,12 +279,22 @@ THERE, THERE_VERSION = {
             "rebuild the bundle",
         ),
         (
+            {"builder": {"mlx_lm": "0.30.7"}},
+            "it was built with mlx-lm 0.30.7, outside the supported range >=0.31,<0.33; "
+            "rebuild it under a supported mlx-lm",
+        ),
+        (
             {"cache": {"layout": "mlx-lm-0.33"}},
             "manifest.json is invalid at cache.layout: Input should be 'mlx-lm-0.31' or "
             "'mlx-lm-0.32'; rebuild the bundle",
         ),
     ],
-    ids=["layout-not-the-builders", "file-claimed-as-the-other-layout", "unknown-layout"],
+    ids=[
+        "layout-not-the-builders",
+        "file-claimed-as-the-other-layout",
+        "built-by-an-unsupported-mlx-lm",
+        "unknown-layout",
+    ],
 )
 def test_a_manifest_claiming_another_layout_is_refused(
     shop_bundle, tiny_model, tmp_path, updates, message

@@ -38,7 +38,7 @@ from pipeline.format.cache_header import (
     check_scalars,
     scalar_values,
 )
-from pipeline.format.compat import installed_mlx_lm, layout_for, unsupported
+from pipeline.format.compat import SUPPORTED_RANGE, installed_mlx_lm, layout_for, unsupported
 from pipeline.format.errors import BundleError
 from pipeline.format.fingerprint import ModelIdentity, ModelShape, canonical_json, sha256_bytes
 from pipeline.format.identity import check_identity
@@ -188,13 +188,17 @@ def check_location(bundle: Path, manifest: Manifest) -> None:
 
 def check_runtime(bundle: Path, manifest: Manifest) -> None:
     """Refuse a bundle this installation cannot load faithfully (either layout loads anywhere)."""
-    for label, version in (
-        ("installed mlx-lm", installed_mlx_lm()),
-        ("bundle's mlx-lm", manifest.builder.mlx_lm),
-    ):
-        if layout_for(version) is None:
-            raise refuse(bundle, unsupported(version, label), "builder.mlx_lm")
+    installed = installed_mlx_lm()
+    if layout_for(installed) is None:
+        raise refuse(bundle, unsupported(installed), "builder.mlx_lm")
     built = layout_for(manifest.builder.mlx_lm)
+    if built is None:
+        raise refuse(
+            bundle,
+            f"it was built with mlx-lm {manifest.builder.mlx_lm}, outside the supported range "
+            f"{SUPPORTED_RANGE}; rebuild it under a supported mlx-lm",
+            "builder.mlx_lm",
+        )
     if manifest.cache.layout != built:
         raise refuse(
             bundle,
@@ -302,21 +306,6 @@ def _read_cache(
     if not known:
         memo.store(key, data.digests["blake3"])
     return data
-
-
-def _rebuild(header: Header, arrays: dict, expected: Expected, manifest: Manifest) -> list[Any]:
-    """Cache objects from the checked arrays, classes from the allow-list (as load_prompt_cache)."""
-    from mlx.utils import tree_unflatten
-
-    from pipeline.format.compat import cache_classes
-
-    values = dict(arrays)
-    kinds = dict(expected.scalars)
-    for name, kind in kinds.items():
-        values[name] = values[name].item() if kind == "scalar" else None
-    states = tree_unflatten(list(values.items()))
-    allowed = cache_classes()
-    return [allowed[c].from_state(s) for c, s in zip(manifest.cache.classes, states, strict=True)]
 
 
 __all__ = ["CHECKS", "Validated", "recorded_identity", "validate"]
