@@ -12,7 +12,8 @@ python="${PYTHON:-python3}"
 servers=(vllm-mlx==0.6.0 mlx-omni-server==0.5.3 mlx-openai-server==1.8.1)
 # what vllm-mlx's serve path, omni's chat path and mlx-openai-server's handler import
 serving=(fastapi uvicorn "starlette>=1.0.1" python-multipart psutil prometheus-client
-         loguru openai openai-harmony)
+         loguru "openai>=2.21,<3" openai-harmony "dill>=0.4,<0.5" "xxhash>=3.6,<4"
+         "outlines>=1.1.1,<1.2")
 
 check() {
   "$dest/bin/python" - <<'PY'
@@ -22,6 +23,7 @@ import mlx_lm
 
 assert mlx_lm.__version__.startswith("0.31."), mlx_lm.__version__
 import app.handler.mlx_lm  # noqa: F401  (mlx-openai-server)
+import app.utils.prompt_cache  # noqa: F401
 import mlx_omni_server.chat.mlx.chat_generator  # noqa: F401
 import vllm_mlx.cli  # noqa: F401
 import vllm_mlx.server  # noqa: F401

@@ -21,7 +21,7 @@ from pipeline.format.errors import PipelineError
 from pipeline.format.lockfile import locked_versions
 from pipeline.runtime.hugepages import ensure_huge_pages
 from pipeline.runtime.mount import MountResult, model_bundles_dir, mount
-from pipeline.runtime.prompt_cache import PromptCacheManager
+from pipeline.runtime.prompt_cache import CacheHit, PromptCacheManager
 from pipeline.runtime.serve import check_mlx_lm, log_mounts
 from pipeline.runtime.servers.tokens import parity
 
@@ -115,11 +115,14 @@ def mount_for(args: argparse.Namespace, chat_template: str | None = None) -> Mou
     return Mounted(Path(args.model), manager, result)
 
 
-def start(args: argparse.Namespace, rest: list[str], argv: list[str]) -> Mounted:
-    """Logging, huge pages (may re-execute), then mount: the common start of every hook."""
+def start(
+    args: argparse.Namespace, rest: list[str], argv: list[str], chat_template: str | None = None
+) -> Mounted:
+    """Logging, huge pages (may re-execute), then mount: the common start of every hook. The
+    bundles are checked against `chat_template` (text) or the one --chat-template passes."""
     setup_logging(passed_option(rest, "--log-level"))
     ensure_huge_pages(args.huge_pages, argv)
-    return mount_for(args, passed_option(rest, "--chat-template"))
+    return mount_for(args, chat_template or passed_option(rest, "--chat-template"))
 
 
 def check_tokenization(server: str, tokenizer: Any, mounted: Mounted) -> dict[str, int]:
@@ -140,11 +143,29 @@ def check_tokenization(server: str, tokenizer: Any, mounted: Mounted) -> dict[st
     return reusable
 
 
-def log_request(server: str, used: str | None, covered: int, total: int) -> None:
-    """One line per request: how many of its prompt tokens a bundle covered."""
-    if used is None:
+def log_request(server: str, hit: CacheHit, total: int, own: int = 0) -> bool:
+    """One line per request: how many of its prompt tokens a bundle covered, and whether the
+    server's own entry covered more. True when the bundle is used."""
+    name = hit.source.removeprefix("bundle:")
+    if hit.cache is None:
         log.info("%s request: no bundle covers its %d prompt tokens", server, total)
-    else:
+        return False
+    if hit.cache_hit_tokens <= own:
         log.info(
-            "%s request: bundle %s covers %d of %d prompt tokens", server, used, covered, total
+            "%s request: bundle %s covers %d of %d prompt tokens; the server's own cache "
+            "covers %d, and is used",
+            server,
+            name,
+            hit.cache_hit_tokens,
+            total,
+            own,
         )
+        return False
+    log.info(
+        "%s request: bundle %s covers %d of %d prompt tokens",
+        server,
+        name,
+        hit.cache_hit_tokens,
+        total,
+    )
+    return True

@@ -61,12 +61,8 @@ def pinned_trie_class(mounted: Mounted) -> type:
         def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
             own, rest = super().fetch_nearest_cache(self.key(model), tokens)
             hit = mounted.manager.fetch(BUNDLE_KEY, tokens)
-            if hit.cache is not None and hit.cache_hit_tokens > len(tokens) - len(rest):
-                log_request(
-                    SERVER, hit.source.removeprefix("bundle:"), hit.cache_hit_tokens, len(tokens)
-                )
+            if log_request(SERVER, hit, len(tokens), len(tokens) - len(rest)):
                 return hit.cache, list(hit.remaining)
-            log_request(SERVER, None, 0, len(tokens))
             return own, rest
 
     return PinnedTrie

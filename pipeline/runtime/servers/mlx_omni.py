@@ -1,0 +1,115 @@
+"""`serve --server mlx-omni-server`: mlx-omni-server 0.5.3 with bundles pinned in its prompt pool.
+
+Each of omni's ChatGenerators creates a `PromptCachePool` lazily (8 entries, longest-common-prefix
+scan, 300 s idle eviction) and checks out a copy per request. The hook replaces that class with a
+subclass whose checkout also considers the pinned bundles: they are kept outside the pool's entry
+list, so its TTL and size eviction never see them. Omni loads a model on the first request that
+names it; a request reaches the bundles when its `model` names the folder they were validated
+against (a path, relative to the server's working directory or absolute, or a hub id whose local
+snapshot is that folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from pipeline.format.errors import PipelineError
+from pipeline.runtime.servers.startup import (
+    BUNDLE_KEY,
+    Mounted,
+    check_tokenization,
+    log_request,
+    passed_option,
+    require,
+    start,
+)
+
+log = logging.getLogger("prefix-bundles")
+SERVER = "mlx-omni-server"
+
+
+@cache
+def model_folder(model_id: str) -> Path | None:
+    """The local folder omni loads for a request's `model` (a path or a cached hub snapshot)."""
+    path = Path(model_id).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(model_id, local_files_only=True)).resolve()
+    except Exception:  # not a hub id, or not downloaded: not the bundles' folder
+        return None
+
+
+def pinned_pool_class(mounted: Mounted) -> type:
+    """omni's PromptCachePool, answering from the pinned bundles when they cover more."""
+    from mlx_omni_server.chat.mlx.prompt_cache import PromptCache, common_prefix_len
+    from mlx_omni_server.chat.mlx.prompt_cache_pool import PromptCachePool
+
+    folder = mounted.model.resolve()
+
+    class PinnedPromptCachePool(PromptCachePool):
+        def get_cache(self, prompt_tokens: list[int], model_key: str) -> Any:
+            if model_folder(model_key) != folder:
+                return super().get_cache(prompt_tokens, model_key)
+            self._evict_expired()
+            own = max(
+                (
+                    common_prefix_len(e.cache.tokens, prompt_tokens)
+                    for e in self._entries
+                    if e.cache.model_key == model_key
+                ),
+                default=0,
+            )
+            hit = mounted.manager.fetch(BUNDLE_KEY, prompt_tokens)
+            if not log_request(SERVER, hit, len(prompt_tokens), own):
+                return super().get_cache(prompt_tokens, model_key)
+            # a checkout omni extends by the rest of the prompt, then returns to the pool
+            kept = list(prompt_tokens[: hit.cache_hit_tokens])
+            return PromptCache(tokens=kept, cache=hit.cache, model_key=model_key)
+
+    return PinnedPromptCachePool
+
+
+def install(mounted: Mounted) -> None:
+    """Every ChatGenerator's pool (created lazily, looked up by module attribute) is ours."""
+    from mlx_omni_server.chat.mlx import prompt_cache_pool
+
+    prompt_cache_pool.PromptCachePool = pinned_pool_class(mounted)
+
+
+def prepare(args: argparse.Namespace, rest: list[str], argv: list[str]) -> Mounted:
+    """Everything before omni starts: mount, check tokenization, install the pool."""
+    require("mlx_omni_server", SERVER)
+    if passed_option(rest, "--workers") not in (None, "1"):
+        raise PipelineError(
+            f"serve --server {SERVER}: --workers is not supported: each worker is a new process "
+            "the hook does not reach; run one worker"
+        )
+    mounted = start(args, rest, argv)
+    from mlx_lm.utils import load_tokenizer
+
+    check_tokenization(SERVER, load_tokenizer(mounted.model), mounted)
+    install(mounted)
+    log.info(
+        "%s: requests whose model is %s (or resolves to it) reuse the bundles",
+        SERVER,
+        mounted.model,
+    )
+    return mounted
+
+
+def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
+    """Mount, hook, then mlx-omni-server's own command line (models load per request)."""
+    prepare(args, rest, argv)
+    from mlx_omni_server.main import start as omni_start
+
+    sys.argv = ["mlx-omni-server", *rest]
+    omni_start()
+    return 0

@@ -1,0 +1,122 @@
+"""`serve --server mlx-openai-server`: mlx-openai-server 1.8.1 with bundles pinned in the prompt cache
+of the process that serves the model.
+
+mlx-openai-server runs each model's handler in a child process started with `spawn`, and the
+handler builds an mlx-lm-style `LRUPromptCache` (app.utils.prompt_cache) there. A patch in the
+parent does not reach the child, so the parent validates the bundles (logs, --strict) and swaps
+the child's entry point (`app.core.handler_process._handler_worker`, looked up when the child is
+started) for `child_worker`: in the child it mounts the bundles again with the same options, puts
+a subclass in place of `LRUPromptCache` whose lookups also answer from them, then runs the
+original entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from pipeline.runtime.servers.startup import (
+    BUNDLE_KEY,
+    Mounted,
+    check_tokenization,
+    log_request,
+    mount_for,
+    passed_option,
+    refuse_options,
+    require,
+    setup_logging,
+    start,
+)
+
+log = logging.getLogger("prefix-bundles")
+SERVER = "mlx-openai-server"
+ENV = "PREFIX_BUNDLES_OPENAI_MOUNT"  # serve's mount options, JSON, for the spawned child
+UNSUPPORTED = {
+    "--config": "serve mounts bundles for the one model folder given as --model",
+    "--model-path": "serve passes --model as mlx-openai-server's --model-path",
+}
+
+
+def pinned_cache_class(mounted: Mounted) -> type:
+    """mlx-openai-server's LRUPromptCache, answering from the pinned bundles when they cover more."""
+    from app.utils.prompt_cache import LRUPromptCache
+
+    class PinnedPromptCache(LRUPromptCache):
+        def fetch_nearest_cache(
+            self, tokens_ids: list[int], *, allowed_sources: set[str] | None = None
+        ) -> tuple[list[Any] | None, list[int]]:
+            own, rest = super().fetch_nearest_cache(tokens_ids, allowed_sources=allowed_sources)
+            hit = mounted.manager.fetch(BUNDLE_KEY, tokens_ids)
+            if log_request(SERVER, hit, len(tokens_ids), len(tokens_ids) - len(rest)):
+                return hit.cache, list(hit.remaining)
+            return own, rest
+
+    return PinnedPromptCache
+
+
+def install(mounted: Mounted) -> None:
+    """The handler imports LRUPromptCache from its module when it is created: ours is there."""
+    from app.utils import prompt_cache
+
+    prompt_cache.LRUPromptCache = pinned_cache_class(mounted)
+
+
+def child_worker(model_cfg: dict[str, Any], *rest: Any) -> None:
+    """The spawned handler process: mount, install, then mlx-openai-server's own worker."""
+    from pipeline.blas import ensure_fast_blas
+
+    ensure_fast_blas()  # a spawned child imports mlx afresh: OpenBLAS first, as serve does
+    from app.core import handler_process
+
+    options = json.loads(os.environ[ENV])
+    setup_logging(None)
+    template = options.pop("chat_template")
+    model = Path(options["model"])
+    if Path(str(model_cfg.get("model_path", ""))).resolve() == model.resolve():
+        options.update(model=model, bundles=Path(options["bundles"]))
+        if options["lockfile"] is not None:
+            options["lockfile"] = Path(options["lockfile"])
+        mounted = mount_for(argparse.Namespace(**options), template)
+        install(mounted)
+        log.info(
+            "%s: %d bundle(s) pinned in the handler process %d",
+            SERVER,
+            len(mounted.result.bundles),
+            os.getpid(),
+        )
+    handler_process._handler_worker(model_cfg, *rest)  # the child's module is not patched
+
+
+def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
+    """Validate here (logs, --strict), hand the options to the child, run mlx-openai-server."""
+    require("app.handler.mlx_lm", SERVER)
+    refuse_options(rest, SERVER, UNSUPPORTED)
+    template_file = passed_option(rest, "--chat-template-file")
+    template = Path(template_file).read_text() if template_file else None
+    mounted = start(args, rest, argv, template)
+    from mlx_lm.utils import load_tokenizer
+
+    check_tokenization(SERVER, load_tokenizer(mounted.model), mounted)
+    options = {
+        k: str(v) if isinstance(v, Path) else v
+        for k, v in vars(args).items()
+        if k in ("model", "bundles", "strict", "verify_full", "lockfile", "trusted_key")
+    }
+    options["trusted_key"] = [str(p) for p in options.get("trusted_key") or []]
+    options["chat_template"] = template
+    os.environ[ENV] = json.dumps(options)
+    del mounted  # the child mounts its own copy; this process only serves HTTP
+
+    from app.core import handler_process
+
+    handler_process._handler_worker = child_worker
+    from app.cli import cli
+
+    sys.argv = ["mlx-openai-server", "launch", "--model-path", str(args.model), *rest]
+    cli()
+    return 0

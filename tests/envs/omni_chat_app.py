@@ -1,0 +1,34 @@
+"""mlx-omni-server's own chat route (its OpenAI router, ChatGenerator and PromptCachePool) behind
+`serve --server mlx-omni-server`'s preparation, served by uvicorn: omni's full app does not import
+on Linux (its image and audio routes need mflux and misaki), so the tests serve the chat part.
+
+  omni_chat_app.py PORT SERVE-ARGS...   e.g. 8000 --bundles B serve --server mlx-omni-server --model M
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main() -> None:
+    from pipeline.blas import ensure_fast_blas
+
+    ensure_fast_blas(sys.argv[1:])
+    import uvicorn
+    from fastapi import FastAPI
+    from mlx_omni_server.chat.openai.router import router
+
+    from pipeline.cli import parse_args
+    from pipeline.runtime.servers.mlx_omni import prepare
+
+    port, serve_argv = int(sys.argv[1]), sys.argv[2:]
+    args = parse_args(serve_argv)
+    prepare(args, args.passthrough, serve_argv)
+    app = FastAPI()
+    app.include_router(router)
+    app.get("/health")(lambda: {"status": "ok"})
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

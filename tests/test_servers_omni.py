@@ -1,0 +1,63 @@
+"""`serve --server mlx-omni-server`: omni 0.5.3's own chat route (OpenAI router -> ChatGenerator ->
+PromptCachePool) over loopback HTTP in the server venv, prepared by serve's own code
+(tests/envs/omni_chat_app.py; omni's full app needs mflux, which does not install on Linux)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from servers_env import ROOT, chat, free_port, running, servers_python
+
+from pipeline.format.manifest import Manifest
+
+from conftest import SYSTEM, TOOLS
+
+APP = ROOT / "tests" / "envs" / "omni_chat_app.py"
+
+
+def body(model: str, question: str) -> dict:
+    return {
+        "model": model,
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": question},
+        ],
+        "tools": TOOLS,
+        "max_tokens": 12,
+        "temperature": 0.0,
+    }
+
+
+def omni(python: Path, model: Path, bundles: Path, port: int) -> list[str]:
+    serve = ["--bundles", str(bundles), "serve", "--server", "mlx-omni-server"]
+    return [str(python), str(APP), str(port), *serve, "--model", str(model)]
+
+
+@pytest.mark.slow
+def test_requests_naming_the_model_folder_reuse_the_pinned_bundle(
+    shop_bundle: Path, tiny_model: Path, tmp_path: Path
+):
+    python = servers_python()
+    tokens = Manifest.model_validate_json((shop_bundle / "manifest.json").read_text()).tokens
+    port = free_port()
+    with running(omni(python, tiny_model, shop_bundle.parents[2], port), port, tmp_path / "w.log"):
+        warm, _ = chat(port, body(str(tiny_model), "Where is my order 12345?"))
+        other, _ = chat(port, body(str(tiny_model), "And my order 777?"))
+    log = (tmp_path / "w.log").read_text()
+    assert "mounted shop@1" in log and "1 bundle(s) mounted, 0 refused" in log
+    assert "mlx-omni-server: requests will reuse" not in log  # no BOS: omni sees the bundle's ids
+    covered = re.findall(r"bundle shop@1 covers (\d+) of \d+ prompt tokens", log)
+    # the first request from the bundle; the second from omni's own pool entry when it covers more
+    assert int(covered[0]) == tokens.count
+
+    empty = tmp_path / "none"
+    empty.mkdir()
+    port = free_port()
+    with running(omni(python, tiny_model, empty, port), port, tmp_path / "c.log"):
+        cold, _ = chat(port, body(str(tiny_model), "Where is my order 12345?"))
+        cold_other, _ = chat(port, body(str(tiny_model), "And my order 777?"))
+    assert "no bundle covers" in (tmp_path / "c.log").read_text()
+    assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
+    assert other["choices"][0]["message"] == cold_other["choices"][0]["message"]
