@@ -168,3 +168,38 @@ def test_for_batching_converts_inside_a_cache_list_and_names_what_it_cannot_batc
     with pytest.raises(NotBatchable) as exc:
         for_batching([KVCache(), CacheList(KVCache(), ChunkedKVCache(chunk_size=8))])
     assert str(exc.value) == "layer 1.1 is a ChunkedKVCache, which has no batched form"
+
+
+def test_the_hook_hands_each_path_its_form_and_never_lets_an_unbatchable_layer_through(caplog):
+    import logging
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import ChunkedKVCache, KVCache, QuantizedKVCache
+
+    from pipeline.runtime import PromptCacheManager
+    from pipeline.runtime.serve import BUNDLE_KEY, bundled_prompt_cache_class
+
+    manager = PromptCacheManager()
+    manager.pin(BUNDLE_KEY, list(range(40)), [quantized_layer()], "q@1")
+    odd = ChunkedKVCache(chunk_size=64)
+    odd.update_and_fetch(mx.zeros((1, 2, 40, 64)), mx.zeros((1, 2, 40, 64)))  # 40 tokens
+    manager.pin(BUNDLE_KEY, list(range(100, 140)), [odd], "odd@1")
+    prompt_cache = bundled_prompt_cache_class(manager, "m")(10)
+    model = ("m", None, None)
+
+    cache, rest = prompt_cache.fetch_nearest_cache(model, [*range(40), 7])  # batched path
+    assert [type(c) for c in cache] == [KVCache] and cache[0].offset == 40 and rest == [7]
+    prompt_cache.single_path = True
+    cache, rest = prompt_cache.fetch_nearest_cache(model, [*range(40), 7])
+    assert [type(c) for c in cache] == [QuantizedKVCache] and rest == [7]
+
+    cache, rest = prompt_cache.fetch_nearest_cache(model, [*range(100, 140), 7])
+    assert [type(c) for c in cache] == [ChunkedKVCache]  # the single path takes any kind
+    prompt_cache.single_path = False
+    with caplog.at_level(logging.WARNING, logger="prefix-bundles"):
+        cache, rest = prompt_cache.fetch_nearest_cache(model, [*range(100, 140), 7])
+    assert cache is None and rest == [*range(100, 140), 7]  # cold, never a dead thread
+    assert caplog.messages[-1] == (
+        "prompt cache not reused on the batched path: "
+        "layer 0 is a ChunkedKVCache, which has no batched form"
+    )

@@ -62,9 +62,10 @@ def bundled_prompt_cache_class(manager: PromptCacheManager, model_path: str) -> 
                 return cache, rest
             try:
                 return for_batching(cache), rest
-            except NotBatchable as exc:  # never reached by a bundle kind the validator allows
-                log.warning("prompt cache not reused on the batched path: %s", exc)
-                return None, tokens
+            except Exception as exc:  # none seen: every kind the validator allows converts
+                why = str(exc) if isinstance(exc, NotBatchable) else _describe(exc)
+                log.warning("prompt cache not reused on the batched path: %s", why)
+                return None, tokens  # the request runs cold; the generation thread lives
 
         def _nearest(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
             cache, rest = super().fetch_nearest_cache(model, tokens)
