@@ -7,7 +7,7 @@ from pipeline.format.errors import BundleError, PipelineError
 from pipeline.runtime.mount import (
     MountedBundle,
     MountResult,
-    Refusal,
+    RefusedBundle,
     find_bundles,
     identity_for,
     model_bundles,
@@ -30,7 +30,7 @@ __all__ = [
     "MountedBundle",
     "PipelineError",
     "PromptCacheManager",
-    "Refusal",
+    "RefusedBundle",
     "find_bundles",
     "fork_cache",
     "identity_for",

@@ -24,7 +24,7 @@ LAYOUT = "<bundles>/<name>/<version>/<model folder>"
 
 
 @dataclass(frozen=True)
-class Refusal:
+class RefusedBundle:
     """Why a bundle (or something found where bundles are looked for) was not mounted."""
 
     path: Path
@@ -51,20 +51,20 @@ def _model_problem(name: str) -> str | None:
 LEVELS: tuple[Callable[[str], str | None], ...] = (_name_problem, _version_problem, _model_problem)
 
 
-def _outside(path: Path, root: Path, what: str) -> Refusal:
-    return Refusal(
+def _outside(path: Path, root: Path, what: str) -> RefusedBundle:
+    return RefusedBundle(
         path,
         "layout",
         f"{what}; outside the layout {LAYOUT}, never mounted: move it out of {root}",
     )
 
 
-def _entry_problem(entry: os.DirEntry, root: Path, depth: int) -> Refusal | None:
+def _entry_problem(entry: os.DirEntry, root: Path, depth: int) -> RefusedBundle | None:
     """Why an entry at this depth (0: name, 1: version, 2: model folder) is not in the layout."""
     path = Path(entry.path)
     if entry.is_symlink():
         if not path.exists():
-            return Refusal(path, "layout", "broken symlink; not followed")
+            return RefusedBundle(path, "layout", "broken symlink; not followed")
         return _outside(path, root, f"a symlink to {path.resolve()} (links are not followed)")
     if not entry.is_dir(follow_symlinks=False):  # the directory entry's type: no stat call
         mode = entry.stat(follow_symlinks=False).st_mode
@@ -73,12 +73,12 @@ def _entry_problem(entry: os.DirEntry, root: Path, depth: int) -> Refusal | None
     return None if problem is None else _outside(path, root, problem)
 
 
-def _children(folder: Path, root: Path, depth: int, problems: list[Refusal]) -> list[Path]:
+def _children(folder: Path, root: Path, depth: int, problems: list[RefusedBundle]) -> list[Path]:
     """The layout folders in folder at this depth; everything else goes to problems."""
     try:
         entries = sorted(os.scandir(folder), key=lambda e: e.name)
     except OSError as exc:
-        problems.append(Refusal(folder, "layout", f"cannot list it ({exc.strerror})"))
+        problems.append(RefusedBundle(folder, "layout", f"cannot list it ({exc.strerror})"))
         return []
     found = []
     for entry in entries:
@@ -99,7 +99,7 @@ def is_bundle_folder(path: Path) -> bool:
     return any(os.path.lexists(path / name) for name in ALLOWED_FILES)
 
 
-def find_bundles(root: Path) -> tuple[list[Path], list[Refusal]]:
+def find_bundles(root: Path) -> tuple[list[Path], list[RefusedBundle]]:
     """Bundle folders at exactly <root>/<name>/<version>/<model folder> (or root itself when it is
     one), and everything else found under root that is not in that layout (never mounted).
 
@@ -113,7 +113,7 @@ def find_bundles(root: Path) -> tuple[list[Path], list[Refusal]]:
     if is_bundle_folder(root):
         return [root], []
     found: list[Path] = []
-    problems: list[Refusal] = []
+    problems: list[RefusedBundle] = []
     for name in _children(root, root, 0, problems):
         for version in _children(name, root, 1, problems):
             found += _children(version, root, 2, problems)

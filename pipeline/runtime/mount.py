@@ -22,7 +22,7 @@ from pipeline.format.manifest import Manifest
 from pipeline.format.signature import PublicKey
 from pipeline.format.validate import validate
 from pipeline.runtime.discovery import (  # noqa: F401  (re-exported: pipeline.runtime's API)
-    Refusal,
+    RefusedBundle,
     choose,
     choose_versions,
     find_bundles,
@@ -60,7 +60,7 @@ class MountedBundle:
 @dataclass
 class MountResult:
     bundles: list[MountedBundle] = field(default_factory=list)
-    refused: list[Refusal] = field(default_factory=list)
+    refused: list[RefusedBundle] = field(default_factory=list)
     # valid or not, never mounted: a newer version (or the one the lockfile pins) is chosen
     older: list[Path] = field(default_factory=list)
     seconds: float = 0.0
@@ -84,7 +84,7 @@ def identity_for(model_dir: Path, chat_template: str | None = None) -> ModelIden
     )
 
 
-def model_bundles(model_dir: Path) -> tuple[list[Path], list[Path], list[Refusal]]:
+def model_bundles(model_dir: Path) -> tuple[list[Path], list[Path], list[RefusedBundle]]:
     """Every bundle in <model>/prefix-bundles: (newest per prefix and model, older, not followed).
 
     BundleError when the folder does not exist.
@@ -219,4 +219,4 @@ def _unlocked(path: Path, name: str, versions: dict[str, int]) -> BundleError:
 def _refuse(result: MountResult, exc: BundleError, skip_refused: bool) -> None:
     if not skip_refused:
         raise exc
-    result.refused.append(Refusal(Path(exc.bundle), exc.field, exc.reason))
+    result.refused.append(RefusedBundle(Path(exc.bundle), exc.field, exc.reason))
