@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.cli.common import add_json_option, emit_json, err
 from pipeline.cli.keys import add_trusted_key_option, trusted_keys
-from pipeline.cli.reports_base import refusal_of
-from pipeline.cli.reports_fleet import PulledBundle, PullReport, PullTotals
+from pipeline.cli.reports import PulledBundle, PullReport, PullTotals, refusal_of
 
 if TYPE_CHECKING:
     from pipeline.distribute.pull import PullResult

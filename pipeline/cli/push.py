@@ -7,8 +7,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pipeline.cli.common import add_json_option, emit_json, err
-from pipeline.cli.reports_base import refusal_of
-from pipeline.cli.reports_fleet import PushedBundle, PushReport, PushTotals
+from pipeline.cli.reports import PushedBundle, PushReport, PushTotals, refusal_of
 from pipeline.format.errors import PipelineError
 
 if TYPE_CHECKING:

@@ -1,21 +1,12 @@
-"""The `--json` documents: one pydantic model per command's output, each with a versioned `schema`.
-
-Every document is one JSON object on stdout whose `schema` field names the command and a version
-("verify/1"). A version only grows by adding fields; removing or retyping one makes it "/2".
-`python build.py schema [COMMAND]` prints the JSON Schema of each (committed in docs/schemas/).
-The base model and Refusal are in reports_base.py, push and pull in reports_fleet.py.
-"""
+"""The `--json` documents about local bundles and definitions: verify, inspect, list, build, prune."""
 
 from __future__ import annotations
 
-import json
 from typing import Literal
 
 from pydantic import Field
 
-from pipeline.cli.reports_base import Refusal, Report
-from pipeline.cli.reports_base import refusal_of as refusal_of  # the commands import it from here
-from pipeline.cli.reports_fleet import PullReport, PushReport
+from pipeline.cli.reports.base import Refusal, Report
 from pipeline.format.manifest import (
     BuilderInfo,
     CacheInfo,
@@ -26,9 +17,6 @@ from pipeline.format.manifest import (
     TextInfo,
     TokenInfo,
 )
-
-JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
-
 
 # --- verify ----------------------------------------------------------------------------------
 
@@ -245,25 +233,3 @@ class PruneReport(Report):
     delete: list[PrunedFolder]
     kept: list[KeptFolder]
     totals: PruneTotals
-
-
-DOCUMENTS: dict[str, type[Report]] = {
-    "build": BuildReport,
-    "verify": VerifyReport,
-    "inspect": InspectReport,
-    "list": ListReport,
-    "prune": PruneReport,
-    "push": PushReport,
-    "pull": PullReport,
-}
-
-
-def schema_of(command: str) -> dict:
-    """The JSON Schema (draft 2020-12) of a command's `--json` document."""
-    schema = DOCUMENTS[command].model_json_schema(by_alias=True, mode="serialization")
-    return {"$schema": JSON_SCHEMA_DIALECT, **schema}
-
-
-def schema_text(command: str) -> str:
-    """The schema as committed in docs/schemas/<command>.json (sorted keys, trailing newline)."""
-    return json.dumps(schema_of(command), indent=2, sort_keys=True) + "\n"

@@ -1,7 +1,4 @@
-"""The `--json` documents of `push` and `pull` (fleet distribution through a hub repo).
-
-Registered in reports.DOCUMENTS with the others; the same rules apply (see reports.py).
-"""
+"""The `--json` documents of `push` and `pull` (fleet distribution through a hub repo)."""
 
 from __future__ import annotations
 
@@ -9,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from pipeline.cli.reports_base import Refusal, Report
+from pipeline.cli.reports.base import Refusal, Report
 
 REPO_PATH = "<name>/<version>/<slug>-<fingerprint[:12]> in the hub repo"
 

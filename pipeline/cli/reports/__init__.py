@@ -1,0 +1,99 @@
+"""The `--json` documents: one pydantic model per command's output, each with a versioned `schema`.
+
+Every document is one JSON object on stdout whose `schema` field names the command and a version
+("verify/1"). A version only grows by adding fields; removing or retyping one makes it "/2".
+`python build.py schema [COMMAND]` prints the JSON Schema of each (committed in docs/schemas/).
+Every model is here, in one package: base.py (the strict base, Refusal), local.py, fleet.py (push, pull).
+"""
+
+from __future__ import annotations
+
+import json
+
+from pipeline.cli.reports.base import Refusal, Report, refusal_of
+from pipeline.cli.reports.fleet import (
+    PulledBundle,
+    PullReport,
+    PullTotals,
+    PushedBundle,
+    PushReport,
+    PushTotals,
+)
+from pipeline.cli.reports.local import (
+    BuildReport,
+    BuildTotals,
+    BuiltTarget,
+    CheckResult,
+    InspectReport,
+    KeptFolder,
+    ListedBundle,
+    ListedDefinition,
+    ListReport,
+    ListTotals,
+    PrunedFolder,
+    PruneReport,
+    PruneTotals,
+    Shard,
+    SignatureReport,
+    Validity,
+    VerifiedBundle,
+    VerifyReport,
+    VerifyTotals,
+)
+
+__all__ = [
+    "BuildReport",
+    "BuildTotals",
+    "BuiltTarget",
+    "CheckResult",
+    "DOCUMENTS",
+    "InspectReport",
+    "KeptFolder",
+    "ListReport",
+    "ListTotals",
+    "ListedBundle",
+    "ListedDefinition",
+    "PruneReport",
+    "PruneTotals",
+    "PrunedFolder",
+    "PullReport",
+    "PullTotals",
+    "PulledBundle",
+    "PushReport",
+    "PushTotals",
+    "PushedBundle",
+    "Refusal",
+    "Report",
+    "Shard",
+    "SignatureReport",
+    "Validity",
+    "VerifiedBundle",
+    "VerifyReport",
+    "VerifyTotals",
+    "refusal_of",
+    "schema_of",
+    "schema_text",
+]
+
+JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+
+DOCUMENTS: dict[str, type[Report]] = {
+    "build": BuildReport,
+    "verify": VerifyReport,
+    "inspect": InspectReport,
+    "list": ListReport,
+    "prune": PruneReport,
+    "push": PushReport,
+    "pull": PullReport,
+}
+
+
+def schema_of(command: str) -> dict:
+    """The JSON Schema (draft 2020-12) of a command's `--json` document."""
+    schema = DOCUMENTS[command].model_json_schema(by_alias=True, mode="serialization")
+    return {"$schema": JSON_SCHEMA_DIALECT, **schema}
+
+
+def schema_text(command: str) -> str:
+    """The schema as committed in docs/schemas/<command>.json (sorted keys, trailing newline)."""
+    return json.dumps(schema_of(command), indent=2, sort_keys=True) + "\n"
