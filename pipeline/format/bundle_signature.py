@@ -42,8 +42,8 @@ def _key_ids(keys: Sequence[PublicKey]) -> str:
 def read_signature(bundle: Path, keys: Sequence[PublicKey] = ()) -> Signature:
     """The bundle's parsed signature file; BundleError when missing or malformed."""
     path = Path(bundle) / SIGNATURE_FILE
+    trusted = f" (trusted key id {_key_ids(keys)})" if keys else ""
     if not os.path.lexists(path):
-        trusted = f" (trusted key id {_key_ids(keys)})" if keys else ""
         raise refuse(
             bundle,
             f"{SIGNATURE_FILE} is missing: every bundle must be signed by a trusted key{trusted}; "
@@ -53,12 +53,14 @@ def read_signature(bundle: Path, keys: Sequence[PublicKey] = ()) -> Signature:
     try:
         return parse_signature(read_regular(path, MAX_SIGNATURE_FILE_BYTES))
     except FileProblem as exc:
-        raise refuse(bundle, f"{SIGNATURE_FILE} {exc}", SIGNATURE_FILE) from None
+        raise refuse(
+            bundle, f"{SIGNATURE_FILE} {exc}{trusted}; re-copy the bundle", SIGNATURE_FILE
+        ) from None
     except ValueError as exc:
         raise refuse(
             bundle,
-            f"{SIGNATURE_FILE} is not a minisign signature ({exc}); sign the bundle again or "
-            "re-copy it",
+            f"{SIGNATURE_FILE} is not a minisign signature ({exc}){trusted}; sign the bundle "
+            "again or re-copy it",
             SIGNATURE_FILE,
         ) from None
 

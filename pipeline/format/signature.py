@@ -143,7 +143,8 @@ def parse_signature(data: bytes) -> Signature:
     if lines[-1] == "":
         lines.pop()
     if len(lines) != 4:
-        raise ValueError(f"it has {len(lines)} lines, a signature file has 4")
+        count = f"{len(lines)} line{'' if len(lines) == 1 else 's'}"
+        raise ValueError(f"it has {count}, a signature file has 4")
     lines = [line.removesuffix("\r") for line in lines]
     comment, sig_line, trusted, global_line = lines
     if not comment.startswith(COMMENT_PREFIX) or len(comment.encode()) >= MAX_COMMENT_BYTES:
