@@ -25,10 +25,10 @@ bench *args:
     python bench/run.py "$@"
 
 lint:
-    ruff check pipeline tests bench build.py .github/scripts
-    ruff format --check pipeline tests bench build.py .github/scripts
+    ruff check pipeline tests bench examples build.py .github/scripts
+    ruff format --check pipeline tests bench examples build.py .github/scripts
     @if command -v actionlint >/dev/null; then actionlint; else echo "actionlint not installed: .github/workflows not linted (pip install -e '.[lint]' where github.com is reachable)"; fi
 
 fmt:
-    ruff format pipeline tests bench build.py .github/scripts
-    ruff check --fix pipeline tests bench build.py .github/scripts
+    ruff format pipeline tests bench examples build.py .github/scripts
+    ruff check --fix pipeline tests bench examples build.py .github/scripts
