@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,14 +99,22 @@ TRIMMABLE = {"KVCache", "QuantizedKVCache"}  # others are reused only when exten
 
 
 def match_request(
-    model_dir: Path, bundles: list[Validated], messages: list[dict], tools: list[dict] | None
+    model_dir: Path,
+    bundles: list[Validated],
+    messages: list[dict],
+    tools: list[dict] | None,
+    tokenize: Callable[[Any, list[dict], list[dict] | None], list[int]] | None = None,
 ) -> tuple[list[int], list[Match]]:
-    """The request's tokens as mlx_lm.server computes them, and each bundle's match, best first."""
+    """The request's tokens as mlx_lm.server computes them (or as `tokenize(tokenizer, messages,
+    tools)` does: another server's way), and each bundle's match, best first."""
     from mlx_lm.utils import load_tokenizer
 
     tokenizer = load_tokenizer(Path(model_dir))
     try:
-        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
+        if tokenize is not None:
+            ids = tokenize(tokenizer, messages, tools)
+        else:
+            ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
     except Exception as exc:  # the model's own template refusing this request: one line
         detail = " ".join(str(exc).split())[:200]
         raise TemplateError(

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pipeline.cli.common import err
 from pipeline.format.errors import PipelineError
+from pipeline.runtime.servers.tokens import SERVER_NAMES
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
@@ -20,6 +21,12 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         "--prompt-file", type=Path, help="a chat request body (JSON with messages, optional tools)"
     )
     source.add_argument("--messages", help="the request's messages as a JSON list")
+    m.add_argument(
+        "--server",
+        choices=SERVER_NAMES,
+        default="mlx-lm",
+        help="tokenize the request as this server does (default: mlx-lm, i.e. mlx_lm.server)",
+    )
     m.set_defaults(func=run)
 
 
@@ -39,10 +46,13 @@ def _request(args: argparse.Namespace) -> tuple[list[dict], list[dict] | None]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from functools import partial
+
     from pipeline.builder.authoring import match_request
     from pipeline.format.errors import BundleError
     from pipeline.format.validate import validate
     from pipeline.runtime.mount import choose_versions, find_bundles, identity_for
+    from pipeline.runtime.servers.tokens import request_ids
 
     messages, tools = _request(args)
     identity = identity_for(args.model)
@@ -55,8 +65,10 @@ def run(args: argparse.Namespace) -> int:
             valid.append(validate(path, identity))
         except BundleError as exc:
             err(f"{exc} (not considered)")
-    request, matches = match_request(args.model, valid, messages, tools)
-    print(f"request: {len(request)} tokens")
+    tokenize = None if args.server == "mlx-lm" else partial(request_ids, args.server)
+    request, matches = match_request(args.model, valid, messages, tools, tokenize)
+    as_server = "" if args.server == "mlx-lm" else f" ({args.server})"
+    print(f"request: {len(request)} tokens{as_server}")
     for m in matches:
         verdict = f"reuses {m.reused_tokens} of its {m.bundle_tokens} tokens"
         why = f"; parts {m.divergence}" if m.divergence else ""

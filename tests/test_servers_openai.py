@@ -1,0 +1,57 @@
+"""`serve --server mlx-openai-server`: the real mlx-openai-server 1.8.1 (in the server venv) over
+loopback HTTP; the bundle is validated in the parent and mounted in the spawned handler process."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from servers_env import ROOT, chat, free_port, running, servers_python
+
+from pipeline.format.manifest import Manifest
+
+from conftest import SYSTEM, TOOLS
+
+
+def body(model: Path, question: str) -> dict:
+    return {
+        "model": str(model),
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": question},
+        ],
+        "tools": TOOLS,
+        "max_tokens": 12,
+        "temperature": 0.0,
+    }
+
+
+def serve(python: Path, model: Path, bundles: Path, port: int) -> list[str]:
+    args = [str(python), str(ROOT / "build.py"), "--bundles", str(bundles), "serve"]
+    return [*args, "--server", "mlx-openai-server", "--model", str(model), "--port", str(port)]
+
+
+@pytest.mark.slow
+def test_the_spawned_handler_reuses_the_bundle_and_answers_as_a_cold_server(
+    shop_bundle: Path, tiny_model: Path, tmp_path: Path
+):
+    python = servers_python()
+    count = Manifest.model_validate_json((shop_bundle / "manifest.json").read_text()).tokens.count
+    port = free_port()
+    with running(serve(python, tiny_model, shop_bundle.parents[2], port), port, tmp_path / "w.log"):
+        warm, _ = chat(port, body(tiny_model, "Where is my order 12345?"))
+    log = (tmp_path / "w.log").read_text()
+    pinned = re.search(r"mlx-openai-server: 1 bundle\(s\) pinned in the handler process (\d+)", log)
+    assert pinned is not None, log
+    assert f"bundle shop@1 covers {count} of " in log
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == count
+
+    empty = tmp_path / "none"
+    empty.mkdir()
+    port = free_port()
+    with running(serve(python, tiny_model, empty, port), port, tmp_path / "c.log"):
+        cold, _ = chat(port, body(tiny_model, "Where is my order 12345?"))
+    assert "no bundle covers" in (tmp_path / "c.log").read_text()
+    assert cold["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) == 0
+    assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
