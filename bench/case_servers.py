@@ -88,25 +88,16 @@ def first_request(args: list[str], port: int, log: Path, env: dict[str, str]) ->
     return {"startup_s": ready, "first_s": seconds, "answer": message.get("content")}
 
 
-def vllm(ctx: Context, bundles: Path, openblas: str | None) -> dict[str, Any]:
-    """vllm-mlx: plain as installed, plain with OpenBLAS, and with bundles (serve --server)."""
-    python = str(VENV / "bin" / "python")
-    plain = [python, "-m", "vllm_mlx.cli", "serve", str(MODEL)]
-    ours = [python, str(REPO / "build.py"), "--bundles", str(bundles), "serve"]
-    ours += ["--server", "vllm-mlx", "--model", str(MODEL)]
-    runs = {
-        "cold, as installed": (plain, {}, 1),
-        "cold, OpenBLAS preloaded": (plain, {"LD_PRELOAD": openblas} if openblas else {}, 1),
-        "bundles (serve --server vllm-mlx)": (ours, {}, 1 if ctx.quick else 3),
-    }
+def measure(ctx: Context, server: str, runs: dict[str, tuple]) -> dict[str, Any]:
+    """{label: (command line without --port, extra env, repetitions)} -> rows of first requests."""
     rows = {}
     for label, (cmd, env, n) in runs.items():
         got = []
         for i in range(n):
             port = _port()
-            log = ctx.work / f"vllm-{len(rows)}-{i}.log"
+            log = ctx.work / f"{server}-{len(rows)}-{i}.log"
             got.append(first_request([*cmd, "--port", str(port)], port, log, clean_env(**env)))
-            ctx.note(f"servers: vllm-mlx {label}: first request {got[-1]['first_s']:.2f} s")
+            ctx.note(f"servers: {server} {label}: first request {got[-1]['first_s']:.2f} s")
         rows[label] = {
             "first_s": stat([g["first_s"] for g in got]).as_dict(),
             "startup_s": stat([g["startup_s"] for g in got]).as_dict(),
@@ -115,12 +106,86 @@ def vllm(ctx: Context, bundles: Path, openblas: str | None) -> dict[str, Any]:
     return rows
 
 
-def run(ctx: Context) -> dict[str, Any]:
+def serve(bundles: Path, server: str) -> list[str]:
+    """`build.py serve --server NAME` in the server venv."""
+    python = str(VENV / "bin" / "python")
+    return [python, str(REPO / "build.py"), "--bundles", str(bundles), "serve"] + [
+        "--server",
+        server,
+        "--model",
+        str(MODEL),
+    ]
+
+
+def vllm(ctx: Context, bundles: Path, openblas: str | None) -> dict[str, Any]:
+    """vllm-mlx: plain as installed, plain with OpenBLAS, and with bundles (serve --server)."""
+    plain = [str(VENV / "bin" / "python"), "-m", "vllm_mlx.cli", "serve", str(MODEL)]
+    return measure(
+        ctx,
+        "vllm-mlx",
+        {
+            "cold, as installed": (plain, {}, 1),
+            "cold, OpenBLAS preloaded": (plain, {"LD_PRELOAD": openblas} if openblas else {}, 1),
+            "bundles (serve --server vllm-mlx)": (
+                serve(bundles, "vllm-mlx"),
+                {},
+                1 if ctx.quick else 3,
+            ),
+        },
+    )
+
+
+def omni(ctx: Context, bundles: Path, empty: Path) -> dict[str, Any]:
+    """omni's chat route (tests/envs/omni_chat_app.py: its full app needs mflux) with serve's
+    preparation, no bundle vs bundles; OpenBLAS in both."""
+    app = [str(VENV / "bin" / "python"), str(REPO / "tests" / "envs" / "omni_chat_app.py")]
+
+    def cmd(folder: Path) -> list[str]:
+        # the app takes PORT first: measure() appends --port P, so it is passed as an option here
+        return [
+            *app,
+            "--bundles",
+            str(folder),
+            "serve",
+            "--server",
+            "mlx-omni-server",
+            "--model",
+            str(MODEL),
+        ]
+
+    return measure(
+        ctx,
+        "mlx-omni-server",
+        {
+            "cold (no bundle), OpenBLAS": (cmd(empty), {}, 1),
+            "bundles (serve --server mlx-omni-server)": (cmd(bundles), {}, 1 if ctx.quick else 3),
+        },
+    )
+
+
+def openai(ctx: Context, bundles: Path, empty: Path) -> dict[str, Any]:
+    """mlx-openai-server as a real server: no bundle vs bundles, both through serve (OpenBLAS)."""
+    return measure(
+        ctx,
+        "mlx-openai-server",
+        {
+            "cold (no bundle), OpenBLAS": (serve(empty, "mlx-openai-server"), {}, 1),
+            "bundles (serve --server mlx-openai-server)": (
+                serve(bundles, "mlx-openai-server"),
+                {},
+                1 if ctx.quick else 3,
+            ),
+        },
+    )
+
+
+def run(ctx: Context) -> dict[str, Any] | None:
     """Demo model and bundles (under WORK), then each server's rows."""
     from pipeline.blas import blas_status
 
     if not (VENV / "bin" / "python").exists():
-        raise RuntimeError(f"no server venv at {VENV}: run tests/envs/make_servers_env.sh")
+        ctx.note(f"servers: skipped, no server venv at {VENV} (tests/envs/make_servers_env.sh)")
+        return None
     bundles = ctx.work / "servers-bundles"
     bundles.mkdir(parents=True, exist_ok=True)
     subprocess.run(
@@ -130,7 +195,17 @@ def run(ctx: Context) -> dict[str, Any]:
         env=clean_env(),
         capture_output=True,
     )
-    return {"vllm-mlx": vllm(ctx, bundles, blas_status().library)}
+    empty = ctx.work / "servers-none"
+    empty.mkdir(exist_ok=True)
+    only = os.environ.get("BENCH_SERVERS", "vllm-mlx,mlx-omni-server,mlx-openai-server")
+    result = {}
+    if "vllm-mlx" in only:
+        result["vllm-mlx"] = vllm(ctx, bundles, blas_status().library)
+    if "mlx-omni-server" in only:
+        result["mlx-omni-server"] = omni(ctx, bundles, empty)
+    if "mlx-openai-server" in only:
+        result["mlx-openai-server"] = openai(ctx, bundles, empty)
+    return result
 
 
 def section(result: dict[str, Any]) -> list[str]:

@@ -20,6 +20,7 @@ import case_arch  # noqa: E402
 import case_build  # noqa: E402
 import case_incremental  # noqa: E402
 import case_mount  # noqa: E402
+import case_servers  # noqa: E402
 import case_sizes  # noqa: E402
 import case_ttft  # noqa: E402
 import chart  # noqa: E402
@@ -30,7 +31,7 @@ from common import HUGE_PAGES, MODEL_F32, Context, ensure_models, run_worker, st
 
 from pipeline.blas import blas_status, ensure_fast_blas  # noqa: E402
 
-CASES = ("build", "ttft", "mount", "sizes", "incremental", "handout", "arch")
+CASES = ("build", "ttft", "mount", "sizes", "incremental", "handout", "arch", "servers")
 STEPS = (
     "setup",
     "calibration",
@@ -42,6 +43,7 @@ STEPS = (
     "incremental",
     "handout",
     "arch",
+    "servers",
 )
 BENCH_MODEL_CASES = {
     "build",
@@ -157,6 +159,8 @@ def run_all(ctx: Context, cases: set[str]) -> dict[str, Any]:
         for row in (results.get("arch") or {}).get("rows", []):
             if "error" in row:  # a broken architecture fails the run, as a failed case does
                 results.setdefault("errors", {})[f"arch {row['arch']}"] = row["error"]
+    if "servers" in cases:  # needs the server venv (tests/envs/make_servers_env.sh)
+        timed(ctx, "servers", results, lambda: case_servers.run(ctx))
     results["targets"] = summary.targets(results, ctx.quick)
     return results
 
@@ -213,6 +217,8 @@ def markdown(results: dict[str, Any], total: float) -> str:
         lines += report.handout_section(results.get("handout"))
     if results.get("arch"):
         lines += report.arch_section(results["arch"])
+    if results.get("servers"):
+        lines += case_servers.section(results["servers"])
     for name, err in results.get("errors", {}).items():
         lines += [f"**Case {name} failed:** `{err}`", ""]
     spent = results.get("durations", {})

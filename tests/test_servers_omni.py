@@ -32,7 +32,7 @@ def body(model: str, question: str) -> dict:
 
 def omni(python: Path, model: Path, bundles: Path, port: int) -> list[str]:
     serve = ["--bundles", str(bundles), "serve", "--server", "mlx-omni-server"]
-    return [str(python), str(APP), str(port), *serve, "--model", str(model)]
+    return [str(python), str(APP), *serve, "--model", str(model), "--port", str(port)]
 
 
 @pytest.mark.slow

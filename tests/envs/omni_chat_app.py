@@ -2,7 +2,8 @@
 `serve --server mlx-omni-server`'s preparation, served by uvicorn: omni's full app does not import
 on Linux (its image and audio routes need mflux and misaki), so the tests serve the chat part.
 
-  omni_chat_app.py PORT SERVE-ARGS...   e.g. 8000 --bundles B serve --server mlx-omni-server --model M
+  omni_chat_app.py SERVE-ARGS... --port P
+  e.g. omni_chat_app.py --bundles B serve --server mlx-omni-server --model M --port 8000
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ def main() -> None:
 
     from pipeline.cli import parse_args
     from pipeline.runtime.servers.mlx_omni import prepare
+    from pipeline.runtime.servers.startup import passed_option
 
-    port, serve_argv = int(sys.argv[1]), sys.argv[2:]
-    args = parse_args(serve_argv)
-    prepare(args, args.passthrough, serve_argv)
+    args = parse_args(sys.argv[1:])
+    port = int(passed_option(args.passthrough, "--port") or 10240)  # omni's default port
+    prepare(args, args.passthrough, sys.argv[1:])
     app = FastAPI()
     app.include_router(router)
     app.get("/health")(lambda: {"status": "ok"})
