@@ -366,7 +366,9 @@ def corpus(pristine: Path) -> list[Case]:
     add("kv-cut-to-1", cut_positions(1))
 
     meta = header["__metadata__"]
-    token_ids = json.loads(meta["0.token_ids"])
+    # "0.token_ids" in the mlx-lm 0.32 layout, "1.token_ids" in 0.31's (pipeline.format.cache_codec)
+    (token_key,) = [k for k in meta if k.endswith(".token_ids")]
+    token_ids = json.loads(meta[token_key])
     for key in sorted(meta):
         add(f"meta-{key}-removed", edit_header(lambda h, k=key: h["__metadata__"].pop(k)))
         add(f"meta-{key}-changed", edit_header(lambda h, k=key: h["__metadata__"].update({k: h["__metadata__"][k] + "x"})))  # fmt: skip
@@ -377,13 +379,13 @@ def corpus(pristine: Path) -> list[Case]:
         "nested": [token_ids], "object": {"ids": token_ids},
     }  # fmt: skip
     for label, ids in token_edits.items():
-        add(f"token-ids-{label}", edit_header(lambda h, v=ids: h["__metadata__"].update({"0.token_ids": json.dumps(v)})))  # fmt: skip
-    add("token-ids-spaced", edit_header(lambda h: h["__metadata__"].update({"0.token_ids": json.dumps(token_ids)})))  # fmt: skip
+        add(f"token-ids-{label}", edit_header(lambda h, v=ids: h["__metadata__"].update({token_key: json.dumps(v)})))  # fmt: skip
+    add("token-ids-spaced", edit_header(lambda h: h["__metadata__"].update({token_key: json.dumps(token_ids)})))  # fmt: skip
     add(
         "token-ids-not-json",
-        edit_header(lambda h: h["__metadata__"].update({"0.token_ids": "[1,2"})),
+        edit_header(lambda h: h["__metadata__"].update({token_key: "[1,2"})),
     )
-    add("token-ids-deep", edit_header(lambda h: h["__metadata__"].update({"0.token_ids": nested(100_000).decode()})))  # fmt: skip
+    add("token-ids-deep", edit_header(lambda h: h["__metadata__"].update({token_key: nested(100_000).decode()})))  # fmt: skip
     for cls in (
         "RotatingKVCache",
         "QuantizedKVCache",
@@ -400,7 +402,7 @@ def corpus(pristine: Path) -> list[Case]:
     add("scalar-kind-bogus", edit_header(lambda h: h["__metadata__"].update({"2.1.1": "pickle"})))
     add(
         "metadata-not-strings",
-        edit_header(lambda h: h.update({"__metadata__": {"0.token_ids": 1}})),
+        edit_header(lambda h: h.update({"__metadata__": {token_key: 1}})),
     )
 
     # manifest: every leaf changed, confused, deleted; whole-document replacements

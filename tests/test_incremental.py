@@ -265,9 +265,9 @@ def retamper(bundle: Path, layers: list[int], positions: range) -> None:
 
 def shared_tokens(a: Path, b: Path) -> int:
     """How many leading token ids two bundles share."""
-    from pipeline.format.safetensors_read import read_header
+    from pipeline.format.cache_codec import read_cache
 
-    ids = [json.loads(read_header(x / CACHE_FILE).metadata["0.token_ids"]) for x in (a, b)]
+    ids = [json.loads(read_cache(x / CACHE_FILE)[1]["token_ids"]) for x in (a, b)]
     return next(
         (i for i, (x, y) in enumerate(zip(*ids, strict=False)) if x != y), min(map(len, ids))
     )

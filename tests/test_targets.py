@@ -76,6 +76,6 @@ def test_serve_refuses_an_unsupported_mlx_lm(monkeypatch):
     with pytest.raises(PipelineError) as info:
         check_mlx_lm()
     assert str(info.value) == (
-        "serve supports mlx-lm >=0.30,<0.33; found 0.40.1: "
-        "install one with \"pip install 'mlx-lm>=0.30,<0.33'\""
+        "serve supports mlx-lm >=0.31,<0.33; found 0.40.1: "
+        "install one with \"pip install 'mlx-lm>=0.31,<0.33'\""
     )
