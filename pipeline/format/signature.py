@@ -81,6 +81,11 @@ def parse_public_key(text: str) -> PublicKey:
     raw = b64decode_exact(line, 42, "public key")
     if raw[:2] != ALG:
         raise ValueError(f"algorithm {raw[:2]!r} is not Ed25519 ('Ed')")
+    # loading the key proves it usable and imports the library once, at startup (~35 ms measured:
+    # docs/signing.md), not during a mount
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
+    Ed25519PublicKey.from_public_bytes(raw[10:])
     return PublicKey(raw[2:10], raw[10:])
 
 
@@ -170,7 +175,7 @@ def signed_bytes(algorithm: bytes, message: bytes) -> bytes:
 
 def check(signature: Signature, message: bytes, key: PublicKey) -> str | None:
     """None when `signature` by `key` verifies over `message` and its trusted comment, else why not."""
-    # imported here: ~35 ms, paid only by a process that checks signatures (measured, docs/signing.md)
+    # imported lazily: only a process that checks signatures pays for it (parse_public_key did)
     from cryptography.exceptions import InvalidSignature
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
