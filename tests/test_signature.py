@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 from fuzz_corpus import edit_manifest, forge_cache, reseal_sums, set_path
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_distribute import REPO, fake_hub, model  # noqa: F401  (fixtures used by name)
 
 from pipeline.builder.signing import sign_bundle
@@ -107,6 +109,33 @@ def test_a_signature_verifies_only_over_the_exact_bytes(key: SecretKey):
     assert "does not match the file" in check(parsed, b"manifest bytes!", key.public_key())
     other = generate().public_key()
     assert check(parsed, b"manifest bytes", other) == f"it is by key id {sig.key}, not {other.id}"
+
+
+KEY_FOR_HYPOTHESIS = generate()
+SIGNED = KEY_FOR_HYPOTHESIS.sign(b"m", "prefix-bundles shop@1 tiny-0123456789ab")
+
+
+def signed_parts(sig) -> tuple:
+    return (sig.algorithm, sig.key_id, sig.signature, sig.trusted_comment, sig.global_signature)
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.binary(max_size=400), position=st.integers(min_value=0), mask=st.integers(1, 255))
+def test_any_bytes_are_a_signature_or_a_valueerror_and_only_the_signed_parts_verify(
+    data: bytes, position: int, mask: int
+):
+    """Random bytes and one-byte edits of a valid file: parse_signature raises ValueError or
+    returns a Signature; it verifies exactly when every signed part is unchanged (an edit in
+    the untrusted comment, or in base64 padding bits, changes nothing signed)."""
+    edited = bytearray(SIGNED.file_bytes())
+    edited[position % len(edited)] ^= mask
+    for candidate in (data, bytes(edited)):
+        try:
+            sig = parse_signature(candidate)
+        except ValueError:
+            continue
+        ok = check(sig, b"m", KEY_FOR_HYPOTHESIS.public_key()) is None
+        assert ok == (signed_parts(sig) == signed_parts(SIGNED))
 
 
 def test_a_bad_public_key_file_is_one_error_naming_it(tmp_path: Path):
