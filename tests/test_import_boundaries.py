@@ -211,19 +211,34 @@ def test_blas_is_left_alone_without_the_library():
 
 @linux_openblas
 def test_the_example_gets_openblas_although_it_imports_mlx_first(
-    shop_bundle: Path, tiny_model: Path
+    tmp_path: Path, shop_bundle: Path, tiny_model: Path
 ):
+    """Its module body (load, mount) in a fresh `python -c`, which re-executes once."""
     example = ROOT / "examples" / "custom_server.py"
     source = example.read_text(encoding="utf-8")
     assert source.index("from mlx_lm import") < source.index("ensure_fast_blas(")  # mlx first
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "demo-tiny").symlink_to(tiny_model)  # the example's defaults
+    (tmp_path / "bundles").symlink_to(shop_bundle.parents[2])
+    code = (
+        "import os, runpy\n"
+        f"g = runpy.run_path({str(example)!r}, run_name='example')\n"
+        "print(g['BLAS'].notice, [b.name for b in g['mounted'].bundles], os.environ['LD_PRELOAD'])\n"
+    )
+    clean = {
+        k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "PREFIX_BUNDLES_OPENBLAS")
+    }
     done = subprocess.run(
-        [sys.executable, str(example), str(tiny_model), str(shop_bundle.parents[2])],
-        cwd=ROOT,
-        env={k: v for k, v in os.environ.items() if k != "LD_PRELOAD"},
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=clean,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr
-    assert done.stdout.splitlines()[0].endswith("(preloaded)")
-    assert "first request: " in done.stdout
+    notice, mounted, preload = done.stdout.strip().rsplit(" ", 2)
+    assert notice.endswith("(preloaded)") and mounted == "['shop@1']"
+    assert os.path.realpath(preload) == os.path.realpath(
+        __import__("pipeline.blas").blas.find_openblas()
+    )
