@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import ast
 import json
 import shutil
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -163,35 +160,6 @@ def test_manifest_records_the_cache_file_digest_and_size(shop_bundle: Path):
     cache = json.loads((shop_bundle / MANIFEST_FILE).read_text())["cache"]
     assert cache["file_sha256"] == sha256_file(shop_bundle / CACHE_FILE)
     assert cache["file_bytes"] == (shop_bundle / CACHE_FILE).stat().st_size
-
-
-def imported_modules(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text())
-    names = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            names |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names.add(node.module)
-    return names
-
-
-@pytest.mark.parametrize("side", ["runtime", "format"])
-def test_runtime_and_format_never_import_the_build_side(side: str):
-    for path in sorted((ROOT / "pipeline" / side).glob("*.py")):
-        bad = {m for m in imported_modules(path) if m.startswith(("pipeline.builder", "jinja2"))}
-        assert not bad, f"{path.name} imports {bad}"
-        if side == "format":
-            assert not {m for m in imported_modules(path) if m.startswith("pipeline.runtime")}
-
-
-def test_importing_the_runtime_loads_no_build_module():
-    code = (
-        "import sys, pipeline.runtime, pipeline.runtime.serve, pipeline.format.validate; "
-        "print([m for m in sys.modules if m.startswith(('pipeline.builder', 'jinja2', 'transformers'))])"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
 
 
 def test_a_folder_of_special_files_and_a_broken_symlink_are_reported_not_skipped(
