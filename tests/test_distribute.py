@@ -450,3 +450,30 @@ def test_pull_undoes_what_it_placed_when_a_later_move_fails(
     assert os.listdir(old_faq) == ["marker"]  # the older faq is back, untouched
     assert os.listdir(outside / "1" / shop_bundle.name) == ["keep"]
     assert sorted(p.name for p in (bundles / ".staging").iterdir()) == ["locks"]
+
+
+def test_pull_refuses_a_linked_staging_folder_and_leaves_its_target(
+    fake_hub: FakeHub, shop_bundle: Path, model: Path, tmp_path: Path, capsys
+):
+    """A dead pull's leftovers are cleaned from .staging; a .staging that links out of the tree
+    is refused before anything is downloaded, and the link's target keeps what it holds."""
+    import subprocess
+    import sys
+
+    assert main(["push", str(shop_bundle), "--repo", REPO]) == 0
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          check=True, capture_output=True, text=True).stdout.strip()  # fmt: skip
+    outside = tmp_path / "elsewhere"
+    (outside / f"{dead}-precious").mkdir(parents=True)
+    bundles = model / "prefix-bundles"
+    bundles.mkdir()
+    (bundles / ".staging").symlink_to(outside, target_is_directory=True)
+    capsys.readouterr()
+    assert main(["pull", "--repo", REPO, "--model", str(model)]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: {bundles / '.staging'} is a symlink ({outside}); nothing under the bundles folder "
+        f"{bundles} is created, renamed or deleted through a link: replace it with a real folder\n"
+    )
+    assert os.listdir(outside) == [f"{dead}-precious"]
+    assert sorted(p.name for p in bundles.iterdir()) == [".staging"]
