@@ -215,7 +215,8 @@ def section(result: dict[str, Any]) -> list[str]:
         "",
         "Demo model `models/demo-tiny`, support-agent prefix (11,052 tokens) plus one question, "
         "8 tokens at temperature 0; a fresh server per run (first request after startup). "
-        "Server venv: mlx-lm 0.31.3, vllm-mlx 0.6.0.",
+        "Server venv (tests/envs/make_servers_env.sh): mlx-lm 0.31.3, vllm-mlx 0.6.0, "
+        "mlx-omni-server 0.5.3, mlx-openai-server 1.8.1.",
         "",
         "| server | run | first request s | startup s | answer |",
         "| --- | --- | --- | --- | --- |",
