@@ -152,3 +152,15 @@ def test_a_second_definition_does_not_change_the_refusal(project: Path, tiny_mod
     with pytest.raises(PipelineError, match=r"faq/1/m is a symlink"):
         remove_tree(root, root / "faq" / "1" / "m")
     assert (project / "prefixes" / "faq.toml").is_file()
+
+
+def test_a_link_inside_a_removed_folder_is_unlinked_not_followed(tmp_path: Path):
+    root, outside = tmp_path / "bundles", tmp_path / "outside"
+    (outside / "deep").mkdir(parents=True)
+    (outside / "deep" / "keep").write_text("not ours\n")
+    doomed = root / ".staging" / "123-x"
+    make_folders(root, doomed / "sub")
+    (doomed / "sub" / "to-outside").symlink_to(outside, target_is_directory=True)
+    (doomed / "file-link").symlink_to(outside / "deep" / "keep")
+    remove_tree(root, doomed)
+    assert not doomed.exists() and (outside / "deep" / "keep").read_text() == "not ours\n"

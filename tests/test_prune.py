@@ -134,7 +134,7 @@ def test_a_bundle_is_never_half_deleted_in_place(project: Path, shop, capsys, mo
     def fail(path, *args, **kwargs):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(bundles_tree.shutil, "rmtree", fail)
+    monkeypatch.setattr(bundles_tree, "remove_at", fail)
     code, doc = prune_json(project, capsys, "--apply", "--keep", "1")
     assert code == 1
     failed = {f.path: f for f in doc.delete if f.status == "failed"}

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import shutil
 import stat
 import sys
 from collections.abc import Iterator
@@ -102,7 +101,23 @@ def remove_tree(root: Path, path: Path) -> None:
         mode = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False).st_mode
         if not stat.S_ISDIR(mode):
             raise _not_a_folder(root, parts, fd)
-        shutil.rmtree(parts[-1], dir_fd=fd)  # fd-based: links inside are unlinked, not followed
+        remove_at(fd, parts[-1])
+
+
+def remove_at(parent_fd: int, name: str) -> None:
+    """Delete the folder `name` in the folder open as parent_fd, descending through descriptors
+    only: a link inside is unlinked, never followed (shutil.rmtree's dir_fd needs Python 3.11)."""
+    fd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=parent_fd)
+    try:
+        with os.scandir(fd) as found:
+            for entry in list(found):
+                if entry.is_dir(follow_symlinks=False):
+                    remove_at(fd, entry.name)
+                else:
+                    os.unlink(entry.name, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=parent_fd)
 
 
 def remove_empty(root: Path, path: Path) -> bool:
