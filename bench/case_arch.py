@@ -29,7 +29,7 @@ SERIES = ("verified", "unchecked", "cold", "bundle")
 
 
 def reps(quick: bool) -> int:
-    return 3 if quick else 5
+    return 1 if quick else 5
 
 
 def architectures() -> dict[str, dict[str, Any]]:

@@ -34,7 +34,7 @@ def sizes(quick: bool) -> dict[str, Any]:
     """Prompt lengths and repetitions; the default install is ~10x slower: shorter prompt there."""
     if quick:
         return dict(
-            same_tokens=128, default_tokens=32, reps=2, default_reps=1, ab_pairs=2, extras=False
+            same_tokens=128, default_tokens=32, reps=1, default_reps=1, ab_pairs=1, extras=False
         )
     return dict(
         same_tokens=512, default_tokens=192, reps=5, default_reps=3, ab_pairs=5, extras=True

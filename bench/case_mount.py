@@ -32,7 +32,7 @@ RSS_VARIANTS = ("verified", "verified_first", "unchecked", "python_read")
 
 
 def reps(quick: bool) -> int:
-    return 2 if quick else 4
+    return 1 if quick else 4
 
 
 def one(variant: str, bundle: Path, nbytes: int, trusted_key: Path | None = None) -> dict[str, Any]:

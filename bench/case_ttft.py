@@ -48,11 +48,11 @@ def kinds(length: int, quick: bool) -> dict[str, int]:
 
 def cold_reps(length: int, quick: bool) -> int:
     """Cold runs cost minutes at 4k on 2 cores: fewer repetitions for the long ones."""
-    return 2 if quick or length >= 2048 else 3
+    return 1 if quick else 2 if length >= 2048 else 3
 
 
 def warm_reps(quick: bool) -> int:
-    return 2 if quick else 3
+    return 1 if quick else 3
 
 
 def messages_for(length: int) -> list[dict[str, str]]:

@@ -16,8 +16,11 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 BENCH = REPO / "bench"
 WORKER = BENCH / "worker.py"
-MODEL_BF16 = REPO / "models" / "bench-qwen3-0.6b"
-MODEL_F32 = REPO / "models" / "bench-qwen3-0.6b-f32"
+# Qwen3-0.6B shapes; `--quick` (bench/run.py sets the variable before the cases import this) runs
+# the 4-layer "small" model of the same family, so that every case runs in minutes.
+MODEL_SIZE = os.environ.get("PREFIX_BUNDLES_BENCH_SIZE", "bench")
+MODEL_BF16 = REPO / "models" / {"bench": "bench-qwen3-0.6b"}.get(MODEL_SIZE, f"bench-{MODEL_SIZE}")
+MODEL_F32 = MODEL_BF16.with_name(MODEL_BF16.name + "-f32")
 QUESTION = (
     "Using the notes above, which three items matter most today, and why? Answer in one line."
 )
@@ -46,8 +49,8 @@ def ensure_models() -> dict[str, Path]:
     from pipeline.testmodels.model import generate_model
 
     return {
-        "bfloat16": generate_model(MODEL_BF16, "bench"),
-        "float32": generate_model(MODEL_F32, "bench", dtype="float32"),
+        "bfloat16": generate_model(MODEL_BF16, MODEL_SIZE),
+        "float32": generate_model(MODEL_F32, MODEL_SIZE, dtype="float32"),
     }
 
 

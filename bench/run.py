@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import time
@@ -15,6 +16,8 @@ from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH), str(BENCH.parent)]
+if "--quick" in sys.argv[1:]:  # before the cases import common: the small model (common.MODEL_SIZE)
+    os.environ.setdefault("PREFIX_BUNDLES_BENCH_SIZE", "small")
 
 import case_arch  # noqa: E402
 import case_build  # noqa: E402

@@ -23,7 +23,7 @@ from pipeline.testmodels.tokenizer import (
     train_tokenizer,
 )
 
-SIZES = ("tiny", "bench")  # keys of SPECS
+SIZES = ("tiny", "small", "bench")  # keys of SPECS
 DTYPES = {"float32": ("F32", 4), "bfloat16": ("BF16", 2), "float16": ("F16", 2)}  # safetensors
 GENERATOR_VERSION = 1
 FILES = (
@@ -57,6 +57,8 @@ class Spec:
 SPECS = {
     # head_dim 64 so 8- and 4-bit KV quantization (group size 64) works on the tiny model too
     "tiny": Spec(2, 64, 4, 2, 64, 128, None, 1024, "float32", 0.125),
+    # `just bench --quick`: the bench model's family and tokenizer, small enough to run every case fast
+    "small": Spec(4, 256, 4, 2, 64, 768, None, 8192, "bfloat16", 0.02),
     "bench": Spec(28, 1024, 16, 8, 128, 3072, 151936, 8192, "bfloat16", 0.02),
 }
 CHUNK_ELEMENTS = 1 << 23  # rows are generated and written in chunks of about this many values
