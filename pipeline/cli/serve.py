@@ -14,9 +14,9 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> argparse.Argum
     p = sub.add_parser(
         "serve",
         parents=parents,
-        help="mlx_lm.server with bundles mounted (serve --help for options)",
-        description="mlx_lm.server with prefix bundles mounted at startup. "
-        "Options not listed here are passed to mlx_lm.server unchanged.",
+        help="mlx_lm.server (or --server NAME) with bundles mounted (serve --help for options)",
+        description="mlx_lm.server (or another server, --server) with prefix bundles mounted in "
+        "its prompt cache at startup. Options not listed here are passed to that server unchanged.",
         allow_abbrev=False,  # a server option must never be taken for an abbreviation of ours
     )
     p.add_argument("--model", required=True, help="the MLX model folder the bundles were built for")
