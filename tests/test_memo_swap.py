@@ -85,3 +85,30 @@ def test_mounts_never_return_swapped_in_data(
         thread.join()
     assert swaps[0] > MOUNTS and results["wrong"] == 0, results
     assert results["right"] > 0 and results["refused"] > 0, results  # both folders were seen
+
+
+def test_an_in_place_edit_during_a_memo_trusted_load_is_refused(
+    tmp_path: Path, shop_bundle: Path, tiny_model: Path, monkeypatch
+):
+    """The memo's key is the open file's fstat before the read; a write to that same file while
+    it loads (same inode, new ctime) must not pass as the hashed file."""
+    import mlx.core as mx
+
+    monkeypatch.setenv("PREFIX_BUNDLES_CACHE_DIR", str(tmp_path / "memo"))
+    good = tmp_path / "bundles" / "shop" / "1" / shop_bundle.name
+    shutil.copytree(shop_bundle, good)
+    identity = identity_for(tiny_model)
+    validate(good, identity, load=True, trust_memo=True)  # the memo learns the file
+    data = (good / CACHE_FILE).read_bytes()
+    offset = 8 + int.from_bytes(data[:8], "little") + 64
+    real_load = mx.load
+
+    def edit_then_load(path, *args, **kwargs):
+        with open(good / CACHE_FILE, "r+b") as fh:
+            fh.seek(offset)
+            fh.write(bytes([data[offset] ^ 0x40]))
+        return real_load(path, *args, **kwargs)
+
+    monkeypatch.setattr(mx, "load", edit_then_load)
+    with pytest.raises(BundleError, match="changed while it was being read; mount again"):
+        validate(good, identity, load=True, trust_memo=True)
