@@ -3,8 +3,9 @@
 #   tests/envs/make_servers_env.sh [DEST]   (DEST defaults to .venv-servers in the repo root)
 # vllm-mlx 0.6.0, mlx-omni-server 0.5.3 and mlx-openai-server 1.8.1 all pin mlx-lm <0.32, so
 # this venv has mlx-lm 0.31 over this interpreter's packages (--system-site-packages). Each server
-# is installed without its dependencies (vllm-mlx's pull in torch, 6.6 GB; omni's and
-# mlx-openai-server's fail on Linux: mflux needs a CUDA mlx), plus what their serving paths import.
+# is installed without its dependencies (vllm-mlx's pull in CUDA torch, 6.6 GB; omni's and
+# mlx-openai-server's fail on Linux: mflux needs a CUDA mlx), plus what their serving paths import
+# (mlx-openai-server's handler imports outlines, which imports torch: the CPU torch 2.13.0 wheel).
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 dest="${1:-$root/.venv-servers}"
@@ -13,7 +14,7 @@ servers=(vllm-mlx==0.6.0 mlx-omni-server==0.5.3 mlx-openai-server==1.8.1)
 # what vllm-mlx's serve path, omni's chat path and mlx-openai-server's handler import
 serving=(fastapi uvicorn "starlette>=1.0.1" python-multipart psutil prometheus-client
          loguru "openai>=2.21,<3" openai-harmony "dill>=0.4,<0.5" "xxhash>=3.6,<4"
-         "outlines>=1.1.1,<1.2")
+         "outlines>=1.1.1,<1.2" "torch==2.13.0")  # outlines imports torch: the CPU wheel
 
 check() {
   "$dest/bin/python" - <<'PY'
@@ -24,6 +25,7 @@ import mlx_lm
 assert mlx_lm.__version__.startswith("0.31."), mlx_lm.__version__
 import app.handler.mlx_lm  # noqa: F401  (mlx-openai-server)
 import app.utils.prompt_cache  # noqa: F401
+from outlines.processors import JSONLogitsProcessor  # noqa: F401  (its handler's import)
 import mlx_omni_server.chat.mlx.chat_generator  # noqa: F401
 import vllm_mlx.cli  # noqa: F401
 import vllm_mlx.server  # noqa: F401
