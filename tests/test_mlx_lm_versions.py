@@ -60,6 +60,7 @@ def other_python() -> Path:
         capture_output=True,
         text=True,
         timeout=600,
+        env={**os.environ, "PYTHON": sys.executable},
     )
     if run.returncode != 0:
         why = (run.stderr.strip().splitlines() or ["no output"])[-1]
