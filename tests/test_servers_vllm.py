@@ -103,3 +103,21 @@ def test_server_not_installed_is_one_error_line(tiny_model: Path, tmp_path: Path
         "(vllm_mlx cannot be imported); install it with "
         "\"pip install 'mlx-prefix-bundles[vllm-mlx]'\" (docs/servers.md)"
     )
+
+
+@pytest.mark.slow
+def test_with_prefix_trie_cache_the_servers_own_entries_work_next_to_the_bundle(
+    shop_bundle: Path, tiny_model: Path, tmp_path: Path
+):
+    python = servers_python()
+    port = free_port()
+    args = serve_args(python, tiny_model, shop_bundle.parents[2], port, "--prefix-trie-cache")
+    with running(args, port, tmp_path / "trie.log"):
+        first, _ = chat(port, body(tiny_model))
+        second, _ = chat(port, body(tiny_model))
+    log = (tmp_path / "trie.log").read_text()
+    lines = re.findall(r"vllm-mlx request: bundle shop@1 covers .*", log)
+    assert len(lines) == 2 and "the server's own cache" not in lines[0]
+    # vllm-mlx 0.6.0 keys its trie by the (unhashable) model: under serve its own entry is found
+    assert re.search(r"the server's own cache covers \d+, and is used", lines[1]), lines
+    assert first["choices"][0]["message"] == second["choices"][0]["message"]
