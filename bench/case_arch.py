@@ -20,7 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from case_ttft import SYSTEM, TEMPLATE_TOKENS
-from common import QUESTION, Context, ratio, run_worker, stat, text_with_tokens, write_definition
+from common import (
+    QUESTION,
+    QUESTION2,
+    Context,
+    ratio,
+    run_worker,
+    stat,
+    text_with_tokens,
+    write_definition,
+)
 
 DTYPE = "float32"
 STEP = 512  # prefill chunk of the cold and the bundle request alike (as case 2)
@@ -95,6 +104,7 @@ def one(kind: str, p: dict[str, Any]) -> dict[str, Any]:
         "bundle": str(p["bundle"]) if kind == "bundle" else None,
         "messages": p["messages"],
         "question": QUESTION,
+        "question2": QUESTION2,  # the worker answers a second request too (the in-memory hit)
         "step": STEP,
     }
     r = run_worker("ttft", args)
