@@ -51,9 +51,15 @@ def test_hub_model_in_the_local_hub_cache_resolves_offline(
 
 def test_missing_local_model_names_the_fix(tmp_path: Path):
     with pytest.raises(
-        ModelError, match=r"model nowhere: no config.json in .*; generate the demo model"
+        ModelError,
+        match=r"model nowhere: folder .*/nowhere does not exist; generate the demo model",
     ):
         resolve_model(ModelSpec(path="nowhere"), tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(
+        ModelError, match=r"model empty: no config.json in .*; generate the demo model"
+    ):
+        resolve_model(ModelSpec(path="empty"), tmp_path)
 
 
 def test_fingerprint_pin_refuses_other_weights(tmp_path: Path, tiny_model_other_weights: Path):

@@ -114,7 +114,7 @@ def test_cli_reports_errors_in_one_line(tiny_model: Path, capsys: pytest.Capture
 @pytest.mark.parametrize(
     ("size", "seed", "dtype", "error"),
     [
-        ("huge", 0, None, "unknown test model size 'huge'; choose one of tiny, bench"),
+        ("huge", 0, None, "unknown test model size 'huge'; choose one of tiny, small, bench"),
         ("tiny", 0, "int8", "unknown dtype 'int8'; choose one of float32, bfloat16, float16"),
         ("tiny", -1, None, "seed must be a non-negative integer, got -1"),
     ],
