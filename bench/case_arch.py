@@ -58,17 +58,18 @@ def generate(arch: str, out: Path, tokenizer_from: Path) -> Path:
     return generate_arch_model(out, arch, tokenizer_from, **kwargs)
 
 
-def prefix_length(config: dict[str, Any]) -> int:
-    """PREFIX_TOKENS, leaving room for the question within the model's positions."""
+def prefix_length(config: dict[str, Any], quick: bool = False) -> int:
+    """PREFIX_TOKENS (quick: 512), leaving room for the question within the model's positions."""
     room = int(config.get("max_position_embeddings") or 1 << 30) - 256
-    return max(min(PREFIX_TOKENS, room), 2 * int(config.get("sliding_window") or 0), 64)
+    wanted = 512 if quick else PREFIX_TOKENS
+    return max(min(wanted, room), 2 * int(config.get("sliding_window") or 0), 64)
 
 
 def prepare(ctx: Context, arch: str, config: dict[str, Any], tiny: Path) -> dict[str, Any]:
     """Model, definition and bundle of one architecture; the bundle mounted once (memo primed)."""
     root = ctx.work / "arch"
     model = generate(arch, root / "models" / arch, tiny)
-    length = prefix_length(config)
+    length = prefix_length(config, ctx.quick)
     notes = text_with_tokens(model, length - TEMPLATE_TOKENS, seed=length)
     messages = [{"role": "system", "content": SYSTEM + notes}]
     name = f"arch-{arch}".replace("_", "-")

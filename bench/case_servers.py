@@ -159,7 +159,7 @@ def omni(ctx: Context, bundles: Path, empty: Path) -> dict[str, Any]:
         ctx,
         "mlx-omni-server",
         {
-            "cold (no bundle), OpenBLAS": (cmd(empty), {}, 1),
+            **({} if ctx.quick else {"cold (no bundle), OpenBLAS": (cmd(empty), {}, 1)}),
             "bundles (serve --server mlx-omni-server)": (cmd(bundles), {}, 1 if ctx.quick else 3),
         },
     )
@@ -171,7 +171,11 @@ def openai(ctx: Context, bundles: Path, empty: Path) -> dict[str, Any]:
         ctx,
         "mlx-openai-server",
         {
-            "cold (no bundle), OpenBLAS": (serve(empty, "mlx-openai-server"), {}, 1),
+            **(
+                {}
+                if ctx.quick  # --quick: the bundle rows only (one cold row, vllm-mlx's, remains)
+                else {"cold (no bundle), OpenBLAS": (serve(empty, "mlx-openai-server"), {}, 1)}
+            ),
             "bundles (serve --server mlx-openai-server)": (
                 serve(bundles, "mlx-openai-server"),
                 {},

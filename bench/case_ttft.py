@@ -41,7 +41,7 @@ def long_length(quick: bool) -> int:
 def kinds(length: int, quick: bool) -> dict[str, int]:
     """Run kinds and repetitions for a length; huge pages where the copies are big."""
     n = {"cold": cold_reps(length, quick), "bundle": warm_reps(quick)}
-    if length >= (384 if quick else 2048):
+    if length >= (1024 if quick else 2048):  # quick: the long, bundle-only prefix
         n["bundle_hugepages"] = n["bundle_no_warmup"] = warm_reps(quick)
     return n
 
