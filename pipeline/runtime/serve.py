@@ -218,8 +218,8 @@ def log_mounts(result: MountResult) -> None:
     )
 
 
-def _passed_option(rest: list[str], name: str) -> str | None:
-    """The value of an mlx_lm.server option passed through (`--name V` or `--name=V`), if any."""
+def passed_option(rest: list[str], name: str) -> str | None:
+    """The value of a server option passed through (`--name V` or `--name=V`), if any."""
     for i, arg in enumerate(rest):
         if arg == name and i + 1 < len(rest):
             return rest[i + 1] or None
@@ -238,7 +238,7 @@ def serve(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
         from pipeline.runtime import servers
 
         return servers.run(args.server, args, rest, argv)
-    level = (_passed_option(rest, "--log-level") or "INFO").upper()
+    level = (passed_option(rest, "--log-level") or "INFO").upper()
     logging.basicConfig(
         level=getattr(logging, level, logging.INFO),
         format="%(asctime)s - %(levelname)s - %(message)s",
@@ -252,7 +252,7 @@ def serve(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
         args.model,
         args.bundles,
         skip_refused=not args.strict,
-        chat_template=_passed_option(rest, "--chat-template"),
+        chat_template=passed_option(rest, "--chat-template"),
         manager=manager,
         model_key=BUNDLE_KEY,
         verify_full=args.verify_full,

@@ -22,7 +22,7 @@ from pipeline.format.lockfile import locked_versions
 from pipeline.runtime.hugepages import ensure_huge_pages
 from pipeline.runtime.mount import MountResult, model_bundles_dir, mount
 from pipeline.runtime.prompt_cache import CacheHit, PromptCacheManager
-from pipeline.runtime.serve import check_mlx_lm, log_mounts
+from pipeline.runtime.serve import check_mlx_lm, log_mounts, passed_option
 from pipeline.runtime.servers.tokens import parity
 
 log = logging.getLogger("prefix-bundles")
@@ -51,16 +51,6 @@ class Mounted:
             elif common == len(ids) < len(request):
                 best = max(best, common)
         return best
-
-
-def passed_option(rest: list[str], name: str) -> str | None:
-    """The value of a server option passed through (`--name V` or `--name=V`), if any."""
-    for i, arg in enumerate(rest):
-        if arg == name and i + 1 < len(rest):
-            return rest[i + 1] or None
-        if arg.startswith(name + "="):
-            return arg.split("=", 1)[1] or None
-    return None
 
 
 def require(module: str, server: str) -> None:
