@@ -4,6 +4,7 @@ tool both ways, the validator's "signature" stage through verify, mount, inspect
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -40,7 +41,11 @@ from conftest import document
 
 ROOT = Path(__file__).resolve().parents[1]
 MINISIGN = shutil.which("minisign")
-needs_minisign = pytest.mark.skipif(MINISIGN is None, reason="minisign is not installed")
+# Interop with the real tool is a CI check (.ci/run installs minisign): skipped only off CI.
+needs_minisign = pytest.mark.skipif(
+    MINISIGN is None and os.environ.get("CI") != "true",
+    reason="minisign is not installed (apt-get install minisign; CI installs it)",
+)
 
 
 def write_keys(folder: Path, key: SecretKey, name: str = "k") -> tuple[Path, Path]:
