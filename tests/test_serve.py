@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,13 +38,15 @@ def server(model: Path, bundles: Path, log: Path):
 
 
 @contextmanager
-def server_process(model: Path, bundles: Path, log: Path, *extra: str, **popen):
-    """`build.py serve` (with extra options; `popen`: env, preexec_fn, ...) and its port, once it
-    answers /health."""
+def server_process(
+    model: Path, bundles: Path, log: Path, *extra: str, entry: Path = ROOT / "build.py", **popen
+):
+    """`build.py serve` (with extra options; `entry`: another script taking build.py's arguments;
+    `popen`: env, preexec_fn, ...) and its port, once it answers /health."""
     port = free_port()
     args = [
         sys.executable,
-        str(ROOT / "build.py"),
+        str(entry),
         "serve",
         "--model",
         str(model),
@@ -169,9 +173,22 @@ def test_serve_mounts_the_newest_version_and_survives_a_broken_bundle(
 
 
 DEATH = re.compile(
-    r"generation thread died \(ValueError: `top_k` has to be an integer in the \(0, 1024[)\]] "
-    r"interval, but is 100000\. at sample_utils\.py:\d+\)"
-)  # mlx-lm 0.32 writes the interval as (0, 1024), 0.31 as (0, 1024]
+    r"generation thread died \(RuntimeError: injected fault: the sampler raised for top_k 13 "
+    r"at faulty_serve\.py:\d+\)"
+)
+# A fault inside mlx_lm's generation thread, injected the way a sampler bug would raise: the driver
+# patches mlx_lm's own top-k step, then runs build.py's main (serve, the real server) unchanged.
+FAULTY_SERVE = """import sys
+import mlx_lm.sample_utils as sample_utils
+real_top_k = sample_utils.apply_top_k
+def apply_top_k(logprobs, top_k):
+    if top_k == 13:
+        raise RuntimeError("injected fault: the sampler raised for top_k 13")
+    return real_top_k(logprobs, top_k)
+sample_utils.apply_top_k = apply_top_k
+from pipeline.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
 
 
 def ignore_sigint() -> None:
@@ -184,13 +201,17 @@ def ignore_sigint() -> None:
 def test_a_dead_generation_thread_ends_serve_with_status_1(
     shop_bundle: Path, tiny_model: Path, tmp_path: Path, sigint: str
 ):
-    # mlx_lm.server 0.32.2 checks top_k only inside its batched generation thread: a real request
-    # that kills the thread. Before, the process stayed up and answered 404 to every request.
-    log = tmp_path / "s.log"
+    # Before, the process stayed up and answered 404 to every request once the thread was gone.
+    log, entry = tmp_path / "s.log", tmp_path / "faulty_serve.py"
+    entry.write_text(FAULTY_SERVE)
     popen = {"preexec_fn": ignore_sigint} if sigint == "ignored" else {}
-    with server_process(tiny_model, shop_bundle.parents[2], log, **popen) as (proc, port):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with server_process(tiny_model, shop_bundle.parents[2], log, entry=entry, env=env, **popen) as (
+        proc,
+        port,
+    ):
         with pytest.raises(OSError):  # the connection drops (or errors): no answer
-            chat(port, "Hello?", temperature=1.0, top_k=100_000)
+            chat(port, "Hello?", temperature=1.0, top_k=13)
         start = time.monotonic()
         assert proc.wait(timeout=60) == 1
         assert time.monotonic() - start < 5  # not the 10 s grace period's hard exit
@@ -204,6 +225,34 @@ def test_a_dead_generation_thread_ends_serve_with_status_1(
     else:  # no way to interrupt the main thread: exited at once, the log line is the last
         assert len(died) == 1 and died[0] == lines[-1]
     assert "Traceback" not in log.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        ({"top_k": 100_000}, "top_k must be below the model's vocabulary size 1024, got 100000"),
+        (
+            {"xtc_probability": 0.5, "xtc_threshold": 0.7},
+            "xtc_threshold must be in [0, 0.5] when xtc_probability > 0, got 0.7",
+        ),
+    ],
+    ids=["top_k", "xtc_threshold"],
+)
+def test_a_request_mlx_lm_would_fail_in_its_thread_is_refused_alone(
+    shop_bundle: Path, tiny_model: Path, tmp_path: Path, fields: dict, problem: str
+):
+    # mlx_lm.server accepts these settings and raises on them only while sampling, inside the
+    # generation thread shared by every request; serve refuses them up front, for this request.
+    log = tmp_path / "s.log"
+    with server_process(tiny_model, shop_bundle.parents[2], log) as (proc, port):
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            chat(port, "Hello?", temperature=1.0, **fields)
+        assert json.loads(refused.value.read()) == {"error": problem}
+        assert chat(port, "Hello?")["choices"][0]["message"]  # the server still answers
+        assert chat(port, "Hello?", temperature=1.0, top_k=5)["choices"]  # valid sampling works
+        assert proc.poll() is None
+    assert f"request refused: {problem}" in log.read_text()
 
 
 def test_serve_hard_exits_when_the_main_thread_does_not_stop(tmp_path: Path):

@@ -143,6 +143,15 @@ def guarded_response_generator_class(death: GenerationDeath) -> type:
                 self._generation_failed = True
                 death.report("it returned while serving")
 
+        def generate(self, request: Any, generation_args: Any, *args: Any, **kwargs: Any) -> Any:
+            # mlx_lm checks these only inside the generation thread, where one bad request would
+            # end the thread (and so serve) for everyone: refuse it here, for this request only.
+            problem = sampling_problem(generation_args, self.model_provider)
+            if problem is not None:
+                log.warning("request refused: %s", problem)
+                raise ValueError(problem)
+            return super().generate(request, generation_args, *args, **kwargs)
+
         def _serve_single(self, *args: Any, **kwargs: Any) -> Any:
             self.prompt_cache.single_path = True
             try:
@@ -151,6 +160,23 @@ def guarded_response_generator_class(death: GenerationDeath) -> type:
                 self.prompt_cache.single_path = False
 
     return GuardedResponseGenerator
+
+
+def sampling_problem(generation_args: Any, provider: Any) -> str | None:
+    """Why mlx_lm's sampler would raise on a request's settings (it only checks them while
+    sampling, in the generation thread), or None. Greedy requests build no sampler."""
+    sampling = getattr(generation_args, "sampling", None)
+    if sampling is None or not sampling.temperature > 0:
+        return None
+    model_args = getattr(getattr(provider, "model", None), "args", None)
+    vocab = getattr(model_args, "vocab_size", None)
+    top_k = sampling.top_k
+    if top_k > 0 and isinstance(vocab, int) and top_k >= vocab:
+        return f"top_k must be below the model's vocabulary size {vocab}, got {top_k}"
+    threshold = sampling.xtc_threshold
+    if sampling.xtc_probability > 0 and not 0 <= threshold <= 0.5:
+        return f"xtc_threshold must be in [0, 0.5] when xtc_probability > 0, got {threshold}"
+    return None
 
 
 def _describe(exc: BaseException) -> str:
