@@ -18,6 +18,23 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("PREFIX_BUNDLES_SERVERS_VENV", ROOT / ".venv-servers"))
 MAKE = "tests/envs/make_servers_env.sh"
+QUESTION = "Where is my order 12345?"
+
+
+def body(model: Path | str, question: str = QUESTION) -> dict:
+    """A chat request at temperature 0 on the shop prefix (conftest's SYSTEM and TOOLS)."""
+    from conftest import SYSTEM, TOOLS
+
+    return {
+        "model": str(model),
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": question},
+        ],
+        "tools": TOOLS,
+        "max_tokens": 12,
+        "temperature": 0.0,
+    }
 
 
 def servers_python() -> Path:

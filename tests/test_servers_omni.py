@@ -8,26 +8,11 @@ import re
 from pathlib import Path
 
 import pytest
-from servers_env import ROOT, chat, free_port, running, servers_python
+from servers_env import ROOT, body, chat, free_port, running, servers_python
 
 from pipeline.format.manifest import Manifest
 
-from conftest import SYSTEM, TOOLS
-
 APP = ROOT / "tests" / "envs" / "omni_chat_app.py"
-
-
-def body(model: str, question: str) -> dict:
-    return {
-        "model": model,
-        "messages": [
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": question},
-        ],
-        "tools": TOOLS,
-        "max_tokens": 12,
-        "temperature": 0.0,
-    }
 
 
 def omni(python: Path, model: Path, bundles: Path, port: int) -> list[str]:

@@ -7,24 +7,9 @@ import re
 from pathlib import Path
 
 import pytest
-from servers_env import ROOT, chat, free_port, running, servers_python
+from servers_env import ROOT, body, chat, free_port, running, servers_python
 
 from pipeline.format.manifest import Manifest
-
-from conftest import SYSTEM, TOOLS
-
-
-def body(model: Path, question: str) -> dict:
-    return {
-        "model": str(model),
-        "messages": [
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": question},
-        ],
-        "tools": TOOLS,
-        "max_tokens": 12,
-        "temperature": 0.0,
-    }
 
 
 def serve(python: Path, model: Path, bundles: Path, port: int) -> list[str]:

@@ -9,26 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from servers_env import ROOT, chat, free_port, running, servers_python
+from servers_env import ROOT, body, chat, free_port, running, servers_python
 
 from pipeline.format.manifest import Manifest
-
-from conftest import SYSTEM, TOOLS
-
-QUESTION = "Where is my order 12345?"
-
-
-def body(model: Path, question: str = QUESTION) -> dict:
-    return {
-        "model": str(model),
-        "messages": [
-            {"role": "system", "content": SYSTEM},
-            {"role": "user", "content": question},
-        ],
-        "tools": TOOLS,
-        "max_tokens": 12,
-        "temperature": 0.0,
-    }
 
 
 def serve_args(python: Path, model: Path, bundles: Path, port: int, *extra: str) -> list[str]:
