@@ -166,7 +166,7 @@ def test_a_minisign_key_signs_with_our_sign_and_minisign_verifies_it(
     before = {p.name: p.read_bytes() for p in bundle.iterdir()}
     assert main(["sign", str(bundle), "--key", str(sec)]) == 0
     key_id = read_public_key(pub).id
-    assert capsys.readouterr().out == (
+    assert capsys.readouterr().out.startswith(
         f"signed {bundle} (key id {key_id}, trusted comment {comment_of(bundle)!r})\n"
     )
     after = {p.name: p.read_bytes() for p in bundle.iterdir()}
@@ -335,7 +335,7 @@ def test_sign_takes_the_key_from_the_environment_and_refuses_an_invalid_bundle(
     assert main(["sign", str(broken), str(bundle)]) == 1
     out = capsys.readouterr()
     assert out.err.startswith(f"error: bundle {broken}: ") and out.err.endswith(" (not signed)\n")
-    assert out.out == (
+    assert out.out.startswith(
         f"signed {bundle} (key id {key.public_key().id}, trusted comment {comment_of(bundle)!r})\n"
     )
     assert not (broken / SIGNATURE_FILE).exists()
@@ -453,3 +453,104 @@ def test_signed_builds_serve_and_a_forged_or_rolled_back_bundle_does_not(
     result = mount(tiny_model, deploy, skip_refused=True, versions={"shop": 2},
                    trusted_keys=[key.public_key()])  # fmt: skip
     assert not result.bundles and [r.field for r in result.refused] == [SIGNATURE_FILE]
+
+
+# --- a signature vouches for proven bytes only (issue 22, finding 1) --------------------------------
+
+
+def _build_cli(project: Path, *extra: str) -> list[str]:
+    roots = ["--prefixes", str(project / "prefixes"), "--bundles", str(project / "bundles")]
+    return [*roots, "build", "--no-check", *extra]
+
+
+@pytest.mark.parametrize(
+    "signed_first", [True, False], ids=["signed-then-forged", "unsigned-forged"]
+)
+def test_build_sign_key_never_signs_a_forged_up_to_date_bundle(
+    project: Path, tiny_model: Path, key: SecretKey, tmp_path: Path, capsys, signed_first: bool
+):
+    """The issue's attack: a built bundle, one K/V byte edited, pins and sums rewritten; the
+    release build run again must not put a valid signature on it."""
+    sec, pub = write_keys(tmp_path / "keys", key)
+    first = ["--sign-key", str(sec)] if signed_first else []
+    assert main(_build_cli(project, *first)) == 0
+    (bundle,) = (project / "bundles" / "shop" / "1").iterdir()
+    forge_cache(bundle)
+    before = (bundle / SIGNATURE_FILE).read_bytes() if signed_first else None
+    capsys.readouterr()
+    assert main(_build_cli(project, "--sign-key", str(sec))) == 1
+    err = capsys.readouterr().err
+    assert f"{bundle}: {CACHE_FILE} differs from what this build produces from token 0" in err
+    assert "is not signed" in err and err.count("error:") == 1
+    after = (bundle / SIGNATURE_FILE).read_bytes() if (bundle / SIGNATURE_FILE).exists() else None
+    assert after == before  # nothing was signed
+    with pytest.raises(BundleError):
+        verify(bundle, tiny_model, trusted_keys=[key.public_key()])
+
+
+def test_build_sign_key_signs_a_genuine_unsigned_bundle_after_rebuilding_it(
+    project: Path, tiny_model: Path, key: SecretKey, tmp_path: Path, capsys
+):
+    sec, _ = write_keys(tmp_path / "keys", key)
+    assert main(_build_cli(project)) == 0
+    (bundle,) = (project / "bundles" / "shop" / "1").iterdir()
+    cache_before = (bundle / CACHE_FILE).read_bytes()
+    capsys.readouterr()
+    assert main(_build_cli(project, "--sign-key", str(sec))) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"up to date ({bundle}); signed with key id {key.public_key().id}: rebuilt from token 0 and compared"
+        in out
+    )
+    assert (bundle / CACHE_FILE).read_bytes() == cache_before
+    assert verify(bundle, tiny_model, trusted_keys=[key.public_key()])
+    # signed by this key and unchanged: the next release build proves it by the signature alone
+    assert main(_build_cli(project, "--sign-key", str(sec))) == 0
+    assert "rebuilt" not in capsys.readouterr().out
+
+
+def test_sign_refuses_a_bundle_whose_own_signature_no_longer_verifies(
+    bundle: Path, key: SecretKey, tmp_path: Path, capsys
+):
+    sec, _ = write_keys(tmp_path / "keys", key)
+    assert main(["sign", str(bundle), "--key", str(sec)]) == 0
+    out = capsys.readouterr().out
+    manifest = json.loads((bundle / MANIFEST_FILE).read_text())
+    assert f"  vouches for: manifest.json sha256 " in out
+    assert f"pins {CACHE_FILE} sha256 {manifest['cache']['file_sha256'][:16]}.." in out
+    assert "not checked: that the cache is what the model computes" in out
+    assert main(["sign", str(bundle), "--key", str(sec)]) == 0  # valid: nothing rewritten
+    assert capsys.readouterr().out.startswith(f"already signed {bundle}")
+    forge_cache(bundle)
+    for extra in ([], ["--replace"]):
+        assert main(["sign", str(bundle), "--key", str(sec), *extra]) == 1
+        assert capsys.readouterr().err == (
+            f"error: bundle {bundle}: its {SIGNATURE_FILE} by this key (id {key.public_key().id}) "
+            "does not verify: the bundle changed after it was signed; rebuild it with 'python "
+            "build.py build --force --sign-key KEY' instead of signing what is there (not signed)\n"
+        )
+
+
+def test_sign_over_another_keys_signature_needs_replace_also_after_pull(
+    bundle: Path, key: SecretKey, tmp_path: Path, capsys, request
+):
+    """A pulled bundle carries its publisher's signature: re-signing it is an explicit choice."""
+    request.getfixturevalue("fake_hub")
+    deploy = request.getfixturevalue("model")
+    publisher = generate()
+    sign_bundle(bundle, publisher)
+    _, pub = write_keys(tmp_path / "keys", publisher, "publisher")
+    assert main(["push", str(bundle), "--repo", REPO]) == 0
+    assert main(["pull", "--repo", REPO, "--model", str(deploy), "--trusted-key", str(pub)]) == 0
+    local = deploy / "prefix-bundles" / "shop" / "1" / bundle.name
+    sec, _ = write_keys(tmp_path / "keys", key)
+    capsys.readouterr()
+    assert main(["sign", str(local), "--key", str(sec)]) == 1
+    assert capsys.readouterr().err == (
+        f"error: bundle {local}: it is already signed by another key (id "
+        f"{publisher.public_key().id}); pass --replace to put this key's (id "
+        f"{key.public_key().id}) signature in its place (not signed)\n"
+    )
+    assert main(["sign", str(local), "--key", str(sec), "--replace"]) == 0
+    assert f"replacing key id {publisher.public_key().id}'s signature" in capsys.readouterr().out
+    assert verify(local, deploy, trusted_keys=[key.public_key()])

@@ -35,7 +35,7 @@ from pipeline.builder.prefill import (
     resolve_compute,
 )
 from pipeline.builder.render import Rendered, check_rendered, render_prefix
-from pipeline.builder.signing import sign_bundle, sign_manifest
+from pipeline.builder.signing import sign_bundle, sign_manifest, signed_by
 from pipeline.builder.stability import StableCut, stable_prefix
 from pipeline.builder.targets import Target
 from pipeline.builder.versioning import check_version
@@ -48,7 +48,7 @@ from pipeline.builder.writer import (
     write_cache,
     write_manifest,
 )
-from pipeline.format.bundle_folder import CACHE_FILE, bundle_path
+from pipeline.format.bundle_folder import CACHE_FILE, MANIFEST_FILE, bundle_path
 from pipeline.format.compat import layout_for, unsupported
 from pipeline.format.errors import BuildError, BundleError, ModelError
 from pipeline.format.fingerprint import (
@@ -202,15 +202,16 @@ def build(
     key = build_key(target, identity, rendered, builder)
     dest = bundle_path(bundles_root, d.name, d.version, target.slug, identity.model)
     current = None if force else existing_manifest(dest, identity)
-    if current is not None and current.build_key == key:
-        if sign_key is not None:
-            sign_bundle(dest, sign_key)
-        return BuildResult(dest, current, {}, up_to_date=True)
     reuse = parent if parent is not None else incremental
     job = Job(target, identity, rendered, builder, key, dest, check, progress, reuse, sign_key)
     job = dataclasses.replace(job, trusted_keys=tuple(trusted_keys))
+    up_to_date = current is not None and current.build_key == key
+    if up_to_date and (sign_key is None or _signed_already(job)):
+        return BuildResult(dest, current, {}, up_to_date=True)
     try:
         with target_lock(bundles_root, dest):
+            if up_to_date:  # to be signed, but nothing proves its bytes: rebuild and compare
+                return _prove_and_sign(job, bundles_root, current)
             return _build_locked(job, bundles_root)
     except LockTimeout:
         raise BuildError(
@@ -240,37 +241,96 @@ class Job:
     trusted_keys: tuple = ()  # a parent must be signed by one of these (incremental.Wanted)
 
 
+def _signed_already(job: Job) -> bool:
+    """An up-to-date bundle whose signature by the signing key or a trusted key verifies is
+    proven; a trusted signature by another key gets the signing key's in its place."""
+    own = job.sign_key.public_key()
+    if signed_by(job.dest, [own]):
+        return True
+    if signed_by(job.dest, job.trusted_keys):
+        sign_bundle(job.dest, job.sign_key, replace=True)
+        return True
+    return False
+
+
+def _prove_and_sign(job: Job, bundles_root: Path, current: Manifest) -> BuildResult:
+    """Rebuild an up-to-date but unproven bundle from token 0 and sign it only when it is what
+    this build produces; BuildError when not (it was altered after it was built)."""
+    tmp = new_staging_folder(bundles_root)
+    try:
+        proof = dataclasses.replace(job, reuse=False, check=current.fidelity.checked, sign_key=None)
+        rebuilt, _ = _produce(proof, bundles_root, tmp)
+        different = _first_difference(tmp, job.dest, rebuilt, current)
+        if different is not None:
+            raise BuildError(
+                f"{job.dest}: {different} differs from what this build produces from token 0, "
+                "so the bundle was altered after it was built and is not signed; rebuild it "
+                "with 'python build.py build --force --sign-key KEY'"
+            )
+        validate(job.dest, job.identity)  # SHA256SUMS and every byte as the manifest pins them
+        signature = sign_manifest(job.dest, job.sign_key)
+    finally:
+        discard(bundles_root, tmp)
+    report = {"signed": "rebuilt from token 0 and compared", "key": signature.key}
+    return BuildResult(job.dest, current, report, up_to_date=True)
+
+
+def _first_difference(
+    rebuilt_dir: Path, dest: Path, rebuilt: Manifest, current: Manifest
+) -> str | None:
+    """What differs between a rebuild and a bundle: the cache file byte for byte, the manifest
+    field by field (a child's parent record and its reference note name how it was made, not
+    what it holds: the cache bytes equal a build from token 0, or it is refused)."""
+    import filecmp
+
+    target = dest / CACHE_FILE
+    if target.is_symlink() or not target.is_file():
+        return CACHE_FILE
+    if not filecmp.cmp(rebuilt_dir / CACHE_FILE, target, shallow=False):
+        return CACHE_FILE
+    exclude: dict[str, Any] = {"parent": True}
+    if current.parent is not None:
+        exclude["fidelity"] = {"reference"}
+    if rebuilt.model_dump(exclude=exclude) != current.model_dump(exclude=exclude):
+        return MANIFEST_FILE
+    return None
+
+
 def _build_locked(job: Job, bundles_root: Path) -> BuildResult:
-    d = job.target.definition
     tmp = new_staging_folder(bundles_root)  # proves the bundles folder is writable, before prefill
     try:
-        loaded = load_model(job.target.model_dir, d.spec.cache.compute_dtype)
-        encode_text = lambda text: encode(loaded.tokenizer, text)  # noqa: E731
-        rerender = lambda msgs: render_prefix(d, job.target.model_dir, messages=msgs).text  # noqa: E731
-        cut = stable_prefix(job.rendered.text, d.messages, rerender, encode_text)
-        check_context(d, len(cut.tokens), job.identity.shape)
-        needed = estimate_bytes(
-            len(cut.tokens), job.identity.shape, loaded.serving_dtype, d.spec.cache.kv_bits
-        )
-        check_room(bundles_root, needed)
-        resume, reuse_note = _resume(job, loaded, cut.tokens, bundles_root)
-        start = (resume.cache, resume.done) if resume else None
-        cache, stats = prefill(
-            loaded, cut.tokens, d.spec.cache.prefill_step_size, job.progress, start
-        )
-        parent = resume.parent if resume else None
-        del resume, start  # the parent's arrays: the prefill's cache holds what it needs
-        report_extra = {"reused_tokens": parent.reused_tokens if parent else 0, "reuse": reuse_note}
-        if REFUSED_PARENT in reuse_note:  # a parent failed its spot check: the CLI warns
-            report_extra["parent_warning"] = reuse_note
-        manifest, report = _write(job, loaded, cut, cache, stats, tmp, needed, parent, report_extra)
-        validate(tmp, job.identity)  # the builder never ships what the one validator refuses
+        manifest, report = _produce(job, bundles_root, tmp)
         if job.sign_key is not None:
             sign_manifest(tmp, job.sign_key)
         publish(bundles_root, tmp, job.dest)
         return BuildResult(job.dest, manifest, report, up_to_date=False)
     finally:
         discard(bundles_root, tmp)
+
+
+def _produce(job: Job, bundles_root: Path, tmp: Path) -> tuple[Manifest, dict[str, Any]]:
+    """Prefill and write the bundle into the staging folder `tmp`, validated."""
+    d = job.target.definition
+    loaded = load_model(job.target.model_dir, d.spec.cache.compute_dtype)
+    encode_text = lambda text: encode(loaded.tokenizer, text)  # noqa: E731
+    rerender = lambda msgs: render_prefix(d, job.target.model_dir, messages=msgs).text  # noqa: E731
+    cut = stable_prefix(job.rendered.text, d.messages, rerender, encode_text)
+    check_context(d, len(cut.tokens), job.identity.shape)
+    needed = estimate_bytes(
+        len(cut.tokens), job.identity.shape, loaded.serving_dtype, d.spec.cache.kv_bits
+    )
+    check_room(bundles_root, needed)
+    resume, reuse_note = _resume(job, loaded, cut.tokens, bundles_root)
+    start = (resume.cache, resume.done) if resume else None
+    cache, stats = prefill(loaded, cut.tokens, d.spec.cache.prefill_step_size, job.progress, start)
+    parent = resume.parent if resume else None
+    del resume, start  # the parent's arrays: the prefill's cache holds what it needs
+    report_extra = {"reused_tokens": parent.reused_tokens if parent else 0, "reuse": reuse_note}
+    if REFUSED_PARENT in reuse_note:  # a parent failed its spot check: the CLI warns
+        report_extra["parent_warning"] = reuse_note
+    manifest, report = _write(job, loaded, cut, cache, stats, tmp, needed, parent, report_extra)
+    validate(tmp, job.identity)  # the builder never ships what the one validator refuses
+    return manifest, report
 
 
 def _resume(job: Job, loaded, tokens: list[int], bundles_root: Path) -> tuple[Resume | None, str]:

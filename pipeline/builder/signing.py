@@ -2,16 +2,21 @@
 
 The signature covers manifest.json's exact bytes (which pin the cache file, tokens and
 fingerprints); its trusted comment binds prefix, version and model folder
-(pipeline.format.bundle_signature.trusted_comment).
+(pipeline.format.bundle_signature.trusted_comment). A signature vouches for bytes, so it is only
+put on bytes that were proven: integrity always, and an existing signature is never overwritten
+silently (one that does not verify means the bundle changed after it was signed).
 """
 
 from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.format.bundle_folder import (
+    CACHE_FILE,
     MANIFEST_FILE,
     SIGNATURE_FILE,
     parse_manifest,
@@ -19,17 +24,40 @@ from pipeline.format.bundle_folder import (
     read_manifest_bytes,
     read_sums,
 )
-from pipeline.format.bundle_signature import trusted_comment
-from pipeline.format.errors import BuildError
+from pipeline.format.bundle_signature import read_signature, trusted_comment
+from pipeline.format.errors import BuildError, BundleError
+from pipeline.format.fingerprint import sha256_bytes
+from pipeline.format.manifest import Manifest
 from pipeline.format.secret_key import SecretKey
-from pipeline.format.signature import Signature
+from pipeline.format.signature import PublicKey, Signature
 from pipeline.format.validate import recorded_identity, validate
+
+
+@dataclass(frozen=True)
+class Signed:
+    """What a signature put on a bundle vouches for, and what it replaced."""
+
+    signature: Signature
+    manifest: Manifest
+    manifest_sha256: str
+    already: bool = False  # a valid signature by this key was there: nothing was written
+    replaced: str | None = None  # key id of the signature this one replaced
+
+    def covers(self) -> str:
+        """One line: the exact bytes the signature pins, and what was (not) checked of them."""
+        m = self.manifest
+        return (
+            f"manifest.json sha256 {self.manifest_sha256[:16]}.., which pins {CACHE_FILE} sha256 "
+            f"{m.cache.file_sha256[:16]}.. ({m.cache.file_bytes:,} bytes, {m.tokens.count:,} "
+            f"tokens of {m.prefix.name} v{m.prefix.version}) for model {m.model.fingerprint[:12]}"
+        )
 
 
 def sign_manifest(bundle: Path, key: SecretKey) -> Signature:
     """Sign the manifest.json that SHA256SUMS lists and put the signature beside it atomically.
 
-    The caller has validated the bundle (sign_bundle does; the builder signs what it just checked).
+    The caller has proven the bundle (sign_bundle checks integrity; the builder signs what it just
+    wrote or rebuilt and compared).
     """
     bundle = Path(bundle)
     data = read_manifest_bytes(bundle, read_sums(bundle)[MANIFEST_FILE])
@@ -38,11 +66,71 @@ def sign_manifest(bundle: Path, key: SecretKey) -> Signature:
     return signature
 
 
-def sign_bundle(bundle: Path, key: SecretKey) -> Signature:
-    """Validate a bundle's integrity (every byte hashed), then sign it; BundleError if refused."""
+def signed_by(bundle: Path, keys: Sequence[PublicKey]) -> bool:
+    """True when the bundle passes the validator with a valid signature by one of `keys`."""
+    if not keys or not os.path.lexists(Path(bundle) / SIGNATURE_FILE):
+        return False
+    try:
+        validate(Path(bundle), recorded_identity(read_manifest(bundle, None)), trusted_keys=keys)
+    except BundleError:
+        return False
+    return True
+
+
+def sign_bundle(bundle: Path, key: SecretKey, *, replace: bool = False) -> Signed:
+    """Validate a bundle's integrity (every byte hashed), then sign it; BundleError if refused.
+
+    An existing signature by this key must verify (else the bundle changed since it was signed:
+    refused); one by another key, or an unreadable one, is replaced only with `replace`.
+    """
     bundle = Path(bundle)
-    validate(bundle, recorded_identity(read_manifest(bundle, None)))
-    return sign_manifest(bundle, key)
+    replaced = _existing_signature(bundle, key, replace)
+    if replaced == key.public_key().id:
+        v = validate(
+            bundle, recorded_identity(read_manifest(bundle, None)), trusted_keys=[key.public_key()]
+        )
+        return _signed(bundle, read_signature(bundle), v.manifest, already=True)
+    v = validate(bundle, recorded_identity(read_manifest(bundle, None)))
+    return _signed(bundle, sign_manifest(bundle, key), v.manifest, replaced=replaced)
+
+
+def _signed(bundle: Path, sig: Signature, manifest: Manifest, **kw) -> Signed:
+    data = read_manifest_bytes(bundle, read_sums(bundle)[MANIFEST_FILE])
+    return Signed(sig, manifest, sha256_bytes(data), **kw)
+
+
+def _existing_signature(bundle: Path, key: SecretKey, replace: bool) -> str | None:
+    """The key id of the bundle's current signature (None: unsigned); BundleError when it must
+    not be replaced: a signature by this key that does not verify, or another's without replace."""
+    if not os.path.lexists(bundle / SIGNATURE_FILE):
+        return None
+    own = key.public_key()
+    try:
+        sig = read_signature(bundle)
+    except BundleError as exc:
+        if replace:
+            return "unreadable"
+        raise BundleError(
+            str(bundle), f"{exc.reason}; pass --replace to sign over it", SIGNATURE_FILE
+        ) from None
+    if sig.key_id == own.key_id:
+        if not signed_by(bundle, [own]):
+            raise BundleError(
+                str(bundle),
+                f"its {SIGNATURE_FILE} by this key (id {sig.key}) does not verify: the bundle "
+                "changed after it was signed; rebuild it with 'python build.py build --force "
+                "--sign-key KEY' instead of signing what is there",
+                SIGNATURE_FILE,
+            )
+        return sig.key
+    if not replace:
+        raise BundleError(
+            str(bundle),
+            f"it is already signed by another key (id {sig.key}); pass --replace to put this "
+            f"key's (id {own.id}) signature in its place",
+            SIGNATURE_FILE,
+        )
+    return sig.key
 
 
 def write_signature(bundle: Path, signature: Signature) -> None:
@@ -65,4 +153,4 @@ def write_signature(bundle: Path, signature: Signature) -> None:
         ) from None
 
 
-__all__ = ["sign_bundle", "sign_manifest", "write_signature"]
+__all__ = ["Signed", "sign_bundle", "sign_manifest", "signed_by", "write_signature"]

@@ -71,9 +71,10 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         "--sign-key",
         type=Path,
         metavar="FILE",
-        help="sign each bundle with this minisign secret key before it is published (an "
-        "up-to-date bundle is signed in place); PREFIX_BUNDLES_SIGNING_KEY may hold the key text "
-        "instead: pass --sign-key env",
+        help="sign each bundle with this minisign secret key before it is published; an "
+        "up-to-date bundle is signed only when its signature by this key (or a --trusted-key) "
+        "verifies, or when a rebuild from token 0 gives the same bytes (else refused); "
+        "PREFIX_BUNDLES_SIGNING_KEY may hold the key text instead: pass --sign-key env",
     )
     add_json_option(
         b,
@@ -178,7 +179,9 @@ def _report(args: argparse.Namespace, done: list[BuiltTarget], error: str | None
 def _print_built(label: str, result, out) -> None:
     m = result.manifest
     if result.up_to_date:
-        print(f"{label}: up to date ({result.bundle})", file=out)
+        signed = result.report.get("signed")
+        how = f"; signed with key id {result.report['key']}: {signed}" if signed else ""
+        print(f"{label}: up to date ({result.bundle}){how}", file=out)
         return
     r, fid = result.report, m.fidelity
     check = (

@@ -21,6 +21,11 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         "--key", type=Path, metavar="FILE",
         help=f"the secret key file (default: the key text in ${KEY_ENV})",
     )  # fmt: skip
+    s.add_argument(
+        "--replace", action="store_true",
+        help="replace a signature by another key (or an unreadable one); a signature by this "
+        "key that no longer verifies is never replaced: rebuild that bundle",
+    )  # fmt: skip
     s.set_defaults(func=run)
 
 
@@ -32,10 +37,22 @@ def run(args: argparse.Namespace) -> int:
     failed = 0
     for bundle in args.bundle:
         try:
-            sig = sign_bundle(bundle, key)
+            signed = sign_bundle(bundle, key, replace=args.replace)
         except PipelineError as exc:
             err(f"{exc} (not signed)")
             failed += 1
             continue
-        print(f"signed {bundle} (key id {sig.key}, trusted comment {sig.trusted_comment!r})")
+        sig = signed.signature
+        verb = "already signed" if signed.already else "signed"
+        was = (
+            f", replacing key id {signed.replaced}'s signature"
+            if signed.replaced and not signed.already
+            else ""
+        )
+        print(f"{verb} {bundle} (key id {sig.key}, trusted comment {sig.trusted_comment!r}{was})")
+        print(f"  vouches for: {signed.covers()}")
+        print(
+            "  checked: every byte against the manifest (integrity); not checked: that the cache "
+            "is what the model computes (build --sign-key proves that by building)"
+        )
     return 1 if failed else 0
