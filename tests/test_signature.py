@@ -516,7 +516,7 @@ def test_sign_refuses_a_bundle_whose_own_signature_no_longer_verifies(
     assert main(["sign", str(bundle), "--key", str(sec)]) == 0
     out = capsys.readouterr().out
     manifest = json.loads((bundle / MANIFEST_FILE).read_text())
-    assert f"  vouches for: manifest.json sha256 " in out
+    assert "  vouches for: manifest.json sha256 " in out
     assert f"pins {CACHE_FILE} sha256 {manifest['cache']['file_sha256'][:16]}.." in out
     assert "not checked: that the cache is what the model computes" in out
     assert main(["sign", str(bundle), "--key", str(sec)]) == 0  # valid: nothing rewritten
