@@ -55,7 +55,6 @@ from pipeline.format.fingerprint import (
     FileDigests,
     ModelIdentity,
     canonical_json,
-    model_identity,
     sha256_bytes,
 )
 from pipeline.format.lockfile import Lockfile
@@ -73,6 +72,7 @@ from pipeline.format.manifest import (
 )
 from pipeline.format.secret_key import SecretKey
 from pipeline.format.validate import validate
+from pipeline.runtime.mount import identity_for
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ def build(
     before the bundle is published (an up-to-date bundle is signed in place); trusted_keys: a
     parent must carry a valid signature by one of them."""
     d = target.definition
-    identity = model_identity(target.model_dir)
+    identity = identity_for(target.model_dir)  # with the cache state its architecture builds
     if target.expected_fingerprint and target.expected_fingerprint != identity.model:
         raise ModelError(
             f"model {target.model_dir}: fingerprint {identity.model[:12]}.. differs from the "

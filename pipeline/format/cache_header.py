@@ -13,6 +13,7 @@ import re
 import struct
 from dataclasses import dataclass, field
 
+from pipeline.format.cache_state import LayerState, derived_states
 from pipeline.format.fingerprint import ModelShape
 from pipeline.format.manifest import Manifest
 from pipeline.format.names import parse_index
@@ -86,6 +87,7 @@ def expected_layout(manifest: Manifest, shape: ModelShape, view: LogicalView) ->
         )
     out = Logical()
     float_dtype = frozenset({DTYPE_CODES[c.dtype]})
+    derived = _derived(manifest, shape)
     heads, head_dim = shape.kv_heads, shape.head_dim
     for i, kind in enumerate(c.classes):
         if kind == "KVCache":
@@ -94,6 +96,8 @@ def expected_layout(manifest: Manifest, shape: ModelShape, view: LogicalView) ->
             out.scalar(f"{i}.2", t)
         elif kind == "QuantizedKVCache":
             _quantized(out, i, manifest, shape, float_dtype)
+        elif derived is not None:  # rotating windows, conv/ssm state: exactly what a build writes
+            _derived_layer(out, i, kind, derived[i], float_dtype)
         elif kind == "RotatingKVCache":
             window = range(min(t, shape.sliding_window or t), t + 1)
             for j in (0, 1):
@@ -105,6 +109,46 @@ def expected_layout(manifest: Manifest, shape: ModelShape, view: LogicalView) ->
         else:  # ArraysCache: per-architecture state arrays (conv/ssm), batch 1, floating
             _arrays(out, i, view)
     return out
+
+
+def _derived(manifest: Manifest, shape: ModelShape) -> tuple[LayerState, ...] | None:
+    """Every layer's state as a build leaves it, when the bundle has layers whose state is not
+    plain KV and the served model's config is known (pipeline.format.cache_state)."""
+    c = manifest.cache
+    if shape.config_json is None or not {"RotatingKVCache", "ArraysCache"} & set(c.classes):
+        return None
+    try:
+        layers = derived_states(shape.config_json, manifest.tokens.count, c.prefill_step_size)
+    except Exception as exc:  # noqa: BLE001 - what cannot be derived is refused, never guessed
+        detail = " ".join(str(exc).split())[:160]
+        raise LayoutError(
+            f"the cache state this model builds cannot be derived ({type(exc).__name__}: {detail})",
+            "cache.classes",
+        ) from None
+    if len(layers) != len(c.classes):
+        raise LayoutError(
+            f"the bundle has {len(c.classes)} cache layers but the model builds {len(layers)}",
+            "cache.classes",
+        )
+    return layers
+
+
+def _derived_layer(out: Logical, i: int, kind: str, layer: LayerState, float_dtype) -> None:
+    """A layer's every state tensor and scalar, exactly as derived for this model."""
+    if layer.kind != kind:
+        raise LayoutError(
+            f"layer {i} holds a {kind} but the model builds a {layer.kind} there", "cache.classes"
+        )
+    for e in layer.entries:
+        if e.kind == "array":
+            out.tensors[e.name] = (
+                float_dtype if e.dtype is None else frozenset({e.dtype}),
+                e.shape,
+            )
+        elif e.kind == "scalar":
+            out.scalar(e.name, e.value)
+        else:
+            out.none(e.name)
 
 
 def _check_classes(found: list[str], model: tuple[str, ...] | None, kv_bits: int | None) -> None:

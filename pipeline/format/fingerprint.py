@@ -46,6 +46,9 @@ class ModelShape:
     # the class of each layer's cache as the model builds it (runtime.identity derives it from the
     # architecture's own code); None where unknown: the layer count above still applies
     cache_classes: tuple[str, ...] | None = None
+    # config.json as canonical JSON, from which every layer's exact state is derived
+    # (pipeline.format.cache_state); None where only the recorded identity is known
+    config_json: str | None = None
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from pipeline.format.bundle_folder import refuse
+from pipeline.format.cache_state import model_cache_classes
 from pipeline.format.errors import BundleError
 from pipeline.format.fingerprint import ModelIdentity
 from pipeline.format.manifest import Manifest
@@ -54,26 +54,4 @@ def check_identity(bundle: Path, manifest: Manifest, identity: ModelIdentity) ->
             raise check.error(bundle)
 
 
-def model_cache_classes(config: dict[str, Any]) -> tuple[str, ...] | None:
-    """The cache class per layer as the architecture's own code builds it, from config.json alone.
-
-    The model object is built without weights (MLX parameters stay lazy: no memory, a few ms;
-    their initialisers advance MLX's global random state once, as loading a model does); an
-    architecture this mlx-lm does not know, or cannot build from the config, gives None.
-    """
-    import importlib
-
-    from mlx_lm.models.cache import make_prompt_cache
-    from mlx_lm.utils import MODEL_REMAPPING
-
-    model_type = config.get("model_type")
-    if not isinstance(model_type, str):
-        return None
-    try:
-        module = importlib.import_module(
-            f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}"
-        )
-        model = module.Model(module.ModelArgs.from_dict(config))
-        return tuple(type(layer).__name__ for layer in make_prompt_cache(model))
-    except Exception:  # noqa: BLE001 - unknown to this mlx-lm: the config's layer count still applies
-        return None
+__all__ = ["IdentityCheck", "check_identity", "identity_checks", "model_cache_classes"]

@@ -16,7 +16,7 @@ from typing import Any
 
 from pipeline.format.bundle_folder import model_folder
 from pipeline.format.errors import BundleError
-from pipeline.format.fingerprint import ModelIdentity, model_config, model_identity
+from pipeline.format.fingerprint import ModelIdentity, canonical_json, model_config, model_identity
 from pipeline.format.identity import model_cache_classes
 from pipeline.format.manifest import Manifest
 from pipeline.format.signature import PublicKey
@@ -78,10 +78,12 @@ def identity_for(model_dir: Path, chat_template: str | None = None) -> ModelIden
     """Fingerprints of the served model, and the cache classes its architecture builds; pass the
     server's template override if it has one."""
     identity = model_identity(Path(model_dir), chat_template)
-    classes = model_cache_classes(model_config(Path(model_dir)))
-    return dataclasses.replace(
-        identity, shape=dataclasses.replace(identity.shape, cache_classes=classes)
+    config = model_config(Path(model_dir))
+    classes = model_cache_classes(config)
+    shape = dataclasses.replace(
+        identity.shape, cache_classes=classes, config_json=canonical_json(config).decode()
     )
+    return dataclasses.replace(identity, shape=shape)
 
 
 def model_bundles(model_dir: Path) -> tuple[list[Path], list[Path], list[RefusedBundle]]:
