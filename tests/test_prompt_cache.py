@@ -333,11 +333,11 @@ def test_quantized_cache_trims_like_mlx_lm_deepcopy_and_trim():
     base = [c.to_quantized(group_size=32, bits=8) for c in prefill(model, prefix)[0]]
     manager = PromptCacheManager()
     manager.pin("m", prefix, base, "q")
-    hit = manager.fetch("m", prefix[:10] + tail)
-    assert hit.cache_hit_tokens == 10
+    hit = manager.fetch("m", prefix[:14] + tail)
+    assert hit.cache_hit_tokens == 14
     # mlx_lm's LRUPromptCache hands out copy.deepcopy(cache) trimmed in place.
     reference = copy.deepcopy(base)
-    trim_prompt_cache(reference, 14)
+    trim_prompt_cache(reference, 10)
     logits = prefill(model, tail, hit.cache)[1]
     assert mx.array_equal(logits, prefill(model, tail, reference)[1]).item()
     assert logits.dtype == mx.float32 and not mx.array_equal(logits, prefill(model, tail)[1])
@@ -462,3 +462,61 @@ def test_warm_up_runs_a_step_from_the_longest_bundle_and_leaves_it_untouched(mod
     request = long + ids(3)
     assert_fresh(model, manager.fetch("m", request), request)
     assert manager.warm_up("other-model", model) is None
+
+
+# --- reuse must be worth its error (issue 28) -------------------------------------------------------
+
+
+def quantized_bundle(model, tokens: list[int]) -> list:
+    return [c.to_quantized(group_size=32, bits=8) for c in prefill(model, tokens)[0]]
+
+
+@pytest.mark.parametrize("shared", [1, 3, 11])
+def test_a_lossy_bundle_never_serves_a_short_overlap(shared: int):
+    """A request sharing only the opening tokens (a template's) with a quantized bundle, or less
+    than half of it, is cold: its answer equals a cold prefill exactly."""
+    model = llama_model(hidden=128, heads=4)
+    prefix = ids(24)
+    manager = PromptCacheManager()
+    manager.pin("m", prefix, quantized_bundle(model, prefix), "q")
+    request = prefix[:shared] + [0] + ids(5)
+    hit = manager.fetch("m", request)
+    assert (hit.cache, hit.cache_hit_tokens, hit.source) == (None, 0, "cold")
+    assert manager.fetch("m", prefix[:12] + [0] + ids(2)).cache_hit_tokens == 12  # half: reused
+
+
+def test_an_exact_bundle_wins_over_a_lossy_one_covering_the_same_tokens():
+    model = llama_model(hidden=128, heads=4)
+    stem = ids(20)
+    exact, lossy = stem + ids(4), stem + ids(4)
+    manager = PromptCacheManager()
+    manager.pin("m", lossy, quantized_bundle(model, lossy), "lossy")  # pinned first: no tie luck
+    manager.pin("m", exact, prefill(model, exact)[0], "exact")
+    request = stem + [0] + ids(3)
+    hit = manager.fetch("m", request)
+    assert (hit.source, hit.cache_hit_tokens) == ("bundle:exact", 20)
+    assert_fresh(model, hit, request)
+    assert manager.lossy_floor("m", request) == 12 and manager.lossy_floor("m", [0, 1]) == 0
+
+
+def test_an_exact_hit_on_a_cache_that_cannot_trim_leaves_a_token(model):
+    """What mlx-lm's LRUPromptCache does on A then A (or A minus a token) with a rotating or
+    recurrent entry: an exact hit and an empty rest. The guard falls back to a shorter entry."""
+    from pipeline.runtime.prompt_cache import at_least_one_left
+
+    a = ids(20)
+    full, _ = prefill(model, a, make=lambda m: rotating(m, window=8))
+    shorter, _ = prefill(model, a[:-1], make=lambda m: rotating(m, window=8))
+    entries = {tuple(a): full, tuple(a[:-1]): shorter}
+
+    def fetch(tokens):  # exact hits only, as the server's trie gives them for these entries
+        found = entries.get(tuple(tokens))
+        return (copy.deepcopy(found), []) if found is not None else (None, tokens)
+
+    cache, rest = at_least_one_left(fetch, a)
+    assert rest == a[-1:] and cache[0].offset == 19
+    cache, rest = at_least_one_left(fetch, a[:-1])  # A minus its last token: nothing shorter
+    assert (cache, rest) == (None, a[:-1])
+    trimmable, _ = prefill(model, a)
+    cache, rest = at_least_one_left(lambda t: (copy.deepcopy(trimmable), []), a)
+    assert rest == a[-1:] and cache[0].offset == 19

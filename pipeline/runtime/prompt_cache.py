@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -17,6 +18,10 @@ from pipeline.format.errors import PipelineError
 # Duck-typed on purpose: importing anything under mlx_lm runs mlx_lm/__init__.py, which
 # imports transformers and jinja2 (~0.75 s); the runtime must stay thin.
 _NARROWED = frozenset({"KVCache", "QuantizedKVCache"})  # cut to offset on hand-out
+# A lossy entry (quantized KV) serves a request only when the request takes at least this share
+# of it: a template's common opening tokens are never served from an approximation, and a cold
+# full-precision prefill of a short shared part (under half the entry) beats reusing it lossily.
+LOSSY_MIN_SHARE = 0.5
 
 
 @dataclass(frozen=True)
@@ -38,6 +43,27 @@ class _Entry:
     trimmable: bool
     nbytes: int
     source: str
+    lossy: bool = False  # holds quantized KV: an approximation of a full-precision prefill
+
+    def min_reuse(self) -> int:
+        """The fewest tokens this entry may serve (1 for an exact entry)."""
+        return lossy_min_tokens(len(self.tokens)) if self.lossy else 1
+
+
+def lossy_min_tokens(entry_tokens: int) -> int:
+    """The fewest leading tokens a request must take from a lossy entry of this length."""
+    return max(1, math.ceil(entry_tokens * LOSSY_MIN_SHARE))
+
+
+def is_lossy(cache: Sequence[Any]) -> bool:
+    """True when any layer holds quantized KV (by class name: the runtime does not import mlx_lm)."""
+    for layer in cache:
+        children = _children(layer)
+        if children is not None and is_lossy(children):
+            return True
+        if "QuantizedKVCache" in {cls.__name__ for cls in type(layer).__mro__}:
+            return True
+    return False
 
 
 def _fork(value: Any) -> Any:
@@ -137,24 +163,28 @@ def _make_entry(tokens: Sequence[int], cache: list, source: str, label: str) -> 
     mx.eval(list(_arrays(owned)))  # lazy arrays are bound to the creating thread's stream
     nbytes = sum(layer.nbytes for layer in owned)
     trimmable = all(layer.is_trimmable() for layer in owned)
-    return _Entry(ids.copy(), owned, trimmable, nbytes, source)
+    return _Entry(ids.copy(), owned, trimmable, nbytes, source, is_lossy(owned))
 
 
 def _usable(entry: _Entry, request: np.ndarray) -> int:
-    """How many leading request tokens this entry can serve (0: it cannot serve the request)."""
+    """How many leading request tokens this entry can serve (0: it cannot serve the request):
+    always at least one token left to process, and a lossy entry only for its stated share."""
     common = _common_prefix(entry.tokens, request)
-    if entry.trimmable:
-        return min(common, len(request) - 1)
     whole = len(entry.tokens)
-    return whole if common == whole and whole < len(request) else 0
+    if entry.trimmable:
+        keep = min(common, len(request) - 1)
+    else:
+        keep = whole if common == whole and whole < len(request) else 0
+    return keep if keep >= entry.min_reuse() else 0
 
 
 def _best(candidates: list[_Entry], request: np.ndarray) -> tuple[_Entry | None, int]:
-    """The candidate serving the most tokens; ties go to less trimming, then to bundles."""
-    best, best_rank = None, (0, 0)
+    """The candidate serving the most tokens; ties go to an exact (full-precision) entry, then to
+    less trimming, then to bundles."""
+    best, best_rank = None, (0, 0, 0)
     for entry in candidates:
         keep = _usable(entry, request)
-        rank = (keep, keep - len(entry.tokens))
+        rank = (keep, not entry.lossy, keep - len(entry.tokens))
         if keep > 0 and rank > best_rank:
             best, best_rank = entry, rank
     return best, best_rank[0]
@@ -272,6 +302,18 @@ class PromptCacheManager:
                 self._drop(next(iter(self._entries)))
                 self._counts["evictions"] += 1
 
+    def lossy_floor(self, model_key: str, tokens: Sequence[int]) -> int:
+        """How many leading tokens of `tokens` a cache continued from a lossy bundle pinned for
+        `model_key` must cover to be reused (0: no lossy bundle starts like this request).
+
+        For the server's own entries, whose history serve cannot see: an entry that shares its
+        opening with a lossy bundle may descend from it, so it is held to that bundle's rule."""
+        request = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        with self._lock:
+            lossy = [e for e in self._pinned.get(model_key, {}).values() if e.lossy]
+        floors = [e.min_reuse() for e in lossy if _common_prefix(e.tokens, request) > 0]
+        return max(floors, default=0)
+
     def stats(self) -> dict:
         """Counts and sizes: stored entries and pinned bundles reported separately."""
         with self._lock:
@@ -291,6 +333,27 @@ class PromptCacheManager:
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._bytes -= entry.nbytes
+
+
+def at_least_one_left(fetch: Any, tokens: list[int]) -> tuple[Any, list[int]]:
+    """`fetch(tokens)` -> (cache, rest) of a server's own prompt cache, never with nothing left to
+    process: an exact hit is trimmed by one token where every layer can trim, else replaced by
+    the best entry for all but the last token, else cold. (mlx-lm's LRUPromptCache hands out an
+    exact hit on a rotating or recurrent cache with an empty rest; its generation then fails.)"""
+    cache, rest = fetch(tokens)
+    if cache is None or len(rest) > 0 or not tokens:
+        return cache, rest
+    if all(layer.is_trimmable() for layer in cache) and len(tokens) > 1:
+        for layer in cache:
+            layer.trim(1)
+        return cache, tokens[-1:]
+    if len(tokens) < 2:
+        return None, tokens
+    shorter, rest = fetch(tokens[:-1])
+    covered = len(tokens) - 1 - len(rest)
+    if shorter is None or covered <= 0:
+        return None, tokens
+    return shorter, tokens[covered:]
 
 
 def _is_prefix(short: np.ndarray, long: np.ndarray) -> bool:

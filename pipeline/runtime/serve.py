@@ -31,7 +31,7 @@ from pipeline.format.signature import read_trusted_keys
 from pipeline.runtime.batching import NotBatchable, for_batching
 from pipeline.runtime.hugepages import ensure_huge_pages
 from pipeline.runtime.mount import MountResult, model_bundles_dir, mount
-from pipeline.runtime.prompt_cache import PromptCacheManager
+from pipeline.runtime.prompt_cache import PromptCacheManager, at_least_one_left
 
 log = logging.getLogger("prefix-bundles")
 BUNDLE_KEY = "bundles"
@@ -68,9 +68,14 @@ def bundled_prompt_cache_class(manager: PromptCacheManager, model_path: str) -> 
                 return None, tokens  # the request runs cold; the generation thread lives
 
         def _nearest(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
-            cache, rest = super().fetch_nearest_cache(model, tokens)
+            own = super().fetch_nearest_cache
+            cache, rest = at_least_one_left(lambda t: own(model, t), tokens)
             if model != (model_path, None, None) or not tokens:
                 return cache, rest
+            if cache is not None and len(tokens) - len(rest) < manager.lossy_floor(
+                BUNDLE_KEY, tokens
+            ):
+                cache, rest = None, tokens  # may continue a lossy bundle: not for a short overlap
             hit = manager.fetch(BUNDLE_KEY, tokens)
             if hit.cache is not None and hit.cache_hit_tokens > len(tokens) - len(rest):
                 log.info(
