@@ -268,3 +268,54 @@ def test_serve_hard_exits_when_the_main_thread_does_not_stop(tmp_path: Path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT)
     assert done.returncode == 1 and 0.5 <= time.monotonic() - start < 20
     assert done.stderr == "generation thread died (RuntimeError: test); serve exits with status 1\n"
+
+
+# --- serve exits when it says it failed (issue 28.2) -----------------------------------------------
+
+
+def _serve_on_taken_port(tiny_model: Path, bundles: Path, tmp_path: Path, entry: Path, server: str):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        args = [sys.executable, str(entry), "serve", "--model", str(tiny_model), "--bundles",
+                str(bundles), "--port", str(port), "--host", "127.0.0.1"]  # fmt: skip
+        if server != "mlx-lm":
+            args += ["--server", server]
+        done = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    return done, port
+
+
+def test_a_taken_port_fails_before_anything_is_loaded(
+    shop_bundle: Path, tiny_model: Path, tmp_path: Path
+):
+    started = time.monotonic()
+    done, port = _serve_on_taken_port(
+        tiny_model, shop_bundle.parents[2], tmp_path, ROOT / "build.py", "mlx-lm"
+    )
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        f"error: cannot listen on 127.0.0.1:{port} (Address already in use); stop the process "
+        "using it or pass another --port (nothing was loaded or mounted)"
+    )
+    assert "bundle(s) mounted" not in done.stderr and time.monotonic() - started < 60
+
+
+def test_a_bind_failure_after_the_server_started_its_threads_still_exits_1(
+    shop_bundle: Path, tiny_model: Path, tmp_path: Path
+):
+    """The port taken between serve's check and mlx_lm.server's bind (the check skipped here):
+    mlx_lm.server's generation thread is already running; serve must still end, with status 1."""
+    entry = tmp_path / "no_port_check.py"
+    entry.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(ROOT)!r})\n"
+        "import pipeline.runtime.serve as serve\n"
+        "serve.check_port = lambda *a: None\n"
+        "from pipeline.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    done, _ = _serve_on_taken_port(tiny_model, shop_bundle.parents[2], tmp_path, entry, "mlx-lm")
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1].startswith("error: ")
+    assert "Address already in use" in done.stderr.splitlines()[-1]

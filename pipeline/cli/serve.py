@@ -3,9 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import threading
 from pathlib import Path
 
+from pipeline.cli.common import err
 from pipeline.cli.keys import add_trusted_key_option
+from pipeline.format.errors import PipelineError
 from pipeline.runtime.hugepages import CHOICES, DEFAULT_HUGE_PAGES
 from pipeline.runtime.servers.tokens import SERVER_NAMES
 
@@ -64,7 +69,29 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> argparse.Argum
 
 
 def run(args: argparse.Namespace) -> int:
-    """Mount (the global --bundles, default <model>/prefix-bundles), then run the server."""
+    """Mount (the global --bundles, default <model>/prefix-bundles), then run the server.
+
+    Once serve has said `error:`, the process ends with status 1 even when the server started
+    threads that would keep it alive (mlx_lm.server's generation thread is not a daemon): a
+    supervisor must see a failed service, never one that holds the model and serves nothing."""
     from pipeline.runtime.serve import serve
 
-    return serve(args, args.passthrough, args.argv)
+    try:
+        return serve(args, args.passthrough, args.argv)
+    except (PipelineError, OSError) as exc:
+        if not _lingering_threads():
+            raise
+        err(
+            str(exc)
+            if isinstance(exc, PipelineError)
+            else f"{exc.filename or 'I/O'}: {exc.strerror or exc}"
+        )
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(1)
+
+
+def _lingering_threads() -> list[threading.Thread]:
+    """Threads that would keep the process alive after the main thread returns."""
+    main = threading.main_thread()
+    return [t for t in threading.enumerate() if t is not main and not t.daemon and t.is_alive()]

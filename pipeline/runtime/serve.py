@@ -249,6 +249,41 @@ def log_mounts(result: MountResult) -> None:
     )
 
 
+# where each server binds when its options do not say (read from the released packages)
+DEFAULT_ADDRESS = {
+    "mlx-lm": ("127.0.0.1", 8080),
+    "vllm-mlx": ("127.0.0.1", 8000),
+    "mlx-openai-server": ("0.0.0.0", 8000),
+    "mlx-omni-server": ("0.0.0.0", 10240),
+}
+
+
+def check_port(server: str, rest: list[str]) -> None:
+    """PipelineError when the server's address cannot be bound, before any model is loaded or
+    bundle mounted: a taken port then costs nothing and never leaves a second process behind."""
+    import socket
+
+    host, port = DEFAULT_ADDRESS[server]
+    host = passed_option(rest, "--host") or host
+    text = passed_option(rest, "--port")
+    try:
+        port = int(text) if text is not None else port
+    except ValueError:
+        raise PipelineError(f"--port {text!r} is not a port number; pass --port N") from None
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+            probe.bind(address)
+    except (OSError, IndexError, OverflowError) as exc:
+        why = getattr(exc, "strerror", None) or str(exc)
+        raise PipelineError(
+            f"cannot listen on {host}:{port} ({why}); stop the process using it or pass "
+            "another --port (nothing was loaded or mounted)"
+        ) from None
+
+
 def passed_option(rest: list[str], name: str) -> str | None:
     """The value of a server option passed through (`--name V` or `--name=V`), if any."""
     for i, arg in enumerate(rest):
@@ -265,6 +300,7 @@ def serve(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
     `args` holds serve's own options (pipeline.cli.serve), `rest` the server's, `argv` the whole
     command line (to re-execute it for huge pages).
     """
+    check_port(getattr(args, "server", "mlx-lm"), rest)
     if getattr(args, "server", "mlx-lm") != "mlx-lm":
         from pipeline.runtime import servers
 
