@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -168,7 +169,10 @@ def test_serve_mounts_the_newest_version_and_survives_a_broken_bundle(
     log = (tmp_path / "s.log").read_text()
     assert "mounted shop@2" in log and "mounted shop@1" not in log
     assert "not mounted: older version" in log and f"refused {broken}" in log
-    assert "1 bundle(s) mounted, 1 refused, 1 older version(s) not mounted" in log
+    assert (
+        "1 bundle(s) mounted, 1 refused, 0 not usable with the server's options, 1 older version(s) not mounted"
+        in log
+    )
     assert cached(response) >= prefix_tokens - 1
 
 
@@ -319,3 +323,55 @@ def test_a_bind_failure_after_the_server_started_its_threads_still_exits_1(
     assert done.returncode == 1
     assert done.stderr.splitlines()[-1].startswith("error: ")
     assert "Address already in use" in done.stderr.splitlines()[-1]
+
+
+# --- startup tells the truth (issue 28.4) -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "option", [("--adapter-path", "adapters"), ("--draft-model", "draft")], ids=lambda o: o[0]
+)
+def test_a_bundle_the_options_would_never_use_is_not_counted_and_strict_refuses(
+    shop_bundle: Path, tiny_model: Path, tmp_path: Path, option
+):
+    from pipeline.runtime import PromptCacheManager, mount
+    from pipeline.runtime.serve import BUNDLE_KEY, drop_unusable
+
+    manager = PromptCacheManager()
+    result = mount(tiny_model, shop_bundle, manager=manager, model_key=BUNDLE_KEY)
+    drop_unusable(result, manager, [option[0], str(tmp_path / option[1])])
+    assert not result.bundles and [p for p, _ in result.unused] == [shop_bundle]
+    assert option[0] in result.unused[0][1] and manager.stats()["pinned"] == 0
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "build.py"), "serve", "--model", str(tiny_model),
+         "--bundles", str(shop_bundle.parents[2]), "--port", str(free_port()), "--strict",
+         option[0], str(tmp_path / option[1])],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1
+    last = done.stderr.splitlines()[-1]
+    assert last.startswith(f"error: --strict: bundle {shop_bundle} would not be used: {option[0]}")
+    assert "0 bundle(s) mounted, 0 refused, 1 not usable with the server's options" in done.stderr
+
+
+def test_kv_bits_other_than_the_bundles_is_not_used_and_the_log_says_each_precision(
+    shop_bundle: Path, tiny_model: Path
+):
+    from pipeline.runtime import mount
+    from pipeline.runtime.serve import unusable_reason
+
+    (b,) = mount(tiny_model, shop_bundle).bundles
+    assert b.precision == f"full precision ({b.manifest.cache.dtype})"
+    assert unusable_reason(b, ["--kv-bits", "4"]) is None  # mlx_lm quantizes it as asked
+    eight = dataclasses.replace(
+        b,
+        manifest=b.manifest.model_copy(
+            update={"cache": b.manifest.cache.model_copy(update={"kv_bits": 8})}
+        ),
+    )
+    assert eight.precision == "8-bit KV"
+    assert unusable_reason(eight, ["--kv-bits", "8"]) is None
+    assert unusable_reason(eight, []) is None
+    assert unusable_reason(eight, ["--kv-bits", "4"]).startswith(
+        "--kv-bits 4 asks for 4-bit KV but the bundle holds 8-bit KV"
+    )

@@ -45,6 +45,12 @@ class MountedBundle:
     def name(self) -> str:
         return f"{self.manifest.prefix.name}@{self.manifest.prefix.version}"
 
+    @property
+    def precision(self) -> str:
+        """The precision requests continue from: 'full precision (bfloat16)' or '8-bit KV'."""
+        c = self.manifest.cache
+        return f"{c.kv_bits}-bit KV" if c.kv_bits else f"full precision ({c.dtype})"
+
     def date_warning(self, today: datetime.date) -> str | None:
         """Why requests rendered today may never share this bundle's prefix, if they may not."""
         pinned = self.manifest.model.template_date
@@ -63,6 +69,8 @@ class MountResult:
     refused: list[RefusedBundle] = field(default_factory=list)
     # valid or not, never mounted: a newer version (or the one the lockfile pins) is chosen
     older: list[Path] = field(default_factory=list)
+    # valid, but the server's options mean requests would never use it (path, why): serve fills it
+    unused: list[tuple[Path, str]] = field(default_factory=list)
     seconds: float = 0.0
 
 

@@ -234,6 +234,11 @@ class PromptCacheManager:
         with self._lock:
             self._pinned.setdefault(model_key, {})[name] = entry
 
+    def unpin(self, model_key: str, name: str) -> None:
+        """Forget a pinned bundle (one that cannot be used with the server's options)."""
+        with self._lock:
+            self._pinned.get(model_key, {}).pop(name, None)
+
     def fetch(self, model_key: str, tokens: Sequence[int]) -> CacheHit:
         """The longest reusable cached prefix of `tokens`, as a cache the caller may mutate."""
         request = np.asarray(tokens, dtype=np.int64).reshape(-1)

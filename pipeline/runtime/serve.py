@@ -30,7 +30,7 @@ from pipeline.format.lockfile import locked_versions
 from pipeline.format.signature import read_trusted_keys
 from pipeline.runtime.batching import NotBatchable, for_batching
 from pipeline.runtime.hugepages import ensure_huge_pages
-from pipeline.runtime.mount import MountResult, model_bundles_dir, mount
+from pipeline.runtime.mount import MountedBundle, MountResult, model_bundles_dir, mount
 from pipeline.runtime.prompt_cache import PromptCacheManager, at_least_one_left
 
 log = logging.getLogger("prefix-bundles")
@@ -229,21 +229,26 @@ def log_mounts(result: MountResult) -> None:
         log.warning("%s", warning)
     for b in result.bundles:
         log.info(
-            "mounted %s (%d tokens, %.1f MiB) from %s in %.1f ms",
+            "mounted %s (%d tokens, %.1f MiB, continues at %s) from %s in %.1f ms",
             b.name,
             len(b.tokens),
             b.manifest.cache.nbytes / 2**20,
+            b.precision,
             b.path,
             b.seconds * 1000,
         )
     for r in result.refused:
         log.warning("refused %s: %s", r.path, r.reason)
+    for path, reason in result.unused:
+        log.warning("not used: %s: %s", path, reason)
     for path in result.older:
         log.info("not mounted: older version %s", path)
     log.info(
-        "%d bundle(s) mounted, %d refused, %d older version(s) not mounted, in %.1f ms",
+        "%d bundle(s) mounted, %d refused, %d not usable with the server's options, %d older "
+        "version(s) not mounted, in %.1f ms",
         len(result.bundles),
         len(result.refused),
+        len(result.unused),
         len(result.older),
         result.seconds * 1000,
     )
@@ -282,6 +287,36 @@ def check_port(server: str, rest: list[str]) -> None:
             f"cannot listen on {host}:{port} ({why}); stop the process using it or pass "
             "another --port (nothing was loaded or mounted)"
         ) from None
+
+
+def unusable_reason(bundle: MountedBundle, rest: list[str]) -> str | None:
+    """Why mlx_lm.server, run with these options, would never use (or would misuse) a valid
+    bundle; None when it will use it as built."""
+    for option, what in (("--adapter-path", "an adapter"), ("--draft-model", "a draft model")):
+        if passed_option(rest, option):
+            return (
+                f"{option} serves the model with {what}, whose prompt cache differs from the "
+                "bundle's (mlx_lm.server keys its cache by model, adapter and draft model)"
+            )
+    bits, built = passed_option(rest, "--kv-bits"), bundle.manifest.cache.kv_bits
+    if bits is not None and built is not None and str(built) != bits:
+        return (
+            f"--kv-bits {bits} asks for {bits}-bit KV but the bundle holds {built}-bit KV, which "
+            "mlx_lm would continue as it is (it never re-quantizes a quantized cache); build it "
+            f"with kv_bits = {bits}, or without kv_bits so the server quantizes it"
+        )
+    return None
+
+
+def drop_unusable(result: MountResult, manager: PromptCacheManager, rest: list[str]) -> None:
+    """Move every bundle the server's options would not use from `result.bundles` to
+    `result.unused` (unpinned), so the startup report counts only what requests can use."""
+    for b in list(result.bundles):
+        reason = unusable_reason(b, rest)
+        if reason is not None:
+            result.bundles.remove(b)
+            result.unused.append((b.path, reason))
+            manager.unpin(BUNDLE_KEY, b.name)
 
 
 def passed_option(rest: list[str], name: str) -> str | None:
@@ -326,7 +361,11 @@ def serve(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
         versions=locked_versions(args.lockfile) if args.lockfile else None,
         trusted_keys=read_trusted_keys(getattr(args, "trusted_key", None) or []),
     )
+    drop_unusable(result, manager, rest)
     log_mounts(result)
+    if args.strict and result.unused:
+        path, reason = result.unused[0]
+        raise PipelineError(f"--strict: bundle {path} would not be used: {reason}")
     if args.strict and not result.bundles:
         raise PipelineError(f"--strict: no bundle for {args.model} was found in {args.bundles}")
 
