@@ -103,10 +103,10 @@ def test_each_cache_kind_answers_like_a_cold_model_on_both_paths(
         assert healthy(p)
     text = log.read_text()
     assert "2 bundle(s) mounted, 0 refused" in text and "warmed up from" in text
-    assert f"cache hit: shop@1 covers {tokens['shop']} of " in text
-    assert "prompt tokens (single path)" in text.split("cache hit: shop@1", 1)[1].split("\n")[0]
-    assert f"cache hit: desk@1 covers {tokens['desk']} of " in text
-    assert "(batched path)" in text.split("cache hit: desk@1", 1)[1].split("\n")[0]
+    assert f"request: bundle shop@1 covers {tokens['shop']} of " in text
+    assert "prompt tokens (single path)" in text.split("bundle shop@1 covers", 1)[1].split("\n")[0]
+    assert f"request: bundle desk@1 covers {tokens['desk']} of " in text
+    assert "(batched path)" in text.split("bundle desk@1 covers", 1)[1].split("\n")[0]
     assert "generation thread died" not in text and "Traceback" not in text
 
     model, tokenizer = load(str(model_dir))
@@ -200,6 +200,6 @@ def test_the_hook_hands_each_path_its_form_and_never_lets_an_unbatchable_layer_t
         cache, rest = prompt_cache.fetch_nearest_cache(model, [*range(100, 140), 7])
     assert cache is None and rest == [*range(100, 140), 7]  # cold, never a dead thread
     assert caplog.messages[-1] == (
-        "prompt cache not reused on the batched path: "
+        "mlx_lm.server: bundle not reused on the batched path: "
         "layer 0 is a ChunkedKVCache, which has no batched form"
     )

@@ -28,13 +28,14 @@ from pipeline.format.compat import SUPPORTED_RANGE, installed_mlx_lm, mlx_lm_sup
 from pipeline.format.errors import PipelineError
 from pipeline.format.lockfile import locked_versions
 from pipeline.format.signature import read_trusted_keys
-from pipeline.runtime.batching import NotBatchable, for_batching
 from pipeline.runtime.hugepages import ensure_huge_pages
+from pipeline.runtime.lookup import lookup
 from pipeline.runtime.mount import MountedBundle, MountResult, model_bundles_dir, mount
 from pipeline.runtime.prompt_cache import PromptCacheManager, at_least_one_left
 
 log = logging.getLogger("prefix-bundles")
 BUNDLE_KEY = "bundles"
+SERVER = "mlx_lm.server"
 
 
 def check_mlx_lm() -> str:
@@ -57,36 +58,12 @@ def bundled_prompt_cache_class(manager: PromptCacheManager, model_path: str) -> 
         single_path = False  # True while the ResponseGenerator serves a request on its own
 
         def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
-            cache, rest = self._nearest(model, tokens)
-            if cache is None or self.single_path:
-                return cache, rest
-            try:
-                return for_batching(cache), rest
-            except Exception as exc:  # none seen: every kind the validator allows converts
-                why = str(exc) if isinstance(exc, NotBatchable) else _describe(exc)
-                log.warning("prompt cache not reused on the batched path: %s", why)
-                return None, tokens  # the request runs cold; the generation thread lives
-
-        def _nearest(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
             own = super().fetch_nearest_cache
-            cache, rest = at_least_one_left(lambda t: own(model, t), tokens)
             if model != (model_path, None, None) or not tokens:
-                return cache, rest
-            if cache is not None and len(tokens) - len(rest) < manager.lossy_floor(
-                BUNDLE_KEY, tokens
-            ):
-                cache, rest = None, tokens  # may continue a lossy bundle: not for a short overlap
-            hit = manager.fetch(BUNDLE_KEY, tokens)
-            if hit.cache is not None and hit.cache_hit_tokens > len(tokens) - len(rest):
-                log.info(
-                    "cache hit: %s covers %d of %d prompt tokens (%s path)",
-                    hit.source.removeprefix("bundle:"),
-                    hit.cache_hit_tokens,
-                    len(tokens),
-                    "single" if self.single_path else "batched",
-                )
-                return hit.cache, list(hit.remaining)
-            return cache, rest
+                return at_least_one_left(lambda t: own(model, t), tokens)
+            return lookup(
+                SERVER, manager, BUNDLE_KEY, tokens, lambda t: own(model, t), not self.single_path
+            )
 
     return BundledPromptCache
 

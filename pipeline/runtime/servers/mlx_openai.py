@@ -20,11 +20,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from pipeline.runtime.lookup import lookup
 from pipeline.runtime.servers.startup import (
     BUNDLE_KEY,
     Mounted,
     check_tokenization,
-    log_request,
     mount_for,
     passed_option,
     refuse_options,
@@ -50,11 +50,10 @@ def pinned_cache_class(mounted: Mounted) -> type:
         def fetch_nearest_cache(
             self, tokens_ids: list[int], *, allowed_sources: set[str] | None = None
         ) -> tuple[list[Any] | None, list[int]]:
-            own, rest = super().fetch_nearest_cache(tokens_ids, allowed_sources=allowed_sources)
-            hit = mounted.manager.fetch(BUNDLE_KEY, tokens_ids)
-            if log_request(SERVER, hit, len(tokens_ids), len(tokens_ids) - len(rest)):
-                return hit.cache, list(hit.remaining)
-            return own, rest
+            own = super().fetch_nearest_cache
+            fetch = lambda t: own(t, allowed_sources=allowed_sources)  # noqa: E731
+            # its handler generates through mlx-lm's BatchGenerator, which merges every layer
+            return lookup(SERVER, mounted.manager, BUNDLE_KEY, tokens_ids, fetch, batched=True)
 
     return PinnedPromptCache
 

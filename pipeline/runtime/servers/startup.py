@@ -20,13 +20,15 @@ import numpy as np
 from pipeline.format.errors import PipelineError
 from pipeline.format.lockfile import locked_versions
 from pipeline.runtime.hugepages import ensure_huge_pages
+from pipeline.runtime.lookup import log_request
 from pipeline.runtime.mount import MountResult, model_bundles_dir, mount
-from pipeline.runtime.prompt_cache import CacheHit, PromptCacheManager
+from pipeline.runtime.prompt_cache import PromptCacheManager
 from pipeline.runtime.serve import check_mlx_lm, log_mounts, passed_option
 from pipeline.runtime.servers.tokens import parity
 
 log = logging.getLogger("prefix-bundles")
 BUNDLE_KEY = "bundles"
+__all__ = ["BUNDLE_KEY", "Mounted", "log_request", "mount_for", "start"]
 
 
 @dataclass
@@ -131,31 +133,3 @@ def check_tokenization(server: str, tokenizer: Any, mounted: Mounted) -> dict[st
                 p.reason,
             )
     return reusable
-
-
-def log_request(server: str, hit: CacheHit, total: int, own: int = 0) -> bool:
-    """One line per request: how many of its prompt tokens a bundle covered, and whether the
-    server's own entry covered more. True when the bundle is used."""
-    name = hit.source.removeprefix("bundle:")
-    if hit.cache is None:
-        log.info("%s request: no bundle covers its %d prompt tokens", server, total)
-        return False
-    if hit.cache_hit_tokens <= own:
-        log.info(
-            "%s request: bundle %s covers %d of %d prompt tokens; the server's own cache "
-            "covers %d, and is used",
-            server,
-            name,
-            hit.cache_hit_tokens,
-            total,
-            own,
-        )
-        return False
-    log.info(
-        "%s request: bundle %s covers %d of %d prompt tokens",
-        server,
-        name,
-        hit.cache_hit_tokens,
-        total,
-    )
-    return True

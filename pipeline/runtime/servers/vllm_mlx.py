@@ -15,11 +15,11 @@ import logging
 import sys
 from typing import Any
 
+from pipeline.runtime.lookup import lookup
 from pipeline.runtime.servers.startup import (
     BUNDLE_KEY,
     Mounted,
     check_tokenization,
-    log_request,
     refuse_options,
     require,
     start,
@@ -59,11 +59,10 @@ def pinned_trie_class(mounted: Mounted) -> type:
                 super().insert_cache(self.key(model), tokens, prompt_cache, **kw)
 
         def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
-            own, rest = super().fetch_nearest_cache(self.key(model), tokens)
-            hit = mounted.manager.fetch(BUNDLE_KEY, tokens)
-            if log_request(SERVER, hit, len(tokens), len(tokens) - len(rest)):
-                return hit.cache, list(hit.remaining)
-            return own, rest
+            own = super().fetch_nearest_cache
+            fetch = lambda t: own(self.key(model), t)  # noqa: E731
+            # SimpleEngine generates one request at a time (stream_generate): no merge needed
+            return lookup(SERVER, mounted.manager, BUNDLE_KEY, tokens, fetch, batched=False)
 
     return PinnedTrie
 

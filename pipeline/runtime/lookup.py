@@ -1,0 +1,83 @@
+"""The one lookup rule every wrapped server gets: its own cache and the pinned bundles compared,
+never an entry with nothing left to process, never a lossy entry for a short overlap, and the
+batched path handed only caches it can merge.
+
+mlx_lm.server's hook (pipeline.runtime.serve) and each --server hook call `lookup` from their
+subclass of the server's prompt cache; what differs per server is only how its own cache is asked.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from pipeline.runtime.batching import NotBatchable, for_batching
+from pipeline.runtime.prompt_cache import CacheHit, PromptCacheManager, at_least_one_left
+
+log = logging.getLogger("prefix-bundles")
+Fetch = Callable[[list[int]], tuple[Any, list[int]]]  # tokens -> (cache or None, rest)
+
+
+def lookup(
+    server: str,
+    manager: PromptCacheManager,
+    model_key: str,
+    tokens: Sequence[int],
+    own_fetch: Fetch,
+    batched: bool,
+) -> tuple[Any, list[int]]:
+    """(cache, tokens left) for a request: the server's own entry or a pinned bundle, whichever
+    serves more under the rules; `batched`: the server's path merges caches (a quantized bundle
+    is handed over dequantized)."""
+    tokens = list(tokens)
+    own, rest = at_least_one_left(own_fetch, tokens)
+    covered = len(tokens) - len(rest)
+    if own is not None and covered < manager.lossy_floor(model_key, tokens):
+        own, rest, covered = None, tokens, 0  # may continue a lossy bundle: not this short
+    hit = manager.fetch(model_key, tokens)
+    if not log_request(server, hit, len(tokens), covered, batched):
+        return own, rest
+    cache = hit.cache
+    if batched:
+        try:
+            cache = for_batching(cache)
+        except NotBatchable as exc:  # none seen: every kind the validator allows converts
+            log.warning("%s: bundle not reused on the batched path: %s", server, exc)
+            return own, rest
+    return cache, list(hit.remaining)
+
+
+def log_request(
+    server: str, hit: CacheHit, total: int, own: int = 0, batched: bool | None = None
+) -> bool:
+    """One line per request: how many of its prompt tokens a bundle covered, and whether the
+    server's own entry covered more. True when the bundle is used."""
+    name = hit.source.removeprefix("bundle:")
+    if hit.cache is None:
+        log.info("%s request: no bundle covers its %d prompt tokens", server, total)
+        return False
+    if hit.cache_hit_tokens <= own:
+        log.info(
+            "%s request: bundle %s covers %d of %d prompt tokens; the server's own cache "
+            "covers %d, and is used",
+            server,
+            name,
+            hit.cache_hit_tokens,
+            total,
+            own,
+        )
+        return False
+    path = "" if batched is None else (" (batched path)" if batched else " (single path)")
+    log.info(
+        "%s request: bundle %s covers %d of %d prompt tokens%s",
+        server,
+        name,
+        hit.cache_hit_tokens,
+        total,
+        path,
+    )
+    return True
+
+
+__all__ = ["Fetch", "log_request", "lookup"]
