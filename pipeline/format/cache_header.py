@@ -97,7 +97,7 @@ def expected_layout(manifest: Manifest, shape: ModelShape, view: LogicalView) ->
         elif kind == "QuantizedKVCache":
             _quantized(out, i, manifest, shape, float_dtype)
         elif derived is not None:  # rotating windows, conv/ssm state: exactly what a build writes
-            _derived_layer(out, i, kind, derived[i], float_dtype)
+            _derived_layer(out, i, kind, derived[i], float_dtype, c.layout)
         elif kind == "RotatingKVCache":
             window = range(min(t, shape.sliding_window or t), t + 1)
             for j in (0, 1):
@@ -133,18 +133,23 @@ def _derived(manifest: Manifest, shape: ModelShape) -> tuple[LayerState, ...] | 
     return layers
 
 
-def _derived_layer(out: Logical, i: int, kind: str, layer: LayerState, float_dtype) -> None:
-    """A layer's every state tensor and scalar, exactly as derived for this model."""
+def _derived_layer(
+    out: Logical, i: int, kind: str, layer: LayerState, float_dtype, layout: str
+) -> None:
+    """A layer's every state tensor and scalar, exactly as derived for this model; mlx-lm 0.31
+    saves a rotating window cut to its offset, 0.32 as it is."""
     if layer.kind != kind:
         raise LayoutError(
             f"layer {i} holds a {kind} but the model builds a {layer.kind} there", "cache.classes"
         )
+    offset = next((e.value for e in layer.entries if e.name == f"{i}.2"), 0)
     for e in layer.entries:
         if e.kind == "array":
-            out.tensors[e.name] = (
-                float_dtype if e.dtype is None else frozenset({e.dtype}),
-                e.shape,
-            )
+            shape = e.shape
+            if kind == "RotatingKVCache" and layout == "mlx-lm-0.31" and offset < shape[2]:
+                shape = (*shape[:2], offset, *shape[3:])
+            dtypes = float_dtype if e.dtype is None else frozenset({e.dtype})
+            out.tensors[e.name] = (dtypes, shape)
         elif e.kind == "scalar":
             out.scalar(e.name, e.value)
         else:

@@ -102,13 +102,21 @@ def _entry(name: str, value: Any) -> Entry:
 
 
 def _layer_state(i: int, layer: Any) -> LayerState:
-    entries = []
-    for p, value in enumerate(layer.state):
-        if isinstance(value, list | tuple):
-            entries += [_entry(f"{i}.{p}.{j}", item) for j, item in enumerate(value)]
-        else:
-            entries.append(_entry(f"{i}.{p}", value))
-    return LayerState(type(layer).__name__, tuple(entries))
+    """A layer's state in mlx-lm 0.32's logical order, read from the object's own fields, so the
+    same replay gives the same answer under mlx-lm 0.31 (whose `state` holds arrays only)."""
+    kind = type(layer).__name__
+    if kind == "RotatingKVCache":
+        values = [layer.keys, layer.values, layer.offset, layer.keep, layer.max_size, layer._idx]
+        entries = [_entry(f"{i}.{p}", v) for p, v in enumerate(values)]
+    elif kind == "KVCache":
+        entries = [_entry(f"{i}.0", layer.keys), _entry(f"{i}.1", layer.values)]
+        entries.append(_entry(f"{i}.2", layer.offset))
+    elif kind == "ArraysCache":  # 0.32 adds two None entries (batch padding and lengths)
+        entries = [_entry(f"{i}.0.{j}", v) for j, v in enumerate(layer.cache)]
+        entries += [_entry(f"{i}.1", None), _entry(f"{i}.2", None)]
+    else:
+        raise TypeError(f"layer {i}: no logical state is known for a {kind}")
+    return LayerState(kind, tuple(entries))
 
 
 __all__ = ["Entry", "LayerState", "derived_states", "lazy_model", "model_cache_classes"]

@@ -1,0 +1,118 @@
+"""The cache-kind matrix through every other server serve wraps (issue 22.4): vllm-mlx,
+mlx-openai-server and mlx-omni-server (its chat route), each in the server venv over loopback HTTP.
+
+Per server and model, one warm server holds one bundle per cache kind of that model (qwen3: full,
+8-bit, 4-bit; gemma3: rotating, rotating+8-bit; lfm2: hybrid, hybrid+8-bit), takes one request
+per bundle on its own, then one per bundle at once, then one matching no bundle; a cold server of
+the same kind (no bundles) takes the same requests. Answers must be equal, the bundles reused,
+and the server healthy after (mlx-openai-server's BatchGenerator was broken for good by the raw
+8-bit bundle, answering every later request with 'list index out of range').
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from servers_env import ROOT, chat, free_port, running, servers_python
+from test_serve_cache_kinds import DESK, KINDS, ONE_HEAD, build
+
+from pipeline.format.bundle_folder import MANIFEST_FILE
+from pipeline.testmodels.arch import generate_arch_model
+
+from conftest import SYSTEM, TOOLS
+
+LIBRARY = (
+    "You are the desk of a public library. Answer in one sentence. Loans run three weeks and can "
+    "be renewed twice; the reading room closes at 20:00."
+)
+TEXTS = (SYSTEM, DESK, LIBRARY)
+GROUPS = {  # model -> (architecture, config overrides, the kinds built for it)
+    "qwen3": ("qwen3", {}, ("full", "8-bit", "4-bit")),
+    "gemma3": ("gemma3_text", {}, ("rotating", "rotating-8-bit")),
+    "lfm2": ("lfm2", ONE_HEAD, ("hybrid", "hybrid-8-bit")),
+}
+SERVERS = ("vllm-mlx", "mlx-openai-server", "mlx-omni-server")
+QUESTIONS = ("Where is my order 12345?", "When is breakfast?", "Can I renew a loan?")
+
+
+def command(server: str, python: Path, model: Path, bundles: Path, port: int) -> list[str]:
+    entry = ROOT / ("tests/envs/omni_chat_app.py" if server == "mlx-omni-server" else "build.py")
+    serve = ["--bundles", str(bundles), "serve", "--server", server]
+    return [str(python), str(entry), *serve, "--model", str(model), "--port", str(port)]
+
+
+def request(model: Path, system: str | None, question: str) -> dict:
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    return {
+        "model": str(model),
+        "messages": [*messages, {"role": "user", "content": question}],
+        "tools": TOOLS,
+        "max_tokens": 10,
+        "temperature": 0.0,
+    }
+
+
+def patient_chat(port: int, body: dict) -> dict:
+    """A chat answer; a 503 (vllm-mlx's SimpleEngine refuses a request while it serves another)
+    is retried, as a client would."""
+    for _ in range(100):
+        try:
+            return chat(port, body)[0]
+        except urllib.error.HTTPError as exc:
+            if exc.code != 503:
+                raise
+            time.sleep(0.1)
+    raise AssertionError("the server stayed busy (503) for 10 s")
+
+
+def ask_all(port: int, bodies: list[dict]) -> list[dict]:
+    """Each body on its own, then all at once, then one matching no bundle."""
+    answers = [chat(port, b)[0] for b in bodies]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        answers += list(pool.map(lambda b: patient_chat(port, b), bodies))
+    answers.append(chat(port, request(Path(bodies[0]["model"]), None, "Hello?"))[0])
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10):
+        pass
+    return answers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("group", list(GROUPS))
+@pytest.mark.parametrize("server", SERVERS)
+def test_every_cache_kind_answers_like_the_server_cold(
+    server: str, group: str, tiny_model: Path, tmp_path: Path
+):
+    python = servers_python()
+    arch, overrides, kinds = GROUPS[group]
+    model = generate_arch_model(tmp_path / "model", arch, tiny_model, **overrides)
+    names = []
+    for i, kind in enumerate(kinds):
+        _, _, _, cache, classes = KINDS[kind]
+        name = f"p{i}"
+        bundle = build(tmp_path, model, name, TEXTS[i], cache)
+        assert json.loads((bundle / MANIFEST_FILE).read_text())["cache"]["classes"] == classes
+        names.append(name)
+    bodies = [request(model, TEXTS[i], QUESTIONS[i]) for i in range(len(kinds))]
+    port = free_port()
+    log = tmp_path / "warm.log"
+    with running(command(server, python, model, tmp_path / "bundles", port), port, log):
+        warm = ask_all(port, bodies)
+    text = log.read_text()
+    assert f"{len(kinds)} bundle(s) mounted, 0 refused" in text, text[-3000:]
+    for name in names:
+        assert f"request: bundle {name}@1 covers" in text, (name, text[-3000:])
+    assert "Traceback" not in text and "list index out of range" not in text, text[-3000:]
+
+    empty = tmp_path / "none"
+    empty.mkdir()
+    port = free_port()
+    with running(command(server, python, model, empty, port), port, tmp_path / "cold.log"):
+        cold = ask_all(port, bodies)
+    for i, (w, c) in enumerate(zip(warm, cold, strict=True)):
+        assert w["choices"][0]["message"] == c["choices"][0]["message"], (server, group, i)
