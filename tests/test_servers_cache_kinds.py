@@ -38,6 +38,9 @@ GROUPS = {  # model -> (architecture, config overrides, the kinds built for it)
     "lfm2": ("lfm2", ONE_HEAD, ("hybrid", "hybrid-8-bit")),
 }
 SERVERS = ("vllm-mlx", "mlx-openai-server", "mlx-omni-server")
+# vllm-mlx 0.6.0's SimpleEngine uses no prompt cache for a model with RotatingKVCache layers (its
+# own probe): serve must say so at startup and count none as mounted
+NOT_USED = {("vllm-mlx", "gemma3")}
 QUESTIONS = ("Where is my order 12345?", "When is breakfast?", "Can I renew a loan?")
 
 
@@ -104,9 +107,13 @@ def test_every_cache_kind_answers_like_the_server_cold(
     with running(command(server, python, model, tmp_path / "bundles", port), port, log):
         warm = ask_all(port, bodies)
     text = log.read_text()
-    assert f"{len(kinds)} bundle(s) mounted, 0 refused" in text, text[-3000:]
-    for name in names:
-        assert f"request: bundle {name}@1 covers" in text, (name, text[-3000:])
+    if (server, group) in NOT_USED:
+        assert f"0 bundle(s) mounted, 0 refused, {len(kinds)} not usable" in text, text[-3000:]
+        assert "reuses no prompt cache for this model's cache classes" in text
+    else:
+        assert f"{len(kinds)} bundle(s) mounted, 0 refused" in text, text[-3000:]
+        for name in names:
+            assert f"request: bundle {name}@1 covers" in text, (name, text[-3000:])
     assert "Traceback" not in text and "list index out of range" not in text, text[-3000:]
 
     empty = tmp_path / "none"

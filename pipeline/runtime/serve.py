@@ -21,6 +21,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -285,11 +286,13 @@ def unusable_reason(bundle: MountedBundle, rest: list[str]) -> str | None:
     return None
 
 
-def drop_unusable(result: MountResult, manager: PromptCacheManager, rest: list[str]) -> None:
-    """Move every bundle the server's options would not use from `result.bundles` to
-    `result.unused` (unpinned), so the startup report counts only what requests can use."""
+def drop_unusable(
+    result: MountResult, manager: PromptCacheManager, why: Callable[[MountedBundle], str | None]
+) -> None:
+    """Move every bundle the server would not use (`why` says why, else None) from
+    `result.bundles` to `result.unused` (unpinned): the startup report counts only usable ones."""
     for b in list(result.bundles):
-        reason = unusable_reason(b, rest)
+        reason = why(b)
         if reason is not None:
             result.bundles.remove(b)
             result.unused.append((b.path, reason))
@@ -338,7 +341,7 @@ def serve(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
         versions=locked_versions(args.lockfile) if args.lockfile else None,
         trusted_keys=read_trusted_keys(getattr(args, "trusted_key", None) or []),
     )
-    drop_unusable(result, manager, rest)
+    drop_unusable(result, manager, lambda b: unusable_reason(b, rest))
     log_mounts(result)
     if args.strict and result.unused:
         path, reason = result.unused[0]

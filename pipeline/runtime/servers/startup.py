@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,9 +21,9 @@ from pipeline.format.errors import PipelineError
 from pipeline.format.lockfile import locked_versions
 from pipeline.runtime.hugepages import ensure_huge_pages
 from pipeline.runtime.lookup import log_request
-from pipeline.runtime.mount import MountResult, model_bundles_dir, mount
+from pipeline.runtime.mount import MountedBundle, MountResult, model_bundles_dir, mount
 from pipeline.runtime.prompt_cache import PromptCacheManager
-from pipeline.runtime.serve import check_mlx_lm, log_mounts, passed_option
+from pipeline.runtime.serve import check_mlx_lm, drop_unusable, log_mounts, passed_option
 from pipeline.runtime.servers.tokens import parity
 
 log = logging.getLogger("prefix-bundles")
@@ -79,8 +79,13 @@ def setup_logging(level: str | None) -> None:
     )
 
 
-def mount_for(args: argparse.Namespace, chat_template: str | None = None) -> Mounted:
-    """Validate and mount the bundles for args.model, log them; PipelineError under --strict."""
+def mount_for(
+    args: argparse.Namespace,
+    chat_template: str | None = None,
+    unusable: Callable[[MountedBundle], str | None] | None = None,
+) -> Mounted:
+    """Validate and mount the bundles for args.model, drop those the server would not use
+    (`unusable` says why), log them; PipelineError under --strict."""
     if args.bundles is None:
         args.bundles = model_bundles_dir(args.model)
     check_mlx_lm()
@@ -101,20 +106,30 @@ def mount_for(args: argparse.Namespace, chat_template: str | None = None) -> Mou
         versions=locked_versions(args.lockfile) if args.lockfile else None,
         **options,
     )
+    if unusable is not None:
+        drop_unusable(result, manager, unusable)
     log_mounts(result)
+    if args.strict and result.unused:
+        path, reason = result.unused[0]
+        raise PipelineError(f"--strict: bundle {path} would not be used: {reason}")
     if args.strict and not result.bundles:
         raise PipelineError(f"--strict: no bundle for {args.model} was found in {args.bundles}")
     return Mounted(Path(args.model), manager, result)
 
 
 def start(
-    args: argparse.Namespace, rest: list[str], argv: list[str], chat_template: str | None = None
+    args: argparse.Namespace,
+    rest: list[str],
+    argv: list[str],
+    chat_template: str | None = None,
+    unusable: Callable[[MountedBundle], str | None] | None = None,
 ) -> Mounted:
     """Logging, huge pages (may re-execute), then mount: the common start of every hook. The
     bundles are checked against `chat_template` (text) or the one --chat-template passes."""
     setup_logging(passed_option(rest, "--log-level"))
     ensure_huge_pages(args.huge_pages, argv)
-    return mount_for(args, chat_template or passed_option(rest, "--chat-template"))
+    template = chat_template or passed_option(rest, "--chat-template")
+    return mount_for(args, template, unusable)
 
 
 def check_tokenization(server: str, tokenizer: Any, mounted: Mounted) -> dict[str, int]:

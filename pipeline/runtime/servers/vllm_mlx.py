@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 from typing import Any
 
 from pipeline.runtime.lookup import lookup
@@ -103,11 +104,39 @@ def install(mounted: Mounted) -> None:
     SimpleEngine._peek_prefix_trie_tokens_saved = staticmethod(_peek)
 
 
+CACHE_OFF = {  # options under which SimpleEngine 0.6.0 builds a fresh cache for every request
+    "--enable-mtp": "multi-token prediction",
+    "--max-kv-size": "a bounded KV size (its own RotatingKVCache)",
+    "--specprefill-draft-model": "a speculative-prefill draft model",
+}
+
+
+def unusable_reason(model: Path, rest: list[str]) -> str | None:
+    """Why vllm-mlx's SimpleEngine would never reuse a bundle for this model with these options,
+    asked of its own probe (the model built from config.json, without weights); None when it will."""
+    from vllm_mlx.engine.simple import SimpleEngine
+
+    from pipeline.format.cache_state import lazy_model
+    from pipeline.format.fingerprint import model_config
+
+    for option, what in CACHE_OFF.items():
+        if any(a == option or a.startswith(option + "=") for a in rest):
+            return f"{option}: with {what} vllm-mlx's SimpleEngine reuses no prompt cache"
+    if not SimpleEngine._probe_system_kv_cache_support(lazy_model(model_config(model)), SERVER):
+        return (
+            "vllm-mlx's SimpleEngine reuses no prompt cache for this model's cache classes (its "
+            "own probe: only KVCache and ArraysCache; requests run uncached); serve it with "
+            "mlx_lm.server (serve without --server) to use the bundle"
+        )
+    return None
+
+
 def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
     """Mount, hook, then vllm-mlx's own `serve` command line with --model as its MODEL."""
     require("vllm_mlx", SERVER)
     refuse_options(rest, SERVER, UNSUPPORTED)
-    mounted = start(args, rest, argv)
+    reason = unusable_reason(args.model, rest)
+    mounted = start(args, rest, argv, unusable=lambda b: reason)
     from mlx_lm.utils import load_tokenizer
 
     check_tokenization(SERVER, load_tokenizer(mounted.model), mounted)
