@@ -375,3 +375,63 @@ def test_kv_bits_other_than_the_bundles_is_not_used_and_the_log_says_each_precis
     assert unusable_reason(eight, ["--kv-bits", "4"]).startswith(
         "--kv-bits 4 asks for 4-bit KV but the bundle holds 8-bit KV"
     )
+
+
+# --- an exact hit never reaches the engine with nothing to process (issue 28.3) ---------------------
+
+
+def complete(port: int, prompt: str) -> str:
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0.0}
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())["choices"][0]["text"]
+
+
+def shorter_by(tokenizer, text: str, n: int) -> str:
+    """`text` less its last n tokens, as text that encodes to exactly those tokens."""
+    ids = tokenizer.encode(text)
+    cut = tokenizer.decode(ids[:-n])
+    assert tokenizer.encode(cut) == ids[:-n], "pick a text whose prefix re-encodes stably"
+    return cut
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["gemma3_text", "lfm2"])
+def test_a_then_a_minus_a_token_and_neighbours_answer_like_cold(
+    arch: str, tiny_model: Path, tmp_path: Path
+):
+    """mlx-lm's own cache keeps a rotating or recurrent entry it cannot trim; a request that is an
+    exact hit on it had nothing left to process, and serve died ('Sequence 1 has an empty
+    prompt'). Every sequence must answer as a cold model does, the server alive after."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mlx_lm import load
+    from mlx_lm.generate import stream_generate
+
+    from pipeline.testmodels.arch import generate_arch_model
+
+    model_dir = generate_arch_model(tmp_path / "model", arch, tiny_model)
+    model, tokenizer = load(str(model_dir))
+    a = " ".join(["The quick brown fox jumps over the lazy dog"] * 6)  # past gemma3's 32 window
+    prompts = {"A": a, "A-1": shorter_by(tokenizer, a, 1), "A-2": shorter_by(tokenizer, a, 2)}
+    sequence = ["A", "A-1", "A", "A", "A-2", "A-1"]
+    empty = tmp_path / "no-bundles"
+    empty.mkdir()
+    with server_process(model_dir, empty, tmp_path / "serve.log") as (proc, port):
+        answers = [(name, complete(port, prompts[name])) for name in sequence]
+        with ThreadPoolExecutor(3) as pool:
+            names = ["A", "A-1", "A-2"]
+            answers += zip(names, pool.map(lambda n: complete(port, prompts[n]), names))
+        assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
+    for name, text in answers:
+        cold = "".join(
+            r.text
+            for r in stream_generate(
+                model, tokenizer, tokenizer.encode(prompts[name]), max_tokens=6
+            )
+        )
+        assert text == cold, (arch, name)
