@@ -425,7 +425,9 @@ def test_a_then_a_minus_a_token_and_neighbours_answer_like_cold(
         answers = [(name, complete(port, prompts[name])) for name in sequence]
         with ThreadPoolExecutor(3) as pool:
             names = ["A", "A-1", "A-2"]
-            answers += zip(names, pool.map(lambda n: complete(port, prompts[n]), names))
+            answers += zip(
+                names, pool.map(lambda n: complete(port, prompts[n]), names), strict=True
+            )
         assert proc.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
     for name, text in answers:
         cold = "".join(
