@@ -12,8 +12,9 @@ from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 from pipeline.builder.definition import PrefixDefinition
 from pipeline.builder.prefill import LoadedModel, dtype_name, load_model
 from pipeline.format.errors import BuildError
-from pipeline.format.manifest import FidelityInfo, ServingCheck
+from pipeline.format.manifest import FidelityInfo, ReuseCheck, ServingCheck
 from pipeline.runtime import fork_cache
+from pipeline.runtime.prompt_cache import lossy_min_tokens
 
 # Default bounds on the max |logit difference| (see README "Fidelity"): exact for full precision.
 DEFAULT_THRESHOLDS = {None: 0.0, 8: 0.5, 4: 2.0}
@@ -62,6 +63,8 @@ def run_checks(
     steps = spec.check.greedy_tokens
     reference = held.pop()
     ref = continue_from(loaded, reference, probe, steps)
+    short = shortest_reuse(reference, tokens, probe, spec)
+    short_ref = continue_from(loaded, short.cut(reference), short.tail, steps) if short else None
     plan = serving_plan(loaded, spec)
     # where the serving path is the builder's path, the reference is that cold prefill already
     cold = ref if plan.runs and plan.same_path else None
@@ -69,6 +72,9 @@ def run_checks(
     written = load_prompt_cache(str(written_path))
     got = continue_from(loaded, written, probe, steps)
     info = fidelity_info(loaded, spec, probe, ref, got)
+    if short is not None:
+        short_got = continue_from(loaded, short.cut(written), short.tail, steps)
+        info = info.model_copy(update={"shortest_reuse": short.record(short_ref, short_got)})
     if not plan.runs:
         return info.model_copy(update={"serving_skipped": plan.skipped})
     try:
@@ -85,6 +91,35 @@ def run_checks(
 
 
 Run = tuple[mx.array, list[int]]  # next-token logits after the probe, greedy tokens after it
+
+
+@dataclass(frozen=True)
+class ShortReuse:
+    """A request taking only the fewest tokens the runtime lets a lossy bundle serve."""
+
+    keep: int
+    trim: int
+    tail: list[int]  # the rest of the prefix, then the probe
+
+    def cut(self, cache: list[Any]) -> list[Any]:
+        return fork_cache(cache, self.trim)
+
+    def record(self, ref: Run, got: Run) -> ReuseCheck:
+        diff = float(mx.max(mx.abs(ref[0] - got[0])).item())
+        return ReuseCheck(tokens=self.keep, max_abs_logit_diff=diff, greedy_match=ref[1] == got[1])
+
+
+def shortest_reuse(
+    reference: list[Any], tokens: list[int], probe: list[int], spec: PrefixDefinition
+) -> ShortReuse | None:
+    """For a quantized bundle whose layers all trim, the shortest reuse the runtime allows (None
+    otherwise: a cache that cannot trim is only ever reused whole, which the main check covers)."""
+    if spec.cache.kv_bits is None or not all(c.is_trimmable() for c in reference):
+        return None
+    keep = lossy_min_tokens(len(tokens))
+    if keep >= len(tokens):
+        return None
+    return ShortReuse(keep, len(tokens) - keep, [*tokens[keep:], *probe])
 
 
 def fidelity_info(

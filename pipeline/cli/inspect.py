@@ -209,8 +209,25 @@ def _print_checks(manifest, args: argparse.Namespace, identity, refusal, keys: t
             else f.serving_skipped
         )
         print(f"  info serving path           {serving}")
+        print(f"  info reuse rule             {_reuse_rule(manifest)}")
     print(
         f"valid{' for ' + str(args.model) if args.model else ''}: {'yes' if refusal is None else 'no'}"
+    )
+
+
+def _reuse_rule(manifest) -> str:
+    """What the runtime lets a request take from this bundle, and the error measured there."""
+    if manifest.cache.kv_bits is None:
+        return "exact: any shared prefix is reused (at least one token left to process)"
+    short = manifest.fidelity.shortest_reuse
+    if short is None:
+        return (
+            "lossy: reused only by a request that extends the whole prefix (its layers do not trim)"
+        )
+    return (
+        f"lossy: reused only by a request taking at least {short.tokens} of its "
+        f"{manifest.tokens.count} tokens; there max |logit diff| {short.max_abs_logit_diff:.3g}, "
+        f"greedy match {short.greedy_match}"
     )
 
 

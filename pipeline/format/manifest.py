@@ -96,6 +96,15 @@ class ServingCheck(Record):
     tie_within_tolerance: bool  # margin <= diff: the first greedy token is a coin toss
 
 
+class ReuseCheck(Record):
+    """A lossy bundle reused for the fewest tokens the runtime allows (the rest of the prefix and
+    the probe prefilled on top), against the builder's full-precision cache reused the same way."""
+
+    tokens: Count  # pipeline.runtime.prompt_cache.lossy_min_tokens of the prefix
+    max_abs_logit_diff: float
+    greedy_match: bool
+
+
 class FidelityInfo(Record):
     checked: bool
     max_abs_logit_diff: float | None = None  # against the builder's own cold prefill
@@ -108,6 +117,7 @@ class FidelityInfo(Record):
     tie_within_tolerance: bool | None = None  # margin <= diff: greedy_match says nothing
     serving: ServingCheck | None = None
     serving_skipped: Short | None = None  # why the serving-path comparison did not run
+    shortest_reuse: ReuseCheck | None = None  # lossy bundles whose layers all trim
 
 
 class ParentInfo(Record):
