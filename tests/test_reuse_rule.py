@@ -18,7 +18,7 @@ from pipeline.runtime import PromptCacheManager, mount
 from pipeline.runtime.prompt_cache import lossy_min_tokens
 from pipeline.testmodels.arch import generate_arch_model
 
-from conftest import SYSTEM, TOOLS, build_bundle, write_definition
+from conftest import TOOLS, build_bundle, write_definition
 
 
 @pytest.fixture(scope="module", params=list(KINDS))
