@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 from servers_env import ROOT, free_port, running, servers_python
-from test_servers_cache_kinds import LIBRARY, command
 from test_serve_cache_kinds import DESK, build
+from test_servers_cache_kinds import LIBRARY, command
 
 from conftest import SYSTEM, TOOLS
 
@@ -91,8 +91,15 @@ def one_round(port: int, model: Path, server: str) -> list[str | None]:
         busy = server == "vllm-mlx"
         return post(port, body(model, i, stream), disconnect=i % 5 == 4, busy_frames=busy)
 
-    with ThreadPoolExecutor(PARALLEL) as pool:
+    with ThreadPoolExecutor(parallel(server)) as pool:
         return list(pool.map(run, range(ROUND)))
+
+
+def parallel(server: str) -> int:
+    """Requests at a time. mlx-omni-server 0.5.3's chat route is not safe under concurrency of its
+    own: with no bundle at all, 125-140 of 200 answers differed between two identical rounds 8 at
+    a time (measured here); it is soaked one request at a time, which answers alike."""
+    return 1 if server == "mlx-omni-server" else PARALLEL
 
 
 def tree_rss(pid: int) -> int:
