@@ -13,8 +13,7 @@ from pipeline.builder.definition import PrefixDefinition
 from pipeline.builder.prefill import LoadedModel, dtype_name, load_model
 from pipeline.format.errors import BuildError
 from pipeline.format.manifest import FidelityInfo, ReuseCheck, ServingCheck
-from pipeline.runtime import fork_cache
-from pipeline.runtime.prompt_cache import lossy_min_tokens
+from pipeline.runtime import fork_cache, lossy_min_tokens
 
 # Default bounds on the max |logit difference| (see README "Fidelity"): exact for full precision.
 DEFAULT_THRESHOLDS = {None: 0.0, 8: 0.5, 4: 2.0}

@@ -6,6 +6,7 @@ __all__ = [
     "bundle_signature",
     "cache_codec",
     "cache_header",
+    "cache_state",
     "compat",
     "errors",
     "fingerprint",

@@ -15,7 +15,13 @@ from pipeline.runtime.mount import (
     mount,
     verify,
 )
-from pipeline.runtime.prompt_cache import CacheHit, PromptCacheManager, fork_cache
+from pipeline.runtime.prompt_cache import (
+    LOSSY_MIN_SHARE,
+    CacheHit,
+    PromptCacheManager,
+    fork_cache,
+    lossy_min_tokens,
+)
 
 __all__ = [
     # modules the CLI imports from (serve and its options)
@@ -24,6 +30,7 @@ __all__ = [
     "serve",
     "servers",
     # the library API a server uses
+    "LOSSY_MIN_SHARE",
     "BundleError",
     "CacheHit",
     "MountResult",
@@ -34,6 +41,7 @@ __all__ = [
     "find_bundles",
     "fork_cache",
     "identity_for",
+    "lossy_min_tokens",
     "model_bundles",
     "model_bundles_dir",
     "mount",
