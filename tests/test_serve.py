@@ -335,11 +335,13 @@ def test_a_bundle_the_options_would_never_use_is_not_counted_and_strict_refuses(
     shop_bundle: Path, tiny_model: Path, tmp_path: Path, option
 ):
     from pipeline.runtime import PromptCacheManager, mount
-    from pipeline.runtime.serve import BUNDLE_KEY, drop_unusable
+    from pipeline.runtime.serve import BUNDLE_KEY, drop_unusable, unusable_reason
 
     manager = PromptCacheManager()
     result = mount(tiny_model, shop_bundle, manager=manager, model_key=BUNDLE_KEY)
-    drop_unusable(result, manager, [option[0], str(tmp_path / option[1])])
+    drop_unusable(
+        result, manager, lambda b: unusable_reason(b, [option[0], str(tmp_path / option[1])])
+    )
     assert not result.bundles and [p for p, _ in result.unused] == [shop_bundle]
     assert option[0] in result.unused[0][1] and manager.stats()["pinned"] == 0
     done = subprocess.run(
