@@ -96,11 +96,8 @@ def test_a_new_version_with_appended_text_starts_from_the_old_one(
     assert parent.reused_tokens % step == 0 and parent.reused_tokens < new.manifest.tokens.count
     assert new.report["reuse"].startswith(f"reused {parent.reused_tokens:,} tokens from shop@1")
     assert new.manifest.fidelity.greedy_match  # warm from the bundle equals a cold prefill
-    chunks = parent.reused_tokens // step
     assert parent.checked == (
-        f"unsigned (no trusted keys given); chunk {' and '.join(map(str, sorted({0, chunks - 1})))}"
-        f" of the {chunks} reused chunks of {step} tokens recomputed from token 0 and "
-        "byte-identical"
+        "built by this builder (its private build record pins these bytes: no recompute)"
     )
     reference = new.manifest.fidelity.reference  # its reference run continued from the parent
     assert reference.endswith(
@@ -313,14 +310,14 @@ def test_a_tampered_parent_is_refused_and_the_child_is_a_full_builds(
     validate(old.bundle, identity, load=True)  # the validator alone cannot tell
 
     with pytest.raises(BuildError) as refused:
-        run_build(root, parent=old.bundle)
+        run_build(root, parent=old.bundle, parent_check="chunks")
     assert str(refused.value).startswith(
         f"--parent {old.bundle}: cannot be reused (recomputed from token 0, chunk {seen} (tokens "
         f"{seen * STEP}-{(seen + 1) * STEP}) differs from the parent's in layer "
     )
     capsys.readouterr()
     code = main(["--prefixes", str(root / "prefixes"), "--bundles", str(root / "bundles"),
-                 "build", "--no-check"])  # fmt: skip
+                 "build", "--no-check", "--parent-check", "chunks"])  # fmt: skip
     err = capsys.readouterr().err
     assert code == 0, err
     warning = f"warning: prefilled from token 0; refused as a parent: {old.bundle}: recomputed"
@@ -349,4 +346,51 @@ def test_with_trusted_keys_a_parent_must_be_signed(tmp_path: Path, tiny_model: P
     sign_bundle(old.bundle, key)
     signed = run_build(root, trusted_keys=keys, force=True)
     assert signed.manifest.parent is not None
-    assert signed.manifest.parent.checked.startswith("signed by a trusted key; chunk 0 and ")
+    assert signed.manifest.parent.checked == "signed by a trusted key (validated: no recompute)"
+
+
+@pytest.mark.parametrize("policy", ["proven", "sample", "chunks"])
+def test_a_parent_this_builder_did_not_write_follows_the_parent_check(
+    tmp_path: Path, tiny_model: Path, policy: str, monkeypatch
+):
+    """A copied-in parent (not in this builder's private build record): proven (the default)
+    does not reuse it and says why; sample and chunks spot check it and reuse it; every result is
+    a full build's bytes and the manifest says how the parent was trusted."""
+    root = tmp_path / "project"
+    monkeypatch.setenv("PREFIX_BUNDLES_CACHE_DIR", str(tmp_path / "builder-a"))
+    define(root, tiny_model)
+    run_build(root)
+    monkeypatch.setenv("PREFIX_BUNDLES_CACHE_DIR", str(tmp_path / "builder-b"))  # another builder
+    define(root, tiny_model, version=2, system=SYSTEM + MORE)
+    new = run_build(root, parent_check=policy)
+    parent = new.manifest.parent
+    if policy == "proven":
+        assert parent is None and new.report["reused_tokens"] == 0
+        assert "neither signed by a --trusted-key nor built by this builder" in new.report["reuse"]
+        assert "parent_warning" in new.report
+    elif policy == "sample":
+        assert parent.checked.startswith(
+            "spot check: neither signed by a --trusted-key nor built by this builder; two "
+            "64-token windows recomputed (token 0, and the start of chunk "
+        )
+    else:
+        assert parent.checked.startswith("spot check: neither signed by a --trusted-key nor built")
+        assert "byte-identical" in parent.checked
+    assert_same_as_full_build(new, root, "shop", tmp_path)
+    # the child was written by this builder: the next version reuses it with no recompute
+    define(root, tiny_model, version=3, system=SYSTEM + MORE + " Ask for the order id first.")
+    third = run_build(root)
+    assert third.manifest.parent is not None and third.manifest.parent.version == 2
+    assert third.manifest.parent.checked.startswith("built by this builder")
+
+
+def test_the_sample_check_refuses_a_grossly_edited_first_window(tmp_path: Path, tiny_model: Path):
+    """Its limit is documented (a spot check); what it looks at, it catches."""
+    root = tmp_path / "project"
+    define(root, tiny_model)
+    old = run_build(root)
+    define(root, tiny_model, version=2, system=SYSTEM + MORE)
+    total = len(old.manifest.cache.classes)
+    retamper(old.bundle, list(range(total)), range(0, 4))
+    with pytest.raises(BuildError, match=r"recomputed from token 0, tokens 0-16 differ"):
+        run_build(root, parent=old.bundle, parent_check="sample")

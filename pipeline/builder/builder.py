@@ -12,6 +12,7 @@ from filelock import Timeout as LockTimeout
 
 from pipeline import __version__
 from pipeline.blas import blas_status
+from pipeline.builder.build_record import record_built
 from pipeline.builder.fidelity import run_checks
 from pipeline.builder.incremental import (
     REFUSED_PARENT,
@@ -174,6 +175,7 @@ def build(
     incremental: bool = True,
     sign_key: SecretKey | None = None,
     trusted_keys: tuple = (),
+    parent_check: str = "proven",
 ) -> BuildResult:
     """Build one bundle (or report it up to date); the folder appears complete or not at all.
 
@@ -204,7 +206,7 @@ def build(
     current = None if force else existing_manifest(dest, identity)
     reuse = parent if parent is not None else incremental
     job = Job(target, identity, rendered, builder, key, dest, check, progress, reuse, sign_key)
-    job = dataclasses.replace(job, trusted_keys=tuple(trusted_keys))
+    job = dataclasses.replace(job, trusted_keys=tuple(trusted_keys), parent_check=parent_check)
     up_to_date = current is not None and current.build_key == key
     if up_to_date and (sign_key is None or _signed_already(job)):
         return BuildResult(dest, current, {}, up_to_date=True)
@@ -239,6 +241,7 @@ class Job:
     reuse: Path | bool  # a parent bundle to start from, or whether to look for one
     sign_key: SecretKey | None = None  # sign before publishing (pipeline.builder.signing)
     trusted_keys: tuple = ()  # a parent must be signed by one of these (incremental.Wanted)
+    parent_check: str = "proven"  # a parent neither signed nor built here (incremental.Wanted)
 
 
 def _signed_already(job: Job) -> bool:
@@ -303,6 +306,7 @@ def _build_locked(job: Job, bundles_root: Path) -> BuildResult:
         if job.sign_key is not None:
             sign_manifest(tmp, job.sign_key)
         publish(bundles_root, tmp, job.dest)
+        record_built(manifest)  # a later incremental build may reuse it with no recompute
         return BuildResult(job.dest, manifest, report, up_to_date=False)
     finally:
         discard(bundles_root, tmp)
@@ -340,6 +344,7 @@ def _resume(job: Job, loaded, tokens: list[int], bundles_root: Path) -> tuple[Re
     wanted = Wanted(
         tokens, job.identity, job.builder, dtype_name(loaded.compute_dtype),
         job.target.definition.spec.cache.prefill_step_size, loaded.model, job.trusted_keys,
+        job.parent_check,
     )  # fmt: skip
     explicit = job.reuse if isinstance(job.reuse, Path) else None
     return find_parent(bundles_root, wanted, job.dest, explicit)

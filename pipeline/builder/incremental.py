@@ -8,24 +8,28 @@ stored state IS the state a full build has at a chunk boundary:
   so a bfloat16 bundle prefilled in float32 does not hold the float32 state);
 - reuse stops at the last multiple of the chunk size at or below the shared token prefix, so the
   remaining chunks are exactly the full build's chunks.
-The parent passes the one validator in full (both digests) before any of its bytes is used, and
-with trusted keys its signature too (`Wanted.trusted_keys`: the one place a parent is validated).
-Without keys its pins only prove it unchanged since someone wrote them, so before any of its
-state is used two chunks are recomputed and must give its bytes exactly (`spot_check`): chunk 0
-from token 0 (independent of the parent), and the last reused chunk from the parent's earlier
-chunks (a change to the K/V of any earlier position in any layer but the last changes what that
-chunk attends to). A parent that fails is refused: the build goes on from another parent or from
-token 0 with a warning, and `--parent` fails. What this cannot see: an edit confined to the last
-layer's K/V of the middle chunks; release builds use `--full` or trusted keys.
+The parent passes the one validator in full (both digests) before any of its bytes is used. Its
+pins only prove it unchanged since someone wrote them; what proves the someone (PARENT_CHECKS):
+- with trusted keys, its signature by one of them (required then): reused with no recompute;
+- a parent this builder wrote (pipeline.builder.build_record, a private record outside the
+  bundles tree): reused with no recompute;
+- any other parent per `--parent-check`: `proven` (default) does not reuse it; `sample`
+  recomputes two 64-token windows (token 0 from nothing, and the start of the last reused chunk
+  from the parent's earlier chunks) and compares them within a float tolerance, which catches a
+  gross edit at a cost of ~2 x 64 tokens and is a spot check, not a proof; `chunks` recomputes
+  chunk 0 and the last reused chunk in full and compares every byte (about two chunks of prefill,
+  and still no proof: whoever can write a parent can recompute the later chunks from a forged one).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipeline.builder.build_record import built_here
 from pipeline.format.bundle_folder import (
     CACHE_FILE,
     MANIFEST_FILE,
@@ -53,6 +57,7 @@ class Wanted:
     step: int  # prefill chunk size
     model: Any = None  # the loaded model, to recompute chunks of a parent with (spot_check)
     trusted_keys: tuple = ()  # with keys, a parent must carry a valid signature by one of them
+    parent_check: str = "proven"  # what to do with a parent neither signed nor built here
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,7 @@ def find_parent(
         if resume is not None:
             resume = dataclasses.replace(resume, refused=tuple(refused))
             return resume, _reused_line(resume)
-        if reason and reason.startswith(SPOT_CHECK):
+        if reason and reason.startswith((SPOT_CHECK, UNPROVEN_REFUSAL)):
             refused.append(f"{path}: {reason}")
     if refused:
         return None, f"prefilled from token 0; {REFUSED_PARENT}: {'; '.join(refused)}"
@@ -158,9 +163,16 @@ def _token_ids(bundle: Path) -> list[int]:
     return ids if isinstance(ids, list) else []
 
 
+PARENT_CHECKS = ("proven", "sample", "chunks")
+SPOT_CHECK = "recomputed from token 0"
+REFUSED_PARENT = "refused as a parent"
+UNPROVEN = "neither signed by a --trusted-key nor built by this builder"
+WINDOW = 64  # tokens per window of the sample check
+
+
 def _load(bundle: Path, manifest: Manifest, wanted: Wanted) -> tuple[Resume | None, str | None]:
-    """The parent validated in full, spot-checked and loaded, its cache replayed up to the
-    reusable tokens; or None and why not."""
+    """The parent validated in full, proven (signature, build record or the chosen check) and
+    loaded, its cache replayed up to the reusable tokens; or None and why not."""
     # the template changes the text, not the cache of given tokens: check the parent as built
     identity = dataclasses.replace(wanted.identity, template=manifest.model.template_sha256)
     keys = {"trusted_keys": wanted.trusted_keys} if wanted.trusted_keys else {}
@@ -171,15 +183,72 @@ def _load(bundle: Path, manifest: Manifest, wanted: Wanted) -> tuple[Resume | No
     done = reusable_tokens(checked.tokens, wanted)
     if done == 0 or checked.cache is None:
         return None, "it shares no whole prefill chunk with these tokens"
-    chunks = spot_check(wanted.model, checked.cache, wanted.tokens, done, wanted.step)
-    if isinstance(chunks, str):
-        return None, chunks
-    record = _record(bundle, manifest, done, chunks, wanted.step, bool(wanted.trusted_keys))
+    start = time.perf_counter()
+    how = _prove(checked.cache, manifest, wanted, done)
+    if how.startswith(SPOT_CHECK) or how.startswith(UNPROVEN_REFUSAL):
+        return None, how
+    how += f" ({time.perf_counter() - start:.2f} s)" if how.startswith("spot check") else ""
+    record = _record(bundle, manifest, done, how)
     return Resume(_replay(checked.cache, done, wanted.step), done, record, bundle), None
 
 
-SPOT_CHECK = "recomputed from token 0"
-REFUSED_PARENT = "refused as a parent"
+UNPROVEN_REFUSAL = f"not reused: {UNPROVEN}"
+
+
+def _prove(layers: list[Any], manifest: Manifest, wanted: Wanted, done: int) -> str:
+    """How the parent is trusted, as the manifest records it; or why it is not (a refusal that
+    starts with UNPROVEN_REFUSAL or SPOT_CHECK)."""
+    if wanted.trusted_keys:
+        return "signed by a trusted key (validated: no recompute)"
+    if built_here(manifest):
+        return "built by this builder (its private build record pins these bytes: no recompute)"
+    if wanted.parent_check == "proven":
+        return (
+            f"{UNPROVEN_REFUSAL}; sign it and pass --trusted-key, or pass --parent-check sample "
+            "(spot check) or chunks to reuse it anyway"
+        )
+    if wanted.parent_check == "sample":
+        problem = sample_check(wanted.model, layers, wanted.tokens, done, wanted.step)
+        if problem:
+            return problem
+        return (
+            f"spot check: {UNPROVEN}; two {WINDOW}-token windows recomputed (token 0, and the "
+            f"start of chunk {done // wanted.step - 1}) matched within tolerance"
+        )
+    chunks = spot_check(wanted.model, layers, wanted.tokens, done, wanted.step)
+    if isinstance(chunks, str):
+        return chunks
+    which = " and ".join(map(str, chunks))
+    return (
+        f"spot check: {UNPROVEN}; chunk {which} of the {done // wanted.step} reused chunks of "
+        f"{wanted.step} tokens recomputed from token 0 and byte-identical"
+    )
+
+
+def sample_check(
+    model: Any, layers: list[Any], tokens: list[int], done: int, step: int
+) -> str | None:
+    """Recompute a short window at token 0 and at the start of the last reused chunk and compare
+    with the parent's K/V within a float tolerance (a shorter chunk than the build's differs in
+    the last bits); None when both match, else what differs. A spot check: it finds a gross edit
+    of what it looks at, nothing else."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    for start in sorted({0, done - step}):
+        end = start + min(WINDOW, step)
+        cache = _replay(layers, start, step) if start else [KVCache() for _ in layers]
+        model(mx.array(tokens[start:end])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        for i, (fresh, old) in enumerate(zip(cache, layers, strict=True)):
+            for kind, got, want in (("keys", fresh.keys, old.keys), ("values", fresh.values, old.values)):  # fmt: skip
+                a, b = got[..., start:end, :], want[..., start:end, :]
+                if not mx.allclose(a, b, rtol=1e-3, atol=1e-4).item():
+                    return (
+                        f"{SPOT_CHECK}, tokens {start}-{end} differ from the parent's in layer "
+                        f"{i} {kind} beyond float tolerance: altered, or built differently"
+                    )
+    return None
 
 
 def spot_check(
@@ -228,22 +297,15 @@ def _replay(layers: list[Any], done: int, step: int) -> list[Any]:
     return out
 
 
-def _record(
-    bundle: Path, manifest: Manifest, done: int, chunks: list[int], step: int, signed: bool
-) -> ParentInfo:
+def _record(bundle: Path, manifest: Manifest, done: int, how: str) -> ParentInfo:
     p = manifest.prefix
-    which = " and ".join(map(str, chunks))
     return ParentInfo(
         prefix=p.name,
         version=p.version,
         folder=bundle.name,
         file_sha256=manifest.cache.file_sha256,
         reused_tokens=done,
-        checked=(
-            f"{'signed by a trusted key' if signed else 'unsigned (no trusted keys given)'}; "
-            f"chunk {which} of the {done // step} reused chunks of {step} tokens recomputed "
-            "from token 0 and byte-identical"
-        ),
+        checked=how,
     )
 
 

@@ -66,6 +66,15 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         help="a minisign public key (repeatable): an incremental build then starts only from a "
         "parent carrying a valid manifest.json.minisig by one of them",
     )
+    b.add_argument(
+        "--parent-check",
+        choices=("proven", "sample", "chunks"),
+        default="proven",
+        help="an incremental build reuses a parent signed by a --trusted-key or built by this "
+        "builder with no recompute; any other parent: proven (default) = not reused, sample = "
+        "spot check two 64-token windows within float tolerance, chunks = recompute two whole "
+        "chunks and compare every byte (docs/definitions.md#incremental-builds)",
+    )
     b.add_argument("--shard", type=_shard, metavar="I/N", help=SHARD_HELP)
     b.add_argument(
         "--sign-key",
@@ -124,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
             "incremental": not args.full,
             "sign_key": _signing_key(args.sign_key),  # before any prefill: a bad key fails first
             "trusted_keys": _parent_keys(args),  # a parent must be signed by one of them
+            "parent_check": args.parent_check,
         }
         plan = BuildPlan(args.prefixes, args.bundles, args.model, args.shard, args.locked)
         print(blas_status().notice, file=sys.stderr)

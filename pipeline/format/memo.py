@@ -54,6 +54,17 @@ def _private(path: Path, want_dir: bool) -> bool:
     return kind_ok and st.st_uid == os.geteuid() and not st.st_mode & 0o077
 
 
+def load_table(memo: Path) -> dict[str, str]:
+    """A private {key: hex digest} table (empty when missing, unreadable or open to others)."""
+    return _load(memo)
+
+
+def save_table(memo: Path, table: dict[str, str]) -> None:
+    """Write a private table atomically (best effort: a read-only home only costs the entry)."""
+    with _lock:
+        _store(memo, table)
+
+
 def _load(memo: Path) -> dict[str, str]:
     if not (_private(memo.parent, want_dir=True) and _private(memo, want_dir=False)):
         return {}
