@@ -482,6 +482,7 @@ def test_a_lossy_bundle_never_serves_a_short_overlap(shared: int):
     request = prefix[:shared] + [0] + ids(5)
     hit = manager.fetch("m", request)
     assert (hit.cache, hit.cache_hit_tokens, hit.source) == (None, 0, "cold")
+    assert manager.covered("m", request) == 0  # what fetch would serve, without a copy
     assert manager.fetch("m", prefix[:12] + [0] + ids(2)).cache_hit_tokens == 12  # half: reused
 
 
@@ -495,6 +496,7 @@ def test_an_exact_bundle_wins_over_a_lossy_one_covering_the_same_tokens():
     request = stem + [0] + ids(3)
     hit = manager.fetch("m", request)
     assert (hit.source, hit.cache_hit_tokens) == ("bundle:exact", 20)
+    assert manager.covered("m", request) == 20
     assert_fresh(model, hit, request)
     assert manager.lossy_floor("m", request) == 12 and manager.lossy_floor("m", [0, 1]) == 0
 

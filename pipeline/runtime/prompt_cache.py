@@ -234,6 +234,13 @@ class PromptCacheManager:
         with self._lock:
             self._pinned.setdefault(model_key, {})[name] = entry
 
+    def covered(self, model_key: str, tokens: Sequence[int]) -> int:
+        """How many leading tokens `fetch` would serve from a pinned bundle (no copy made)."""
+        request = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        with self._lock:
+            pinned = list(self._pinned.get(model_key, {}).values())
+        return _best(pinned, request)[1] if len(request) > 1 else 0
+
     def unpin(self, model_key: str, name: str) -> None:
         """Forget a pinned bundle (one that cannot be used with the server's options)."""
         with self._lock:

@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from pipeline.format.errors import PipelineError
 from pipeline.format.lockfile import locked_versions
 from pipeline.runtime.hugepages import ensure_huge_pages
@@ -41,18 +39,7 @@ class Mounted:
 
     def covered(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of a request the best pinned bundle can serve (no copy)."""
-        request = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        best = 0
-        for b in self.result.bundles:
-            ids = np.asarray(b.tokens, dtype=np.int64)
-            n = min(len(ids), len(request))
-            differ = np.flatnonzero(ids[:n] != request[:n])
-            common = int(differ[0]) if differ.size else n
-            if all(layer.is_trimmable() for layer in b.cache):
-                best = max(best, min(common, len(request) - 1))
-            elif common == len(ids) < len(request):
-                best = max(best, common)
-        return best
+        return self.manager.covered(BUNDLE_KEY, tokens)
 
 
 def require(module: str, server: str) -> None:
