@@ -200,6 +200,11 @@ def test_the_hook_hands_each_path_its_form_and_never_lets_an_unbatchable_layer_t
         cache, rest = prompt_cache.fetch_nearest_cache(model, [*range(100, 140), 7])
     assert cache is None and rest == [*range(100, 140), 7]  # cold, never a dead thread
     assert caplog.messages[-1] == (
-        "mlx_lm.server: bundle not reused on the batched path: "
+        "mlx_lm.server: prompt cache not reused on the batched path: "
         "layer 0 is a ChunkedKVCache, which has no batched form"
     )
+    # the server's own entry, stored quantized after a single-path request, is dequantized too
+    own = [*range(200, 240)]
+    prompt_cache.insert_cache(model, own, [quantized_layer()])
+    cache, rest = prompt_cache.fetch_nearest_cache(model, [*own, 7])
+    assert [type(c) for c in cache] == [KVCache] and rest == [7]

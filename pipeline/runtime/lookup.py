@@ -36,16 +36,17 @@ def lookup(
     if own is not None and covered < manager.lossy_floor(model_key, tokens):
         own, rest, covered = None, tokens, 0  # may continue a lossy bundle: not this short
     hit = manager.fetch(model_key, tokens)
-    if not log_request(server, hit, len(tokens), covered, batched):
-        return own, rest
-    cache = hit.cache
-    if batched:
-        try:
-            cache = for_batching(cache)
-        except NotBatchable as exc:  # none seen: every kind the validator allows converts
-            log.warning("%s: bundle not reused on the batched path: %s", server, exc)
-            return own, rest
-    return cache, list(hit.remaining)
+    if log_request(server, hit, len(tokens), covered, batched):
+        cache, rest = hit.cache, list(hit.remaining)
+    else:
+        cache = own
+    if cache is None or not batched:
+        return cache, rest
+    try:  # the server's own entries too: one stored after a single-path request is quantized
+        return for_batching(cache), rest
+    except NotBatchable as exc:  # none seen: every kind the validator allows converts
+        log.warning("%s: prompt cache not reused on the batched path: %s", server, exc)
+        return None, tokens
 
 
 def log_request(
