@@ -123,3 +123,21 @@ def test_every_cache_kind_answers_like_the_server_cold(
         cold = ask_all(port, bodies)
     for i, (w, c) in enumerate(zip(warm, cold, strict=True)):
         assert w["choices"][0]["message"] == c["choices"][0]["message"], (server, group, i)
+
+
+@pytest.mark.slow
+def test_each_servers_own_cache_never_hands_out_an_exact_hit_with_nothing_to_process():
+    """Issue 28.3 on the other servers: vllm-mlx's trie and mlx-openai-server's LRUPromptCache (the
+    installed classes, through serve's hooks) holding an entry that cannot trim: asked for exactly
+    its tokens, the lookup leaves at least one token (here: the entry is not used, nothing shorter
+    exists, all 20 run cold); asked for one token more, the entry is used and 1 token is left."""
+    import subprocess
+
+    python = servers_python()
+    done = subprocess.run(
+        [str(python), str(ROOT / "tests" / "envs" / "exact_hit_worker.py")],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    left = json.loads(done.stdout.splitlines()[-1])
+    assert left == {"vllm-mlx": [20, 1], "mlx-openai-server": [20, 1]}
