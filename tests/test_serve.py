@@ -439,3 +439,71 @@ def test_a_then_a_minus_a_token_and_neighbours_answer_like_cold(
             )
         )
         assert text == cold, (arch, name)
+
+
+# --- a new version goes live without a restart (issue 25.3) -------------------------------------------
+
+
+def wait_for(log: Path, text: str, count: int = 1, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while log.read_text().count(text) < count:
+        assert time.monotonic() < deadline, f"{text!r} not logged: {log.read_text()[-3000:]}"
+        time.sleep(0.2)
+
+
+def rss(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(x for x in status.splitlines() if x.startswith("VmRSS:")).split()[1]) * 1024
+
+
+@pytest.mark.slow
+def test_sighup_remounts_new_refused_and_removed_versions_while_serving(
+    tiny_model: Path, tmp_path: Path
+):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from test_incremental import MORE, define, run_build
+
+    root = tmp_path / "project"
+    define(root, tiny_model)
+    v1 = run_build(root)
+    log = tmp_path / "serve.log"
+    with server_process(tiny_model, root / "bundles", log) as (proc, port):
+        chat(port, "Where is my order 12345?")
+        assert f"bundle shop@1 covers {v1.manifest.tokens.count} of" in log.read_text()
+        define(root, tiny_model, version=2, system=SYSTEM + MORE)
+        v2 = run_build(root)
+        with ThreadPoolExecutor(4) as pool:  # a deploy's SIGHUP while 4 requests run
+            running = [pool.submit(chat, port, f"Order {i}?") for i in range(4)]
+            proc.send_signal(signal.SIGHUP)
+            assert all("choices" in r.result() for r in running)
+        wait_for(log, "remount: 0 added, 1 replaced")
+        assert "remount: replaced shop@1 by shop@2" in log.read_text()
+        chat(port, "Where is my order 12345?", SYSTEM + MORE)
+        assert f"bundle shop@2 covers {v2.manifest.tokens.count} of" in log.read_text()
+
+        define(root, tiny_model, version=3, system=SYSTEM + MORE + " Be kind.")
+        v3 = run_build(root)
+        cache = v3.bundle / "cache.safetensors"
+        data = bytearray(cache.read_bytes())
+        data[-5] ^= 0x01
+        cache.write_bytes(bytes(data))  # a corrupt new version: the mounted one stays
+        proc.send_signal(signal.SIGHUP)
+        wait_for(log, "1 refused")
+        assert f"remount: refused {v3.bundle}: " in log.read_text()
+        before = log.read_text().count("bundle shop@2 covers")
+        chat(port, "Anything else?", SYSTEM + MORE)
+        assert log.read_text().count("bundle shop@2 covers") == before + 1
+
+        start = rss(proc.pid)
+        for i in range(20):  # remounts that change nothing leave memory where it was
+            proc.send_signal(signal.SIGHUP)
+            wait_for(log, " unchanged, ", count=3 + i, timeout=60)  # one summary per remount
+        assert rss(proc.pid) <= start * 1.10
+
+        shutil.rmtree(root / "bundles" / "shop")  # removed: no longer used
+        proc.send_signal(signal.SIGHUP)
+        wait_for(log, "remount: removed shop@2 (its bundle is gone)")
+        chat(port, "Last one?", SYSTEM + MORE)
+        assert log.read_text().rstrip().count("no bundle covers") >= 1
+        assert proc.poll() is None

@@ -33,6 +33,7 @@ from pipeline.runtime.hugepages import ensure_huge_pages
 from pipeline.runtime.lookup import lookup
 from pipeline.runtime.mount import MountedBundle, MountResult, model_bundles_dir, mount
 from pipeline.runtime.prompt_cache import PromptCacheManager, at_least_one_left
+from pipeline.runtime.remount import Remounter
 
 log = logging.getLogger("prefix-bundles")
 BUNDLE_KEY = "bundles"
@@ -299,6 +300,39 @@ def drop_unusable(
             manager.unpin(BUNDLE_KEY, b.name)
 
 
+def mount_options(args: argparse.Namespace, chat_template: str | None) -> Callable[[], dict]:
+    """mount's options from serve's own, read afresh on each call (a remount re-reads the
+    lockfile a deploy may have updated)."""
+
+    def options() -> dict:
+        return {
+            "chat_template": chat_template,
+            "verify_full": args.verify_full,
+            "versions": locked_versions(args.lockfile) if args.lockfile else None,
+            "trusted_keys": read_trusted_keys(getattr(args, "trusted_key", None) or []),
+        }
+
+    return options
+
+
+def reload_on_hangup(remounter: Remounter) -> None:
+    """SIGHUP re-reads the bundles (`kill -HUP <pid>` after a deploy): in a thread of its own, so
+    the server goes on answering; one log line per change. A failure is logged, never fatal."""
+
+    def run() -> None:
+        try:
+            for line in remounter.remount().lines():
+                log.info("%s", line)
+        except Exception as exc:  # noqa: BLE001 - a failed remount leaves what was mounted
+            log.error("remount failed (%s); the mounted bundles stay", _describe(exc))
+
+    def on_hangup(signum: int, frame: Any) -> None:
+        threading.Thread(target=run, name="prefix-bundles-remount", daemon=True).start()
+
+    if hasattr(signal, "SIGHUP") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGHUP, on_hangup)
+
+
 def passed_option(rest: list[str], name: str) -> str | None:
     """The value of a server option passed through (`--name V` or `--name=V`), if any."""
     for i, arg in enumerate(rest):
@@ -330,18 +364,17 @@ def serve(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
         args.bundles = model_bundles_dir(args.model)
     check_mlx_lm()
     manager = PromptCacheManager()
+    options = mount_options(args, passed_option(rest, "--chat-template"))
     result = mount(
         args.model,
         args.bundles,
         skip_refused=not args.strict,
-        chat_template=passed_option(rest, "--chat-template"),
         manager=manager,
         model_key=BUNDLE_KEY,
-        verify_full=args.verify_full,
-        versions=locked_versions(args.lockfile) if args.lockfile else None,
-        trusted_keys=read_trusted_keys(getattr(args, "trusted_key", None) or []),
+        **options(),
     )
-    drop_unusable(result, manager, lambda b: unusable_reason(b, rest))
+    unusable = lambda b: unusable_reason(b, rest)  # noqa: E731
+    drop_unusable(result, manager, unusable)
     log_mounts(result)
     if args.strict and result.unused:
         path, reason = result.unused[0]
@@ -351,6 +384,15 @@ def serve(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
 
     import mlx_lm.server as server
 
+    reload_on_hangup(
+        Remounter(
+            result,
+            manager,
+            BUNDLE_KEY,
+            lambda: mount(args.model, args.bundles, skip_refused=True, **options()),
+            unusable,
+        )
+    )
     death = GenerationDeath()
     server.LRUPromptCache = bundled_prompt_cache_class(manager, args.model)
     server.ModelProvider = warming_model_provider_class(manager, args.warm_up)

@@ -16,12 +16,19 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.format.errors import PipelineError
-from pipeline.format.lockfile import locked_versions
 from pipeline.runtime.hugepages import ensure_huge_pages
 from pipeline.runtime.lookup import log_request
 from pipeline.runtime.mount import MountedBundle, MountResult, model_bundles_dir, mount
 from pipeline.runtime.prompt_cache import PromptCacheManager
-from pipeline.runtime.serve import check_mlx_lm, drop_unusable, log_mounts, passed_option
+from pipeline.runtime.remount import Remounter
+from pipeline.runtime.serve import (
+    check_mlx_lm,
+    drop_unusable,
+    log_mounts,
+    mount_options,
+    passed_option,
+    reload_on_hangup,
+)
 from pipeline.runtime.servers.tokens import parity
 
 log = logging.getLogger("prefix-bundles")
@@ -77,21 +84,14 @@ def mount_for(
         args.bundles = model_bundles_dir(args.model)
     check_mlx_lm()
     manager = PromptCacheManager()
-    options: dict[str, Any] = {}
-    if getattr(args, "trusted_key", None):  # the same signature stage `serve` runs
-        from pipeline.format.signature import read_trusted_keys
-
-        options["trusted_keys"] = read_trusted_keys(args.trusted_key)
+    options = mount_options(args, chat_template)
     result = mount(
         args.model,
         args.bundles,
         skip_refused=not args.strict,
-        chat_template=chat_template,
         manager=manager,
         model_key=BUNDLE_KEY,
-        verify_full=args.verify_full,
-        versions=locked_versions(args.lockfile) if args.lockfile else None,
-        **options,
+        **options(),
     )
     if unusable is not None:
         drop_unusable(result, manager, unusable)
@@ -101,6 +101,8 @@ def mount_for(
         raise PipelineError(f"--strict: bundle {path} would not be used: {reason}")
     if args.strict and not result.bundles:
         raise PipelineError(f"--strict: no bundle for {args.model} was found in {args.bundles}")
+    reload = lambda: mount(args.model, args.bundles, skip_refused=True, **options())  # noqa: E731
+    reload_on_hangup(Remounter(result, manager, BUNDLE_KEY, reload, unusable or (lambda b: None)))
     return Mounted(Path(args.model), manager, result)
 
 

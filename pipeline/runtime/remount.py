@@ -1,0 +1,132 @@
+"""Live re-mount: a running server picks up new, changed and removed bundles without a restart.
+
+`remount` runs the same discovery, version rules and one validator as `mount` over the same
+bundles folder, then swaps the result into the manager one prefix at a time: a new or changed
+version is pinned in place of the old one (requests in flight keep the copy they were handed),
+a prefix whose new version is refused keeps its old version, a prefix whose bundle is gone is
+unpinned. Entries the server stored are keyed by exact token ids, so an entry continued from an
+old version is still exact for those ids (and a lossy one is held to the reuse rule): nothing
+derived from a replaced version can serve a request whose ids differ from it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.runtime.mount import MountedBundle, MountResult, RefusedBundle, mount
+from pipeline.runtime.prompt_cache import PromptCacheManager
+
+
+@dataclass
+class Changes:
+    """What a remount did, one entry per prefix that changed or was refused."""
+
+    added: list[str] = field(default_factory=list)
+    replaced: list[tuple[str, str]] = field(default_factory=list)  # (old name, new name)
+    removed: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)  # unchanged
+    refused: list[RefusedBundle] = field(default_factory=list)  # the old version, if any, stays
+    unused: list[tuple[Path, str]] = field(default_factory=list)
+
+    def lines(self) -> list[str]:
+        """One log line per change, then the totals."""
+        out = [f"remount: added {n}" for n in self.added]
+        out += [f"remount: replaced {a} by {b}" for a, b in self.replaced]
+        out += [f"remount: removed {n} (its bundle is gone)" for n in self.removed]
+        out += [
+            f"remount: refused {r.path}: {r.reason} (the mounted version stays)"
+            for r in self.refused
+        ]
+        out += [f"remount: not used: {p}: {why}" for p, why in self.unused]
+        out.append(
+            f"remount: {len(self.added)} added, {len(self.replaced)} replaced, "
+            f"{len(self.removed)} removed, {len(self.kept)} unchanged, {len(self.refused)} refused"
+        )
+        return out
+
+
+def _key(b: MountedBundle) -> tuple[str, str]:
+    return b.manifest.prefix.name, b.manifest.model.fingerprint
+
+
+class Remounter:
+    """Holds what is mounted for one served model and re-reads the bundles on request; one
+    remount at a time (a second call waits for the first)."""
+
+    def __init__(
+        self,
+        current: MountResult,
+        manager: PromptCacheManager,
+        model_key: str,
+        load: Callable[[], MountResult],
+        unusable: Callable[[MountedBundle], str | None] = lambda b: None,
+    ) -> None:
+        """`load`: mount(...) with the server's options and no manager (skip_refused)."""
+        self.current = {_key(b): b for b in current.bundles}
+        self.manager, self.model_key, self.load, self.unusable = manager, model_key, load, unusable
+        self._lock = threading.Lock()
+
+    def remount(self) -> Changes:
+        with self._lock:
+            found = self.load()
+            changes = Changes(refused=list(found.refused))
+            fresh = {}
+            for b in found.bundles:
+                why = self.unusable(b)
+                if why is None:
+                    fresh[_key(b)] = b
+                else:
+                    changes.unused.append((b.path, why))
+            refused_names = {_refused_name(r) for r in found.refused}
+            for key, b in fresh.items():
+                self._swap(key, b, changes)
+            for key, old in list(self.current.items()):
+                if key not in fresh and old.manifest.prefix.name not in refused_names:
+                    self.manager.unpin(self.model_key, old.name)
+                    del self.current[key]
+                    changes.removed.append(old.name)
+            return changes
+
+    def _swap(self, key: tuple[str, str], b: MountedBundle, changes: Changes) -> None:
+        old = self.current.get(key)
+        if old is not None and old.manifest.cache.file_sha256 == b.manifest.cache.file_sha256:
+            changes.kept.append(old.name)  # the same bytes: the copy just loaded is dropped
+            return
+        self.manager.pin(self.model_key, b.tokens, b.cache, b.name)
+        if old is not None and old.name != b.name:
+            self.manager.unpin(self.model_key, old.name)
+        self.current[key] = b
+        if old is None:
+            changes.added.append(b.name)
+        else:
+            changes.replaced.append((old.name, b.name))
+
+
+def _refused_name(refused: RefusedBundle) -> str | None:
+    """The prefix name a refused bundle's folder is kept under (<name>/<version>/<model>)."""
+    parts = Path(refused.path).parts
+    return parts[-3] if len(parts) >= 3 else None
+
+
+def remounter_for(
+    model_dir: Path,
+    bundles: Any,
+    manager: PromptCacheManager,
+    model_key: str,
+    current: MountResult,
+    unusable: Callable[[MountedBundle], str | None] = lambda b: None,
+    **options: Any,
+) -> Remounter:
+    """A Remounter that re-reads `bundles` with mount's own options (skip_refused, no manager)."""
+
+    def load() -> MountResult:
+        return mount(model_dir, bundles, skip_refused=True, **options)
+
+    return Remounter(current, manager, model_key, load, unusable)
+
+
+__all__ = ["Changes", "Remounter", "remounter_for"]
