@@ -451,11 +451,6 @@ def wait_for(log: Path, text: str, count: int = 1, timeout: float = 120) -> None
         time.sleep(0.2)
 
 
-def rss(pid: int) -> int:
-    status = Path(f"/proc/{pid}/status").read_text()
-    return int(next(x for x in status.splitlines() if x.startswith("VmRSS:")).split()[1]) * 1024
-
-
 @pytest.mark.slow
 def test_sighup_remounts_new_refused_and_removed_versions_while_serving(
     tiny_model: Path, tmp_path: Path
@@ -463,6 +458,7 @@ def test_sighup_remounts_new_refused_and_removed_versions_while_serving(
     from concurrent.futures import ThreadPoolExecutor
 
     from test_incremental import MORE, define, run_build
+    from test_soak import tree_rss as rss
 
     root = tmp_path / "project"
     define(root, tiny_model)

@@ -24,7 +24,12 @@ from pipeline.format.bundle_folder import (
     read_manifest_bytes,
     read_sums,
 )
-from pipeline.format.bundle_signature import read_signature, trusted_comment
+from pipeline.format.bundle_signature import (
+    check_binding,
+    check_signature,
+    read_signature,
+    trusted_comment,
+)
 from pipeline.format.errors import BuildError, BundleError
 from pipeline.format.fingerprint import sha256_bytes
 from pipeline.format.manifest import Manifest
@@ -67,30 +72,33 @@ def sign_manifest(bundle: Path, key: SecretKey) -> Signature:
 
 
 def signed_by(bundle: Path, keys: Sequence[PublicKey]) -> bool:
-    """True when the bundle passes the validator with a valid signature by one of `keys`."""
+    """True when manifest.json (as SHA256SUMS lists it) carries a valid signature by one of
+    `keys`, made for this bundle. The caller has validated the bundle's integrity: the manifest
+    pins every other byte, so the cache file is not hashed again here."""
     if not keys or not os.path.lexists(Path(bundle) / SIGNATURE_FILE):
         return False
     try:
-        validate(Path(bundle), recorded_identity(read_manifest(bundle, None)), trusted_keys=keys)
-    except BundleError:
+        data = read_manifest_bytes(bundle, read_sums(bundle)[MANIFEST_FILE])
+        sig = check_signature(bundle, data, keys)
+        check_binding(bundle, sig, parse_manifest(bundle, data))
+    except (BundleError, KeyError):
         return False
     return True
 
 
 def sign_bundle(bundle: Path, key: SecretKey, *, replace: bool = False) -> Signed:
-    """Validate a bundle's integrity (every byte hashed), then sign it; BundleError if refused.
+    """Validate a bundle's integrity (every byte hashed, once), then sign it; BundleError if
+    refused.
 
     An existing signature by this key must verify (else the bundle changed since it was signed:
-    refused); one by another key, or an unreadable one, is replaced only with `replace`.
+    refused, and left as it is); one by another key, or an unreadable one, is replaced only with
+    `replace`.
     """
     bundle = Path(bundle)
+    v = validate(bundle, recorded_identity(read_manifest(bundle, None)))
     replaced = _existing_signature(bundle, key, replace)
     if replaced == key.public_key().id:
-        v = validate(
-            bundle, recorded_identity(read_manifest(bundle, None)), trusted_keys=[key.public_key()]
-        )
         return _signed(bundle, read_signature(bundle), v.manifest, already=True)
-    v = validate(bundle, recorded_identity(read_manifest(bundle, None)))
     return _signed(bundle, sign_manifest(bundle, key), v.manifest, replaced=replaced)
 
 

@@ -15,9 +15,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from pipeline.runtime.mount import MountedBundle, MountResult, RefusedBundle, mount
+from pipeline.runtime.mount import MountedBundle, MountResult, RefusedBundle
 from pipeline.runtime.prompt_cache import PromptCacheManager
 
 
@@ -112,21 +111,4 @@ def _refused_name(refused: RefusedBundle) -> str | None:
     return parts[-3] if len(parts) >= 3 else None
 
 
-def remounter_for(
-    model_dir: Path,
-    bundles: Any,
-    manager: PromptCacheManager,
-    model_key: str,
-    current: MountResult,
-    unusable: Callable[[MountedBundle], str | None] = lambda b: None,
-    **options: Any,
-) -> Remounter:
-    """A Remounter that re-reads `bundles` with mount's own options (skip_refused, no manager)."""
-
-    def load() -> MountResult:
-        return mount(model_dir, bundles, skip_refused=True, **options)
-
-    return Remounter(current, manager, model_key, load, unusable)
-
-
-__all__ = ["Changes", "Remounter", "remounter_for"]
+__all__ = ["Changes", "Remounter"]

@@ -315,9 +315,21 @@ def mount_options(args: argparse.Namespace, chat_template: str | None) -> Callab
     return options
 
 
-def reload_on_hangup(remounter: Remounter) -> None:
-    """SIGHUP re-reads the bundles (`kill -HUP <pid>` after a deploy): in a thread of its own, so
-    the server goes on answering; one log line per change. A failure is logged, never fatal."""
+def reload_on_hangup(
+    args: argparse.Namespace,
+    result: MountResult,
+    manager: PromptCacheManager,
+    options: Callable[[], dict],
+    unusable: Callable[[MountedBundle], str | None],
+) -> None:
+    """SIGHUP re-reads the bundles (`kill -HUP <pid>` after a deploy) with startup's rules and
+    options: in a thread of its own, so the server goes on answering; one log line per change. A
+    failure is logged, never fatal. Only the main thread can install the handler."""
+
+    def reload() -> MountResult:
+        return mount(args.model, args.bundles, skip_refused=True, **options())
+
+    remounter = Remounter(result, manager, BUNDLE_KEY, reload, unusable)
 
     def run() -> None:
         try:
@@ -384,15 +396,7 @@ def serve(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
 
     import mlx_lm.server as server
 
-    reload_on_hangup(
-        Remounter(
-            result,
-            manager,
-            BUNDLE_KEY,
-            lambda: mount(args.model, args.bundles, skip_refused=True, **options()),
-            unusable,
-        )
-    )
+    reload_on_hangup(args, result, manager, options, unusable)
     death = GenerationDeath()
     server.LRUPromptCache = bundled_prompt_cache_class(manager, args.model)
     server.ModelProvider = warming_model_provider_class(manager, args.warm_up)

@@ -20,7 +20,6 @@ from pipeline.runtime.hugepages import ensure_huge_pages
 from pipeline.runtime.lookup import log_request
 from pipeline.runtime.mount import MountedBundle, MountResult, model_bundles_dir, mount
 from pipeline.runtime.prompt_cache import PromptCacheManager
-from pipeline.runtime.remount import Remounter
 from pipeline.runtime.serve import (
     check_mlx_lm,
     drop_unusable,
@@ -101,8 +100,7 @@ def mount_for(
         raise PipelineError(f"--strict: bundle {path} would not be used: {reason}")
     if args.strict and not result.bundles:
         raise PipelineError(f"--strict: no bundle for {args.model} was found in {args.bundles}")
-    reload = lambda: mount(args.model, args.bundles, skip_refused=True, **options())  # noqa: E731
-    reload_on_hangup(Remounter(result, manager, BUNDLE_KEY, reload, unusable or (lambda b: None)))
+    reload_on_hangup(args, result, manager, options, unusable or (lambda b: None))
     return Mounted(Path(args.model), manager, result)
 
 
