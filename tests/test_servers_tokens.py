@@ -12,7 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.runtime.servers.tokens import SERVER_NAMES, parity, request_ids
+from pipeline.format.errors import PipelineError
+from pipeline.runtime.servers.tokens import (
+    SERVER_NAMES,
+    chat_body,
+    model_type,
+    parity,
+    request_ids,
+)
 
 from conftest import SYSTEM, TOOLS
 
@@ -55,16 +62,48 @@ def bundle_ids(tok) -> list[int]:
     return list(tok.apply_chat_template(PREFIX, tools=TOOLS, add_generation_prompt=False))
 
 
-def test_without_a_bos_every_server_sees_the_bundles_ids(tiny_model: Path):
+IDS_WORKER = """
+import json, sys
+from pathlib import Path
+from mlx_lm.utils import load_tokenizer
+from pipeline.runtime.servers.tokens import SERVER_NAMES, chat_body, model_type, request_ids
+model, messages, tools = Path(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
+tok = load_tokenizer(model)
+body = chat_body(messages, tools, {})
+print(json.dumps({s: request_ids(s, tok, body, model_type(model)) for s in SERVER_NAMES}))
+"""
+
+
+def server_ids(model: Path, tools: list[dict] | None = TOOLS) -> dict[str, list[int]]:
+    """{server: the ids its own request code gives REQUEST with `tools`}, in the server venv."""
+    from servers_env import servers_python
+
+    args = [str(servers_python()), "-c", IDS_WORKER, str(model), json.dumps(REQUEST)]
+    proc = subprocess.run([*args, json.dumps(tools)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def test_without_a_bos_every_server_re_encodes_the_bundles_ids(tiny_model: Path):
     tok = tokenizer(tiny_model)
     ids = bundle_ids(tok)
     for server in SERVER_NAMES:
         p = parity(server, tok, ids)
         assert (p.reusable, p.total, p.reason) == (len(ids), len(ids), None)
-        assert request_ids(server, tok, REQUEST, TOOLS)[: len(ids)] == ids
+    body = chat_body(REQUEST, TOOLS, {})
+    assert request_ids("mlx-lm", tok, body, model_type(tiny_model))[: len(ids)] == ids
 
 
-def test_a_template_writing_bos_doubles_it_on_omni_and_mlx_openai_server(bos_model: Path):
+@pytest.mark.slow
+def test_each_servers_own_request_code_sees_the_bundles_ids(tiny_model: Path):
+    ids = bundle_ids(tokenizer(tiny_model))
+    for server, theirs in server_ids(tiny_model).items():
+        assert theirs[: len(ids)] == ids, server
+
+
+def test_a_template_writing_bos_doubles_it_when_re_encoded_by_omni_and_mlx_openai_server(
+    bos_model: Path,
+):
     tok = tokenizer(bos_model)
     ids = bundle_ids(tok)
     bos = tok.convert_tokens_to_ids(BOS)
@@ -72,22 +111,57 @@ def test_a_template_writing_bos_doubles_it_on_omni_and_mlx_openai_server(bos_mod
     for server in ("mlx-lm", "vllm-mlx"):  # both avoid a second BOS
         p = parity(server, tok, ids)
         assert (p.reusable, p.total, p.reason) == (len(ids), len(ids), None)
-        assert request_ids(server, tok, REQUEST, TOOLS)[:2] == [bos, ids[1]]
     for server in ("mlx-omni-server", "mlx-openai-server"):
         p = parity(server, tok, ids)
         assert (p.reusable, p.total) == (1, len(ids))
         assert (
             p.reason == f"{server} adds '{BOS}' before the prefix (the tokenizer's special tokens)"
         )
-        assert request_ids(server, tok, REQUEST, TOOLS)[:3] == [bos, bos, ids[1]]
 
 
-@pytest.mark.parametrize("server", SERVER_NAMES)
-def test_match_tokenizes_as_the_named_server(server: str, bos_model: Path, tmp_path: Path):
-    args = [sys.executable, str(ROOT / "build.py"), "--bundles", str(tmp_path), "match"]
-    args += ["--model", str(bos_model), "--server", server, "--messages", json.dumps(REQUEST)]
-    proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=120)
+@pytest.mark.slow
+def test_a_template_writing_bos_doubles_it_in_omni_and_mlx_openai_servers_own_code(
+    bos_model: Path,
+):
     tok = tokenizer(bos_model)
-    expected = len(request_ids(server, tok, REQUEST, None))
-    named = "" if server == "mlx-lm" else f" ({server})"
-    assert proc.stdout.splitlines()[0] == f"request: {expected} tokens{named}"
+    ids = bundle_ids(tok)
+    bos = tok.convert_tokens_to_ids(BOS)
+    theirs = server_ids(bos_model)
+    for server in ("mlx-lm", "vllm-mlx"):
+        assert theirs[server][:2] == [bos, ids[1]], server
+    for server in ("mlx-omni-server", "mlx-openai-server"):
+        assert theirs[server][:3] == [bos, bos, ids[1]], server
+
+
+def test_a_server_that_is_not_installed_is_named(tiny_model: Path):
+    import importlib.util
+
+    if importlib.util.find_spec("vllm_mlx") is not None:
+        pytest.skip("vllm-mlx is installed in this environment")
+    body = chat_body(REQUEST, TOOLS, {})
+    with pytest.raises(PipelineError, match="vllm-mlx is not installed in this Python environment"):
+        request_ids("vllm-mlx", tokenizer(tiny_model), body, model_type(tiny_model))
+
+
+def match_first_line(python: Path | str, model: Path, server: str, bundles: Path) -> str:
+    args = [str(python), str(ROOT / "build.py"), "--bundles", str(bundles), "match"]
+    args += ["--model", str(model), "--server", server, "--messages", json.dumps(REQUEST)]
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    return (proc.stdout.splitlines() or [proc.stderr])[0]
+
+
+def test_match_tokenizes_as_mlx_lm_server(bos_model: Path, tmp_path: Path):
+    tok = tokenizer(bos_model)
+    expected = len(request_ids("mlx-lm", tok, chat_body(REQUEST, None, {}), "qwen3"))
+    line = match_first_line(sys.executable, bos_model, "mlx-lm", tmp_path)
+    assert line == f"request: {expected} tokens"
+
+
+@pytest.mark.slow
+def test_match_tokenizes_as_the_named_server(bos_model: Path, tmp_path: Path):
+    from servers_env import servers_python
+
+    expected = server_ids(bos_model, tools=None)
+    for server in SERVER_NAMES[1:]:
+        line = match_first_line(servers_python(), bos_model, server, tmp_path)
+        assert line == f"request: {len(expected[server])} tokens ({server})"

@@ -94,12 +94,10 @@ def test_date_dependent_template_is_refused_unless_pinned(tmp_path: Path, tiny_m
 def test_stable_prefix_on_plain_lists():
     assert common_prefix_length([1, 2, 3], [1, 2, 4]) == 2
     prefix, probe = list(range(1, 11)), [*range(1, 10), 99]
-    cut = stable_prefix(
-        "ab", [], render=lambda conv: "x", encode=lambda text: {"ab": prefix, "x": probe}[text]
-    )
+    cut = stable_prefix(prefix, [], ids_of=lambda conv: probe, decode=str)
     assert cut.tokens == prefix[:9] and cut.rendered_tokens == 10 and cut.probe_tokens == [99]
 
 
 def test_too_few_stable_tokens_are_refused():
     with pytest.raises(BuildError, match="only 1 token"):
-        stable_prefix("ab", [], lambda conv: "x", lambda t: {"ab": [1, 2], "x": [1, 3]}[t])
+        stable_prefix([1, 2], [], lambda conv: [1, 3], str)

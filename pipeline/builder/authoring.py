@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,24 +102,17 @@ def match_request(
     bundles: list[Validated],
     messages: list[dict],
     tools: list[dict] | None,
-    tokenize: Callable[[Any, list[dict], list[dict] | None], list[int]] | None = None,
+    server: str = "mlx-lm",
 ) -> tuple[list[int], list[Match]]:
-    """The request's tokens as mlx_lm.server computes them (or as `tokenize(tokenizer, messages,
-    tools)` does: another server's way), and each bundle's match, best first."""
+    """The request's tokens as `server`'s own request code computes them
+    (pipeline.runtime.servers.tokens), and each bundle's match, best first."""
     from mlx_lm.utils import load_tokenizer
 
+    from pipeline.runtime.servers.tokens import chat_body, model_type, request_ids
+
     tokenizer = load_tokenizer(Path(model_dir))
-    try:
-        if tokenize is not None:
-            ids = tokenize(tokenizer, messages, tools)
-        else:
-            ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
-    except Exception as exc:  # the model's own template refusing this request: one line
-        detail = " ".join(str(exc).split())[:200]
-        raise TemplateError(
-            f"model {model_dir}: its chat template cannot render this request "
-            f"({exc.__class__.__name__}: {detail}); mlx_lm.server would fail on it the same way"
-        ) from None
+    body = chat_body(messages, tools, {})
+    ids = request_ids(server, tokenizer, body, model_type(model_dir))
     request = list(ids)
     out = []
     for b in bundles:

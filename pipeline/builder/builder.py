@@ -36,6 +36,7 @@ from pipeline.builder.prefill import (
     resolve_compute,
 )
 from pipeline.builder.render import Rendered, check_rendered, render_prefix
+from pipeline.builder.server_ids import check_servers, request_info, server_cut, versions
 from pipeline.builder.signing import sign_bundle, sign_manifest, signed_by
 from pipeline.builder.stability import StableCut, stable_prefix
 from pipeline.builder.targets import Target
@@ -122,6 +123,7 @@ def build_key(
                 "cache": d.spec.cache.model_dump(),
                 "check": d.spec.check.model_dump(),
                 "builder": builder.model_dump(),
+                "servers": {s: versions(s) for s in d.spec.servers},
             }
         )
     )
@@ -200,6 +202,7 @@ def build(
     # the bundle is for a server that renders with the pinned template (the model's or a file)
     identity = dataclasses.replace(identity, template=rendered.template_sha256)
     check_rendered(d, rendered.text)
+    check_servers(d)
     builder = builder_info(d.spec.cache.compute_dtype)
     key = build_key(target, identity, rendered, builder)
     dest = bundle_path(bundles_root, d.name, d.version, target.slug, identity.model)
@@ -316,9 +319,7 @@ def _produce(job: Job, bundles_root: Path, tmp: Path) -> tuple[Manifest, dict[st
     """Prefill and write the bundle into the staging folder `tmp`, validated."""
     d = job.target.definition
     loaded = load_model(job.target.model_dir, d.spec.cache.compute_dtype)
-    encode_text = lambda text: encode(loaded.tokenizer, text)  # noqa: E731
-    rerender = lambda msgs: render_prefix(d, job.target.model_dir, messages=msgs).text  # noqa: E731
-    cut = stable_prefix(job.rendered.text, d.messages, rerender, encode_text)
+    cut = _stable_cut(job, loaded.tokenizer)
     check_context(d, len(cut.tokens), job.identity.shape)
     needed = estimate_bytes(
         len(cut.tokens), job.identity.shape, loaded.serving_dtype, d.spec.cache.kv_bits
@@ -335,6 +336,18 @@ def _produce(job: Job, bundles_root: Path, tmp: Path) -> tuple[Manifest, dict[st
     manifest, report = _write(job, loaded, cut, cache, stats, tmp, needed, parent, report_extra)
     validate(tmp, job.identity)  # the builder never ships what the one validator refuses
     return manifest, report
+
+
+def _stable_cut(job: Job, tokenizer: Any) -> StableCut:
+    """The bundle's ids: the pinned template as the builder renders it (mlx_lm.server's path), or
+    the definition's servers' own request code."""
+    d = job.target.definition
+    if d.spec.servers:
+        return server_cut(d, job.target.model_dir, job.rendered)
+    rerender = lambda msgs: render_prefix(d, job.target.model_dir, messages=msgs).text  # noqa: E731
+    ids_of = lambda msgs: encode(tokenizer, rerender(msgs))  # noqa: E731
+    base = encode(tokenizer, job.rendered.text)
+    return stable_prefix(base, d.messages, ids_of, tokenizer.decode)
 
 
 def _resume(job: Job, loaded, tokens: list[int], bundles_root: Path) -> tuple[Resume | None, str]:
@@ -470,6 +483,7 @@ def make_manifest(target: Target, facts: BuildFacts, fidelity: FidelityInfo) -> 
         fidelity=fidelity,
         build_key=facts.key,
         parent=facts.parent,
+        request=request_info(d),
     )
 
 

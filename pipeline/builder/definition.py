@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from pipeline.format.errors import DefinitionError
 from pipeline.format.fingerprint import canonical_json
+from pipeline.format.manifest import ServerName
 from pipeline.format.names import MAX_VERSION, NAME_RULE
 from pipeline.format.regular_files import FileProblem, read_text
 
@@ -131,6 +132,9 @@ class PrefixDefinition(Strict):
     models: list[ModelSpec] = Field(min_length=1)
     cache: CacheSpec = CacheSpec()
     check: CheckSpec = CheckSpec()
+    # servers whose own request code gives the bundle's ids (pipeline.builder.server_ids); empty:
+    # the pinned template as the builder renders it, which is mlx_lm.server's path
+    servers: list[ServerName] = Field(default_factory=list, max_length=4)
 
 
 class FunctionSpec(BaseModel):

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline.format.errors import BuildError, TemplateError
+from pipeline.format.errors import BuildError, PipelineError
 
 # First characters that commonly change tokenization at a boundary.
 USER_PROBES = (
@@ -25,8 +25,8 @@ USER_PROBES = (
 ASSISTANT_PROBE = "Sure."
 MIN_STABLE_TOKENS = 8
 
-Renderer = Callable[[list[dict[str, str]]], str]
-Encoder = Callable[[str], list[int]]
+TokensOf = Callable[[list[dict[str, Any]]], list[int]]  # a conversation's ids (generation prompt)
+Decoder = Callable[[list[int]], str]
 
 
 @dataclass(frozen=True)
@@ -56,15 +56,15 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
 
 
 def stable_prefix(
-    text: str, messages: list[dict[str, Any]], render: Renderer, encode: Encoder
+    base: list[int], messages: list[dict[str, Any]], ids_of: TokensOf, decode: Decoder
 ) -> StableCut:
-    """Cut the rendered prefix's tokens at the longest boundary shared by every probe."""
-    base = encode(text)
+    """Cut the prefix's ids `base` at the longest boundary shared by every probe conversation's
+    ids (`ids_of`: the builder's rendering, or a server's own request code)."""
     stable, checked, first_probe = len(base), 0, None
     for conv in probe_conversations(messages):
         try:
-            probe = encode(render(conv))
-        except TemplateError:
+            probe = ids_of(conv)
+        except PipelineError:
             continue  # the template refuses this turn order (e.g. assistant after system)
         checked += 1
         stable = min(stable, common_prefix_length(base, probe))
@@ -76,8 +76,8 @@ def stable_prefix(
     if stable == 0:
         raise BuildError(
             f"no token boundary is shared by the prefix and its continuations: the prefix "
-            f"renders as {text[-60:]!r} at its end but a continuation begins "
-            f"{render(probe_conversations(messages)[0])[:60]!r}; make the prefix end at a turn boundary"
+            f"renders as {decode(base)[-60:]!r} at its end but a continuation begins "
+            f"{decode(first_probe)[:60]!r}; make the prefix end at a turn boundary"
         )
     if stable < MIN_STABLE_TOKENS:
         raise BuildError(

@@ -46,13 +46,10 @@ def _request(args: argparse.Namespace) -> tuple[list[dict], list[dict] | None]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from functools import partial
-
     from pipeline.builder.authoring import match_request
     from pipeline.format.errors import BundleError
     from pipeline.format.validate import validate
     from pipeline.runtime.mount import choose_versions, find_bundles, identity_for
-    from pipeline.runtime.servers.tokens import request_ids
 
     messages, tools = _request(args)
     identity = identity_for(args.model)
@@ -65,8 +62,7 @@ def run(args: argparse.Namespace) -> int:
             valid.append(validate(path, identity))
         except BundleError as exc:
             err(f"{exc} (not considered)")
-    tokenize = None if args.server == "mlx-lm" else partial(request_ids, args.server)
-    request, matches = match_request(args.model, valid, messages, tools, tokenize)
+    request, matches = match_request(args.model, valid, messages, tools, args.server)
     as_server = "" if args.server == "mlx-lm" else f" ({args.server})"
     print(f"request: {len(request)} tokens{as_server}")
     for m in matches:

@@ -7,7 +7,7 @@ field has the type and range a builder can produce, and nothing else is accepted
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -134,6 +134,28 @@ class ParentInfo(Record):
     checked: Short | None = None  # signature, chunks recomputed from token 0 (None: older builds)
 
 
+ServerName = Literal["mlx-lm", "vllm-mlx", "mlx-omni-server", "mlx-openai-server"]
+
+
+class RequestMessage(Record):
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Annotated[str, Field(max_length=MAX_MANIFEST_BYTES)]
+
+
+class RequestInfo(Record):
+    """The prefix as the chat request a definition describes: what `serve --server NAME` runs
+    through NAME's own request code at startup to check the bundle's ids."""
+
+    messages: Annotated[list[RequestMessage], Field(min_length=1, max_length=4096)]
+    # the tools as JSON text in the definition's key order (the manifest's keys are sorted; a
+    # template renders tools in their own order)
+    tools_json: Annotated[str, Field(max_length=MAX_MANIFEST_BYTES)] | None = None
+    template_kwargs: dict[str, Any] = {}
+    # the servers whose own request code gave the ids; empty: the pinned template rendered by the
+    # builder (mlx_lm.server's path)
+    tokenization: Annotated[list[ServerName], Field(max_length=4)] = []
+
+
 class Manifest(Record):
     """Everything a bundle's validity depends on; deterministic for identical inputs."""
 
@@ -147,6 +169,7 @@ class Manifest(Record):
     fidelity: FidelityInfo
     build_key: Hex64
     parent: ParentInfo | None = None  # absent for a build from token 0
+    request: RequestInfo | None = None  # absent before requests were recorded, or with documents
 
 
 def manifest_bytes(manifest: Manifest) -> bytes:
@@ -156,6 +179,8 @@ def manifest_bytes(manifest: Manifest) -> bytes:
     exclude: dict = {}
     if manifest.parent is None:
         exclude["parent"] = True
+    if manifest.request is None:
+        exclude["request"] = True
     if manifest.cache.layout == DEFAULT_LAYOUT:
         exclude["cache"] = {"layout"}
     data = manifest.model_dump(mode="json", exclude=exclude or None)

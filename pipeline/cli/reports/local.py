@@ -14,6 +14,7 @@ from pipeline.format.manifest import (
     ModelInfo,
     ParentInfo,
     PrefixInfo,
+    RequestInfo,
     TextInfo,
     TokenInfo,
 )
@@ -97,6 +98,11 @@ class InspectReport(Report):
     build_key: str | None
     parent: ParentInfo | None = Field(
         description="the bundle an incremental build started from; null: built from token 0"
+    )
+    request: RequestInfo | None = Field(
+        None,
+        description="the prefix as a chat request, re-tokenized by serve --server NAME through "
+        "NAME's own request code; null: built before requests were recorded, or with documents",
     )
     signature: SignatureReport | None = Field(
         None, description="manifest.json.minisig as written; null: the bundle is unsigned"

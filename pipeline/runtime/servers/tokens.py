@@ -1,20 +1,44 @@
-"""How each server turns a chat request into token ids, and whether it sees a bundle's ids.
+"""How each server turns a request body into token ids, by the server's own code.
 
-Read from the released servers: mlx_lm.server tokenizes through
-`apply_chat_template(tokenize=True)` (no special tokens added); vllm-mlx 0.6.0 renders to text
-and encodes it, adding special tokens only when the text does not already start with the BOS
-token; mlx-omni-server 0.5.3 and mlx-openai-server 1.8.1 render to text and call
-`tokenizer.encode(prompt)`, which adds the tokenizer's special tokens (a second BOS when the
-template writes one).
+`request_ids` runs a request through the installed server's own request models, message and
+tool conversion, template call and encode step (stand-ins carry only the tokenizer where the
+server's step is a method): mlx_lm.server's `ResponseGenerator._tokenize`; vllm-mlx 0.6's
+`ChatCompletionRequest` / `AnthropicRequest` + `anthropic_to_openai`, `_prepare_chat_messages`,
+`convert_tools_for_template` and `SimpleEngine._render_chat_prompt`; mlx-omni-server 0.5's
+`ChatCompletionRequest`, `OpenAIAdapter._prepare_generation_params` and
+`ChatGenerator._prepare_prompt`; mlx-openai-server 1.8's `ChatCompletionRequest`,
+`MLXLMHandler._prepare_text_request` / `refine_messages` and `MLX_LM.create_input_prompt`. Only
+vllm-mlx's encode rule is inline in its engine (add special tokens unless the text starts with
+BOS); it is `encode_text` here.
+
+`parity` is the fallback for bundles that carry no request (built before requests were
+recorded): it re-encodes the bundle's text as the server encodes a rendered prompt.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import asyncio
+import copy
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, get_args
 
-SERVER_NAMES = ("mlx-lm", "vllm-mlx", "mlx-omni-server", "mlx-openai-server")
+from pipeline.format.errors import PipelineError
+from pipeline.format.manifest import ServerName
+
+SERVER_NAMES: tuple[str, ...] = get_args(ServerName)
+ANTHROPIC_SERVERS = ("vllm-mlx",)  # servers whose /v1/messages route request_ids follows
+PACKAGES = {
+    "mlx-lm": "mlx_lm.server",
+    "vllm-mlx": "vllm_mlx.server",
+    "mlx-omni-server": "mlx_omni_server.chat.openai.openai_adapter",
+    "mlx-openai-server": "app.handler.mlx_lm",
+}
 
 
 def encode_text(server: str, tokenizer: Any, text: str) -> list[int]:
@@ -28,22 +52,157 @@ def encode_text(server: str, tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.encode(text))  # omni, mlx-openai-server: the tokenizer's default
 
 
-def render(server: str, tokenizer: Any, messages: list[dict], tools: list[dict] | None) -> str:
-    """The request's prompt text as `server` renders it (generation prompt added)."""
-    kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": True}
-    if server == "vllm-mlx":
-        kwargs["enable_thinking"] = True  # vllm-mlx's default unless the model name says coder
-    return tokenizer.apply_chat_template(messages, tools=tools, **kwargs)
+def is_anthropic(body: dict[str, Any]) -> bool:
+    """An Anthropic Messages body (top-level `system`, or tools with `input_schema`)."""
+    tools = body.get("tools") or []
+    return "system" in body or any(isinstance(t, dict) and "input_schema" in t for t in tools)
 
 
-def request_ids(
-    server: str, tokenizer: Any, messages: list[dict], tools: list[dict] | None
-) -> list[int]:
-    """The token ids `server` computes for a chat request."""
-    if server == "mlx-lm":
-        ids = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True)
-        return list(ids)
-    return encode_text(server, tokenizer, render(server, tokenizer, messages, tools))
+def chat_body(
+    messages: list[dict[str, Any]], tools: list[dict] | None, template_kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """An OpenAI chat-completions body for these messages and tools; template kwargs travel as
+    `chat_template_kwargs` (omni's users send them as `extra_body`: request_ids moves them)."""
+    body: dict[str, Any] = {"messages": messages}
+    if tools is not None:
+        body["tools"] = tools
+    if template_kwargs:
+        body["chat_template_kwargs"] = dict(template_kwargs)
+    return body
+
+
+def request_ids(server: str, tokenizer: Any, body: dict[str, Any], model_type: str) -> list[int]:
+    """The token ids `server` computes for a request body (OpenAI chat completions, or Anthropic
+    messages on ANTHROPIC_SERVERS), through the installed server's own code. `tokenizer` is
+    mlx-lm's TokenizerWrapper with the template the server would use; `model_type` is the model's
+    config.json model_type (omni picks its tool format by it). PipelineError when the server is
+    not installed here or refuses the request."""
+    import importlib.util
+
+    if server not in PACKAGES:
+        raise PipelineError(f"unknown server {server!r}; choose one of {', '.join(SERVER_NAMES)}")
+    if importlib.util.find_spec(PACKAGES[server].split(".")[0]) is None:
+        raise PipelineError(
+            f"{server} is not installed in this Python environment, so its own request code "
+            f"cannot be run; install it (\"pip install 'mlx-prefix-bundles[{server}]'\") here"
+        )
+    body = copy.deepcopy(body)  # servers change messages in place
+    anthropic = is_anthropic(body)
+    if anthropic and server not in ANTHROPIC_SERVERS:
+        raise PipelineError(
+            f"{server}: an Anthropic messages request is not served through a route serve checks; "
+            f"give an OpenAI chat-completions body (Anthropic form: {', '.join(ANTHROPIC_SERVERS)})"
+        )
+    try:
+        return [int(t) for t in _PATHS[server](tokenizer, body, model_type)]
+    except PipelineError:
+        raise
+    except Exception as exc:  # the server's own validation: its message, on one line
+        text = " ".join(str(exc).split())
+        raise PipelineError(f"{server} refuses the request: {text[:300]}") from None
+
+
+def _mlx_lm(tokenizer: Any, body: dict[str, Any], model_type: str) -> list[int]:
+    from mlx_lm.server import ResponseGenerator
+
+    cli = SimpleNamespace(chat_template_args={})
+    generator = SimpleNamespace(model_provider=SimpleNamespace(cli_args=cli, processor=None))
+    request = SimpleNamespace(
+        request_type="chat",
+        messages=body["messages"],
+        tools=body.get("tools"),
+        role_mapping=body.get("role_mapping"),
+    )
+    args = SimpleNamespace(chat_template_kwargs=body.get("chat_template_kwargs"))
+    return ResponseGenerator._tokenize(generator, tokenizer, request, args)[0]
+
+
+def _vllm_mlx(tokenizer: Any, body: dict[str, Any], model_type: str) -> list[int]:
+    from vllm_mlx import server
+    from vllm_mlx.api.models import ChatCompletionRequest
+    from vllm_mlx.api.tool_calling import convert_tools_for_template
+    from vllm_mlx.engine.simple import SimpleEngine
+
+    body.setdefault("model", "model")
+    if is_anthropic(body):
+        from vllm_mlx.api.anthropic_adapter import anthropic_to_openai
+        from vllm_mlx.api.anthropic_models import AnthropicRequest
+
+        body.setdefault("max_tokens", 1)
+        request = anthropic_to_openai(AnthropicRequest(**body))
+    else:
+        request = ChatCompletionRequest(**body)
+    engine = SimpleNamespace(is_mllm=False, preserve_native_tool_format=False)
+    messages = server._prepare_chat_messages(engine, request.messages)[0]
+    tools = None
+    if request.tools and request.tool_choice != "none":
+        tools = convert_tools_for_template(request.tools)
+    stand_in = SimpleNamespace(_model=SimpleNamespace(tokenizer=tokenizer), _model_name="model")
+    kwargs = dict(request.chat_template_kwargs or {})
+    prompt = SimpleEngine._render_chat_prompt(stand_in, messages, tools, kwargs, None)[0]
+    return encode_text("vllm-mlx", tokenizer, prompt)
+
+
+def _omni(tokenizer: Any, body: dict[str, Any], model_type: str) -> list[int]:
+    from mlx_omni_server.chat.mlx.chat_generator import ChatGenerator
+    from mlx_omni_server.chat.mlx.tools.chat_template import ChatTemplate
+    from mlx_omni_server.chat.openai.openai_adapter import OpenAIAdapter
+    from mlx_omni_server.chat.openai.schema import ChatCompletionRequest
+
+    body.setdefault("model", "model")
+    if "chat_template_kwargs" in body:  # omni reads template kwargs from extra_body
+        body["extra_body"] = body.pop("chat_template_kwargs")
+    generator = SimpleNamespace(chat_template=ChatTemplate(model_type, tokenizer))
+    with _quiet("mlx_omni"):
+        params = OpenAIAdapter._prepare_generation_params(
+            SimpleNamespace(_default_max_tokens=1), ChatCompletionRequest(**body)
+        )
+        prompt = ChatGenerator._prepare_prompt(
+            generator, params["messages"], params["tools"], params["template_kwargs"]
+        )
+    return tokenizer.encode(prompt)
+
+
+@contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    """A server logger above INFO for a moment (omni logs every request's messages and tools)."""
+    logger = logging.getLogger(name)
+    level = logger.level
+    logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _openai_server(tokenizer: Any, body: dict[str, Any], model_type: str) -> list[int]:
+    from app.handler.mlx_lm import MLXLMHandler
+    from app.models.mlx_lm import MLX_LM
+    from app.schemas.openai import ChatCompletionRequest
+
+    body.setdefault("model", "model")
+    handler = MLXLMHandler.__new__(MLXLMHandler)  # its methods, none of its model or workers
+    handler.__dict__.update(kv_bits=None, kv_group_size=64, quantized_kv_start=0)
+    handler.__dict__.update(message_converter=None, _disable_batching=True)
+    prepare = MLXLMHandler._prepare_text_request(handler, ChatCompletionRequest(**body))
+    messages, params = asyncio.run(prepare)
+    messages = MLXLMHandler.refine_messages(handler, messages)
+    model = SimpleNamespace(tokenizer=tokenizer)
+    prompt = MLX_LM.create_input_prompt(model, messages, params.get("chat_template_kwargs", {}))
+    return MLX_LM.encode_prompt(model, prompt)
+
+
+_PATHS = {
+    "mlx-lm": _mlx_lm,
+    "vllm-mlx": _vllm_mlx,
+    "mlx-omni-server": _omni,
+    "mlx-openai-server": _openai_server,
+}
+
+
+def model_type(model_dir: Path) -> str:
+    """config.json's model_type (omni's tool format follows it)."""
+    return str(json.loads((Path(model_dir) / "config.json").read_text()).get("model_type", ""))
 
 
 @dataclass(frozen=True)
