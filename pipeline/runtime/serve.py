@@ -29,9 +29,8 @@ from pipeline.format.compat import SUPPORTED_RANGE, installed_mlx_lm, mlx_lm_sup
 from pipeline.format.errors import PipelineError
 from pipeline.format.lockfile import locked_versions
 from pipeline.format.signature import read_trusted_keys
-from pipeline.runtime.hugepages import ensure_huge_pages
 from pipeline.runtime.lookup import lookup
-from pipeline.runtime.mount import MountedBundle, MountResult, model_bundles_dir, mount
+from pipeline.runtime.mount import MountedBundle, MountResult, mount
 from pipeline.runtime.prompt_cache import PromptCacheManager, at_least_one_left
 from pipeline.runtime.remount import Remounter
 
@@ -366,37 +365,14 @@ def serve(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
         from pipeline.runtime import servers
 
         return servers.run(args.server, args, rest, argv)
-    level = (passed_option(rest, "--log-level") or "INFO").upper()
-    logging.basicConfig(
-        level=getattr(logging, level, logging.INFO),
-        format="%(asctime)s - %(levelname)s - %(message)s",
-    )
-    ensure_huge_pages(args.huge_pages, argv)  # may re-execute: before anything is mounted
-    if args.bundles is None:
-        args.bundles = model_bundles_dir(args.model)
-    check_mlx_lm()
-    manager = PromptCacheManager()
-    options = mount_options(args, passed_option(rest, "--chat-template"))
-    result = mount(
-        args.model,
-        args.bundles,
-        skip_refused=not args.strict,
-        manager=manager,
-        model_key=BUNDLE_KEY,
-        **options(),
-    )
-    unusable = lambda b: unusable_reason(b, rest)  # noqa: E731
-    drop_unusable(result, manager, unusable)
-    log_mounts(result)
-    if args.strict and result.unused:
-        path, reason = result.unused[0]
-        raise PipelineError(f"--strict: bundle {path} would not be used: {reason}")
-    if args.strict and not result.bundles:
-        raise PipelineError(f"--strict: no bundle for {args.model} was found in {args.bundles}")
+    from pipeline.runtime.servers.startup import check_tokenization, start
+
+    mounted = start(args, rest, argv, unusable=lambda b: unusable_reason(b, rest))
+    check_tokenization("mlx-lm", mounted, args.strict)
+    manager = mounted.manager
 
     import mlx_lm.server as server
 
-    reload_on_hangup(args, result, manager, options, unusable)
     death = GenerationDeath()
     server.LRUPromptCache = bundled_prompt_cache_class(manager, args.model)
     server.ModelProvider = warming_model_provider_class(manager, args.warm_up)

@@ -93,9 +93,7 @@ def prepare(args: argparse.Namespace, rest: list[str], argv: list[str]) -> Mount
             "the hook does not reach; run one worker"
         )
     mounted = start(args, rest, argv)
-    from mlx_lm.utils import load_tokenizer
-
-    check_tokenization(SERVER, load_tokenizer(mounted.model), mounted)
+    check_tokenization(SERVER, mounted, args.strict)
     install(mounted)
     log.info(
         "%s: requests whose model is %s (or resolves to it) reuse the bundles",

@@ -98,9 +98,7 @@ def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
     template_file = passed_option(rest, "--chat-template-file")
     template = Path(template_file).read_text() if template_file else None
     mounted = start(args, rest, argv, template)
-    from mlx_lm.utils import load_tokenizer
-
-    check_tokenization(SERVER, load_tokenizer(mounted.model), mounted)
+    check_tokenization(SERVER, mounted, args.strict)
     options = {
         k: str(v) if isinstance(v, Path) else v
         for k, v in vars(args).items()

@@ -13,7 +13,6 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from pipeline.format.errors import PipelineError
 from pipeline.runtime.hugepages import ensure_huge_pages
@@ -28,7 +27,7 @@ from pipeline.runtime.serve import (
     passed_option,
     reload_on_hangup,
 )
-from pipeline.runtime.servers.tokens import parity
+from pipeline.runtime.servers.tokens import model_type, request_parity
 
 log = logging.getLogger("prefix-bundles")
 BUNDLE_KEY = "bundles"
@@ -42,6 +41,7 @@ class Mounted:
     model: Path
     manager: PromptCacheManager
     result: MountResult
+    chat_template: str | None = None  # the template text the server was given, if not the model's
 
     def covered(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of a request the best pinned bundle can serve (no copy)."""
@@ -101,7 +101,7 @@ def mount_for(
     if args.strict and not result.bundles:
         raise PipelineError(f"--strict: no bundle for {args.model} was found in {args.bundles}")
     reload_on_hangup(args, result, manager, options, unusable or (lambda b: None))
-    return Mounted(Path(args.model), manager, result)
+    return Mounted(Path(args.model), manager, result, chat_template)
 
 
 def start(
@@ -119,19 +119,24 @@ def start(
     return mount_for(args, template, unusable)
 
 
-def check_tokenization(server: str, tokenizer: Any, mounted: Mounted) -> dict[str, int]:
-    """Re-encode each bundle's prefix the server's way; one warning per bundle it will not
-    reuse whole. Returns {bundle name: tokens the server can reuse}."""
+def check_tokenization(server: str, mounted: Mounted, strict: bool) -> dict[str, int]:
+    """Run each bundle's recorded request (its prefix and a user turn) through `server`'s own
+    request code (or, for bundles without one, re-encode its text the server's way); one warning
+    per bundle the server's first request will not reuse whole, PipelineError under --strict.
+    Returns {bundle name: tokens the server can reuse}."""
+    from mlx_lm.utils import load_tokenizer
+
+    extra = {"chat_template": mounted.chat_template} if mounted.chat_template else None
+    tokenizer = load_tokenizer(mounted.model, tokenizer_config_extra=extra)
+    kind = model_type(mounted.model)
     reusable = {}
     for b in mounted.result.bundles:
-        p = parity(server, tokenizer, b.tokens)
+        p = request_parity(server, tokenizer, b, kind)
         reusable[b.name] = p.reusable
-        if p.reason is not None:
-            log.warning(
-                "%s: requests will reuse at most %d of its %d tokens: %s",
-                b.name,
-                p.reusable,
-                p.total,
-                p.reason,
-            )
+        if p.reason is None:
+            continue
+        line = f"{b.name}: requests will reuse at most {p.reusable} of its {p.total} tokens: {p.reason}"
+        if strict:
+            raise PipelineError(f"--strict: bundle {b.path}: {line}")
+        log.warning("%s", line)
     return reusable

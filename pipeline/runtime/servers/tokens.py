@@ -236,3 +236,30 @@ def parity(server: str, tokenizer: Any, bundle_ids: Sequence[int]) -> Parity:
             f"(server {theirs[at : at + 4]}, bundle {ids[at : at + 4]})"
         )
     return Parity(at, len(ids), why)
+
+
+PROBE_TURN = {"role": "user", "content": "Hello, can you help me?"}  # the builder's first probe
+
+
+def request_parity(server: str, tokenizer: Any, bundle: Any, model_type: str) -> Parity:
+    """How much of a mounted bundle `server`'s own request code keeps: its recorded request (the
+    prefix and a user turn) through request_ids, or `parity` for a bundle that records none."""
+    request = bundle.manifest.request
+    ids = [int(t) for t in bundle.tokens]
+    if request is None:
+        return parity(server, tokenizer, ids)
+    messages = [m.model_dump() for m in request.messages] + [PROBE_TURN]
+    tools = None if request.tools_json is None else json.loads(request.tools_json)
+    body = chat_body(messages, tools, request.template_kwargs)
+    theirs = request_ids(server, tokenizer, body, model_type)
+    at = _common(theirs, ids)
+    if at == len(ids):
+        return Parity(at, len(ids), None)
+    built = ", ".join(request.tokenization) or "the builder's rendering (mlx_lm.server's path)"
+    why = (
+        f"{server}'s own request code parts from the bundle at token {at} ({server}: "
+        f"{tokenizer.decode(theirs[at : at + 8])!r}, bundle: {tokenizer.decode(ids[at : at + 8])!r}; "
+        f"the bundle's ids follow {built}); add \"{server}\" to the definition's servers and "
+        "rebuild (docs/servers.md)"
+    )
+    return Parity(at, len(ids), why)

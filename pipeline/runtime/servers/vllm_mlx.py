@@ -137,9 +137,7 @@ def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
     refuse_options(rest, SERVER, UNSUPPORTED)
     reason = unusable_reason(args.model, rest)
     mounted = start(args, rest, argv, unusable=lambda b: reason)
-    from mlx_lm.utils import load_tokenizer
-
-    check_tokenization(SERVER, load_tokenizer(mounted.model), mounted)
+    check_tokenization(SERVER, mounted, args.strict)
     install(mounted)
     from vllm_mlx.cli import main
 
