@@ -47,6 +47,7 @@ def test_first_request_reuses_the_bundle_and_answers_as_a_cold_server(
     covered = [int(n) for n in re.findall(r"bundle shop@1 covers (\d+) of \d+ prompt tokens", log)]
     assert covered == [manifest.tokens.count] * 2  # both requests, the first one included
     assert "Prefix trie cache HIT" in log  # vllm-mlx's own lookup took the bundle
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == manifest.tokens.count
 
     empty = tmp_path / "no-bundles"
     empty.mkdir()
@@ -57,6 +58,7 @@ def test_first_request_reuses_the_bundle_and_answers_as_a_cold_server(
     assert "0 bundle(s) mounted" in cold_log and "no bundle covers" in cold_log
     assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
     assert warm["usage"]["prompt_tokens"] == cold["usage"]["prompt_tokens"]
+    assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert again["choices"][0]["message"]["content"] is not None
 
 
@@ -104,3 +106,26 @@ def test_with_prefix_trie_cache_the_servers_own_entries_work_next_to_the_bundle(
     # vllm-mlx 0.6.0 keys its trie by the (unhashable) model: under serve its own entry is found
     assert re.search(r"the server's own cache covers \d+, and is used", lines[1]), lines
     assert first["choices"][0]["message"] == second["choices"][0]["message"]
+
+
+@pytest.mark.slow
+def test_a_request_sharing_only_the_system_prompt_reuses_the_shared_part(
+    shop_bundle: Path, tiny_model: Path, tmp_path: Path
+):
+    python = servers_python()
+    no_tools = {k: v for k, v in body(tiny_model).items() if k != "tools"}
+    port = free_port()
+    args = serve_args(python, tiny_model, shop_bundle.parents[2], port)
+    with running(args, port, tmp_path / "warm.log"):
+        warm, _ = chat(port, no_tools)
+    log = (tmp_path / "warm.log").read_text()
+    covered = [int(n) for n in re.findall(r"bundle shop@1 covers (\d+) of \d+ prompt tokens", log)]
+    assert len(covered) == 1 and covered[0] > 0, log[-3000:]
+    assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == covered[0]
+
+    empty = tmp_path / "no-bundles"
+    empty.mkdir()
+    port = free_port()
+    with running(serve_args(python, tiny_model, empty, port), port, tmp_path / "cold.log"):
+        cold, _ = chat(port, no_tools)
+    assert warm["choices"][0]["message"] == cold["choices"][0]["message"]

@@ -11,12 +11,14 @@ it does on its own; the bundles are only an extra answer to its lookups.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from pathlib import Path
 from typing import Any
 
 from pipeline.runtime.lookup import lookup
+from pipeline.runtime.servers import usage
 from pipeline.runtime.servers.startup import (
     BUNDLE_KEY,
     Mounted,
@@ -63,7 +65,9 @@ def pinned_trie_class(mounted: Mounted) -> type:
             own = super().fetch_nearest_cache
             fetch = lambda t: own(self.key(model), t)  # noqa: E731
             # SimpleEngine generates one request at a time (stream_generate): no merge needed
-            return lookup(SERVER, mounted.manager, BUNDLE_KEY, tokens, fetch, batched=False)
+            cache, rest = lookup(SERVER, mounted.manager, BUNDLE_KEY, tokens, fetch, batched=False)
+            usage.record(0 if cache is None else len(tokens) - len(rest))
+            return cache, rest
 
     return PinnedTrie
 
@@ -102,6 +106,35 @@ def install(mounted: Mounted) -> None:
     SimpleEngine.__init__ = __init__
     SimpleEngine._ensure_prefix_trie_cache = _ensure_prefix_trie_cache
     SimpleEngine._peek_prefix_trie_tokens_saved = staticmethod(_peek)
+    route_text_chat_through_the_cache(SimpleEngine)
+    # cached tokens in its responses: counted by the trie lookup on the generation worker
+    usage.bind_runs(SimpleEngine, "_run_blocking_serialized")
+    from vllm_mlx import server
+
+    usage.add_middleware(server.app)
+
+
+def route_text_chat_through_the_cache(engine_class: type) -> None:
+    """SimpleEngine.chat sends requests with tools through its stream_chat (the path that looks
+    up the prompt cache and its system snapshots) and text-only ones through a blocking call that
+    uses no cache at all; under serve every text request takes the stream_chat path, aggregated
+    as vllm-mlx aggregates tool requests (its chat() with an empty tool list)."""
+    original_chat = engine_class.chat
+
+    async def chat(self: Any, messages: list, *a: Any, **kw: Any) -> Any:
+        tools = kw.get("tools")
+        media = kw.get("images") or kw.get("videos")
+        if self._is_mllm or tools or media or kw.get("logits_processors"):
+            return await original_chat(self, messages, *a, **kw)
+        from vllm_mlx.api.utils import clean_output_text
+        from vllm_mlx.engine.base import GenerationOutput
+
+        final = GenerationOutput(text="")
+        async for output in self.stream_chat(messages, *a, **kw):
+            final = output
+        return dataclasses.replace(final, text=clean_output_text(final.text))
+
+    engine_class.chat = chat
 
 
 CACHE_OFF = {  # options under which SimpleEngine 0.6.0 builds a fresh cache for every request

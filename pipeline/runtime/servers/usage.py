@@ -1,0 +1,142 @@
+"""Cached-token usage fields for a server whose responses carry none (vllm-mlx 0.6: its Usage model
+has no `prompt_tokens_details`, its Anthropic usage leaves `cache_read_input_tokens` null).
+
+A request's served tokens are counted where its cache lookup runs, on the server's generation
+worker thread, into the `Reuse` of that request: an HTTP middleware creates one per request in
+a context variable, the engine's serialized runner (called from the request's own task, so the
+context is the request's) binds it to the worker thread for the run, and the lookup records
+into it. The middleware then writes the count into the response: `usage.prompt_tokens_details
+.cached_tokens` (chat completions) or `usage.cache_read_input_tokens` (Anthropic messages),
+never more than the lookup handed out, 0 when no lookup served the request.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+ROUTES = {"/v1/chat/completions": "openai", "/v1/messages": "anthropic"}
+
+
+@dataclass
+class Reuse:
+    """The tokens one request's cache lookup served."""
+
+    cached: int = 0
+
+
+CURRENT: ContextVar[Reuse | None] = ContextVar("prefix_bundles_reuse", default=None)
+_worker = threading.local()
+
+
+def record(tokens: int) -> None:
+    """On the generation worker: the running request's lookup served `tokens` tokens."""
+    reuse = getattr(_worker, "reuse", None)
+    if reuse is not None:
+        reuse.cached = tokens
+
+
+def bind_runs(engine_class: type, method: str) -> None:
+    """engine_class.<method>(func, ...) (an async runner that calls func on the worker thread)
+    binds the calling request's Reuse to the worker thread while func runs."""
+    original = getattr(engine_class, method)
+
+    async def run(self: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
+        reuse = CURRENT.get()
+        if reuse is None:
+            return await original(self, func, *args, **kwargs)
+
+        def bound(*fargs: Any, **fkwargs: Any) -> Any:
+            _worker.reuse = reuse
+            try:
+                return func(*fargs, **fkwargs)
+            finally:
+                _worker.reuse = None
+
+        return await original(self, bound, *args, **kwargs)
+
+    setattr(engine_class, method, run)
+
+
+def add_middleware(app: Any) -> None:
+    """Count each chat or messages request's reuse and write it into the response's usage."""
+    from starlette.responses import Response
+
+    @app.middleware("http")
+    async def cached_tokens(request: Any, call_next: Any) -> Any:
+        api = ROUTES.get(request.url.path)
+        if api is None or request.method != "POST":
+            return await call_next(request)
+        reuse = Reuse()
+        token = CURRENT.set(reuse)
+        try:
+            response = await call_next(request)
+        finally:
+            CURRENT.reset(token)
+        if response.headers.get("content-type", "").startswith("text/event-stream"):
+            response.body_iterator = _events_with_usage(response.body_iterator, reuse, api)
+            return response
+        body = b"".join([chunk async for chunk in response.body_iterator])
+        headers = {k: v for k, v in response.headers.items() if k.lower() != "content-length"}
+        return Response(
+            _with_usage(body, reuse, api),
+            status_code=response.status_code,
+            headers=headers,
+            media_type=response.media_type,
+        )
+
+
+def _set_usage(usage: Any, reuse: Reuse, api: str) -> None:
+    if not isinstance(usage, dict):
+        return
+    if api == "openai":
+        details = usage.get("prompt_tokens_details")
+        details = details if isinstance(details, dict) else {}
+        usage["prompt_tokens_details"] = {**details, "cached_tokens": reuse.cached}
+    elif "input_tokens" in usage:  # the message's usage, not a delta of output tokens only
+        usage["cache_read_input_tokens"] = reuse.cached
+
+
+def _with_usage(body: bytes, reuse: Reuse, api: str) -> bytes:
+    """A JSON response body with the usage fields set (other bodies unchanged)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(data, dict) or "usage" not in data:
+        return body
+    _set_usage(data["usage"], reuse, api)
+    return json.dumps(data).encode()
+
+
+async def _events_with_usage(events: Any, reuse: Reuse, api: str) -> Any:
+    """Server-sent events with the usage fields set in every event that carries usage."""
+    pending = b""
+    async for chunk in events:
+        pending += chunk.encode() if isinstance(chunk, str) else chunk
+        *done, pending = pending.split(b"\n\n")
+        for event in done:
+            yield _event_with_usage(event, reuse, api) + b"\n\n"
+    if pending:
+        yield pending
+
+
+def _event_with_usage(event: bytes, reuse: Reuse, api: str) -> bytes:
+    lines = event.split(b"\n")
+    for i, line in enumerate(lines):
+        if not line.startswith(b"data: ") or b'"usage"' not in line:
+            continue
+        try:
+            data = json.loads(line[6:])
+        except ValueError:
+            continue
+        if isinstance(data, dict):
+            _set_usage(data.get("usage"), reuse, api)
+            message = data.get("message")
+            if isinstance(message, dict):  # Anthropic message_start
+                _set_usage(message.get("usage"), reuse, api)
+            lines[i] = b"data: " + json.dumps(data).encode()
+    return b"\n".join(lines)
