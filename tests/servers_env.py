@@ -68,10 +68,14 @@ def wait_ready(port: int, proc: subprocess.Popen, log: Path, timeout: float = 12
 
 
 @contextmanager
-def running(args: list[str], port: int, log: Path) -> Iterator[subprocess.Popen]:
-    """Start a server command line, wait until /health answers, stop it (by its pid) after."""
+def running(
+    args: list[str], port: int, log: Path, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen]:
+    """Start a server command line (with `env` added to the environment), wait until /health
+    answers, stop it (by its pid) after."""
     with open(log, "w") as out:
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        environ = {**os.environ, **(env or {})}
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=environ)
         try:
             wait_ready(port, proc, log)
             yield proc

@@ -23,6 +23,7 @@ import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from pipeline.format.compat import SUPPORTED_RANGE, installed_mlx_lm, mlx_lm_supported
@@ -299,6 +300,21 @@ def drop_unusable(
             manager.unpin(BUNDLE_KEY, b.name)
 
 
+def hub_cache_or_none(scan: Callable[[], Any]) -> Callable[[], Any]:
+    """mlx_lm.server's /v1/models scans the hub cache before listing the served model; on a host
+    with no hub cache folder the scan raises CacheNotFound after the status line went out (an empty
+    200 body). With this, a missing cache is an empty one and the served model is listed."""
+    from huggingface_hub.errors import CacheNotFound
+
+    def scan_cache_dir() -> Any:
+        try:
+            return scan()
+        except CacheNotFound:
+            return SimpleNamespace(repos=[])
+
+    return scan_cache_dir
+
+
 def mount_options(args: argparse.Namespace, chat_template: str | None) -> Callable[[], dict]:
     """mount's options from serve's own, read afresh on each call (a remount re-reads the
     lockfile a deploy may have updated)."""
@@ -377,6 +393,7 @@ def serve(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
     server.LRUPromptCache = bundled_prompt_cache_class(manager, args.model)
     server.ModelProvider = warming_model_provider_class(manager, args.warm_up)
     server.ResponseGenerator = guarded_response_generator_class(death)
+    server.scan_cache_dir = hub_cache_or_none(server.scan_cache_dir)
     sys.argv = ["mlx_lm.server", "--model", args.model, *rest]
     try:
         server.main()

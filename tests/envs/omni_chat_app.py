@@ -1,5 +1,5 @@
 """mlx-omni-server's own chat route (its OpenAI router, ChatGenerator and PromptCachePool) behind
-`serve --server mlx-omni-server`'s preparation, served by uvicorn: omni's full app does not import
+`serve --server mlx-omni-server`'s preparation, with its models route, served by uvicorn: omni's full app does not import
 on Linux (its image and audio routes need mflux and misaki), so the tests serve the chat part.
 
   omni_chat_app.py SERVE-ARGS... --port P
@@ -17,6 +17,7 @@ def main() -> None:
     ensure_fast_blas(sys.argv[1:])
     import uvicorn
     from fastapi import FastAPI
+    from mlx_omni_server.chat.openai.models.models import router as models_router
     from mlx_omni_server.chat.openai.router import router
 
     from pipeline.cli import parse_args
@@ -28,6 +29,7 @@ def main() -> None:
     prepare(args, args.passthrough, sys.argv[1:])
     app = FastAPI()
     app.include_router(router)
+    app.include_router(models_router)
     app.get("/health")(lambda: {"status": "ok"})
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 

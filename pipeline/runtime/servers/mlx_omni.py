@@ -82,6 +82,12 @@ def install(mounted: Mounted) -> None:
     from mlx_omni_server.chat.mlx import prompt_cache_pool
 
     prompt_cache_pool.PromptCachePool = pinned_pool_class(mounted)
+    from mlx_omni_server.chat.openai.models import models_service
+
+    from pipeline.runtime.serve import hub_cache_or_none
+
+    # its /v1/models lists the hub cache, and fails on a host that has none
+    models_service.scan_cache_dir = hub_cache_or_none(models_service.scan_cache_dir)
 
 
 def prepare(args: argparse.Namespace, rest: list[str], argv: list[str]) -> Mounted:
