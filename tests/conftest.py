@@ -126,3 +126,38 @@ def pytest_terminal_summary(terminalreporter) -> None:
     fuzz = sys.modules.get("test_fuzz")
     if fuzz is not None and fuzz.SUMMARY:
         terminalreporter.write_line(f"fuzz corpus: {fuzz.SUMMARY}")
+
+
+# --- A Claude-Code-shaped Anthropic messages request (tests/test_authoring.py, test_servers_vllm.py)
+
+
+def claude_code_request(model: str, question: str = "Where is my order 12345?") -> dict:
+    """An Anthropic /v1/messages body shaped like Claude Code's: a per-request billing-header
+    block, the long system text in blocks with cache_control, many tools with input_schema."""
+    import json
+
+    demo = json.loads((Path(__file__).parents[1] / "prefixes/support-agent/tools.json").read_text())
+    tools = [
+        {
+            "name": t["function"]["name"],
+            "description": t["function"]["description"],
+            "input_schema": t["function"]["parameters"],
+        }
+        for t in [*TOOLS, *demo]
+    ]
+    return {
+        "model": model,
+        "max_tokens": 8,
+        "temperature": 0.0,
+        "system": [
+            {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.3; cch=5f1e9;"},
+            {"type": "text", "text": SYSTEM, "cache_control": {"type": "ephemeral"}},
+            {
+                "type": "text",
+                "text": "Environment: working directory /srv/shop, platform linux.",
+                "cache_control": {"type": "ephemeral"},
+            },
+        ],
+        "tools": tools,
+        "messages": [{"role": "user", "content": [{"type": "text", "text": question}]}],
+    }

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pipeline.cli import main
 
-from conftest import SYSTEM, TOOLS
+from conftest import SYSTEM, TOOLS, claude_code_request
 
 
 def test_new_writes_a_pinned_definition_that_builds(tmp_path: Path, tiny_model: Path, capsys):
@@ -69,3 +69,88 @@ def test_match_reports_the_reuse_and_where_a_request_parts(
     bad = ["match", "--model", str(tiny_model), "--messages", "{not json"]
     assert main([*bundles, *bad]) == 1
     assert capsys.readouterr().err.startswith("error: the request is not valid JSON")
+
+
+def test_new_from_an_anthropic_request_keeps_its_blocks_and_tools(
+    tmp_path: Path, tiny_model: Path, capsys
+):
+    from pipeline.builder.definition import load_definition
+
+    request = claude_code_request(str(tiny_model))
+    body = tmp_path / "request.json"
+    body.write_text(json.dumps(request))
+    prefixes = tmp_path / "prefixes"
+    prefixes.mkdir()
+    code = main(["--prefixes", str(prefixes), "new", "cc", "--model", str(tiny_model), "--from-request", str(body)])  # fmt: skip
+    out, err = capsys.readouterr()
+    assert code == 0 and "vllm-mlx's own request code" in out, err
+    assert "system.0 is a per-request x-anthropic-billing-header: line: left out" in err
+    d = load_definition(prefixes / "cc.toml", tmp_path)
+    assert d.spec.api == "anthropic" and d.spec.servers == ["vllm-mlx"]
+    assert [m["content"] for m in d.messages] == [b["text"] for b in request["system"][1:]]
+    assert [t["function"]["parameters"] for t in d.tools] == [
+        t["input_schema"] for t in request["tools"]
+    ]
+    # the build asks vllm-mlx's own code, which this environment may not have: one line if not
+    import importlib.util
+
+    if importlib.util.find_spec("vllm_mlx") is None:
+        argv = ["--prefixes", str(prefixes), "--bundles", str(tmp_path / "b"), "build", "cc"]
+        assert main(argv) == 1
+        assert "vllm-mlx is not installed in this Python environment" in capsys.readouterr().err
+
+
+def test_new_from_an_openai_request_takes_the_leading_system_part(
+    tmp_path: Path, tiny_model: Path, capsys
+):
+    from pipeline.builder.definition import load_definition
+
+    request = {
+        "messages": [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Where is my order 12345?"},
+        ],
+        "tools": TOOLS,
+    }
+    body = tmp_path / "request.json"
+    body.write_text(json.dumps(request))
+    prefixes = tmp_path / "prefixes"
+    prefixes.mkdir()
+    argv = ["--prefixes", str(prefixes), "--bundles", str(tmp_path / "b")]
+    assert (
+        main([*argv, "new", "shop", "--model", str(tiny_model), "--from-request", str(body)]) == 0
+    )
+    d = load_definition(prefixes / "shop.toml", tmp_path)
+    assert d.spec.api == "openai" and d.spec.servers == []
+    assert d.messages == request["messages"][:1] and d.tools == TOOLS
+    assert main([*argv, "build", "--no-check"]) == 0  # the builder's own rendering
+    assert main([*argv, "new", "two", "--model", str(tiny_model), "--from-request", str(body), "--prefix-messages", "1"]) == 0  # fmt: skip
+    assert load_definition(prefixes / "two.toml", tmp_path).messages == request["messages"]
+
+
+def test_new_from_request_refuses_bad_requests_with_one_line(
+    tmp_path: Path, tiny_model: Path, capsys
+):
+    prefixes = tmp_path / "prefixes"
+    prefixes.mkdir()
+    cases = {
+        "not json": "{",
+        "no system part": json.dumps({"messages": [{"role": "user", "content": "hi"}]}),
+        "a server tool": json.dumps(
+            {"system": "s", "messages": [], "tools": [{"type": "web_search_20250305", "name": "w"}]}
+        ),
+        "image content": json.dumps(
+            {"messages": [{"role": "system", "content": [{"type": "image_url", "image_url": {}}]}]}
+        ),
+        "a list": "[1, 2]",
+    }
+    for case, text in cases.items():
+        body = tmp_path / "request.json"
+        body.write_text(text)
+        code = main(["--prefixes", str(prefixes), "new", "x", "--model", str(tiny_model), "--from-request", str(body)])  # fmt: skip
+        err = capsys.readouterr().err.splitlines()
+        assert code == 1 and len(err) == 1 and err[0].startswith("error: --from-request"), (
+            case,
+            err,
+        )
+        assert list(prefixes.iterdir()) == [], case

@@ -15,9 +15,9 @@ import pytest
 from pipeline.format.errors import PipelineError
 from pipeline.runtime.servers.tokens import (
     SERVER_NAMES,
-    chat_body,
     model_type,
     parity,
+    request_body,
     request_ids,
 )
 
@@ -66,10 +66,10 @@ IDS_WORKER = """
 import json, sys
 from pathlib import Path
 from mlx_lm.utils import load_tokenizer
-from pipeline.runtime.servers.tokens import SERVER_NAMES, chat_body, model_type, request_ids
+from pipeline.runtime.servers.tokens import SERVER_NAMES, request_body, model_type, request_ids
 model, messages, tools = Path(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
 tok = load_tokenizer(model)
-body = chat_body(messages, tools, {})
+body = request_body(messages, tools, {})
 print(json.dumps({s: request_ids(s, tok, body, model_type(model)) for s in SERVER_NAMES}))
 """
 
@@ -90,7 +90,7 @@ def test_without_a_bos_every_server_re_encodes_the_bundles_ids(tiny_model: Path)
     for server in SERVER_NAMES:
         p = parity(server, tok, ids)
         assert (p.reusable, p.total, p.reason) == (len(ids), len(ids), None)
-    body = chat_body(REQUEST, TOOLS, {})
+    body = request_body(REQUEST, TOOLS, {})
     assert request_ids("mlx-lm", tok, body, model_type(tiny_model))[: len(ids)] == ids
 
 
@@ -138,7 +138,7 @@ def test_a_server_that_is_not_installed_is_named(tiny_model: Path):
 
     if importlib.util.find_spec("vllm_mlx") is not None:
         pytest.skip("vllm-mlx is installed in this environment")
-    body = chat_body(REQUEST, TOOLS, {})
+    body = request_body(REQUEST, TOOLS, {})
     with pytest.raises(PipelineError, match="vllm-mlx is not installed in this Python environment"):
         request_ids("vllm-mlx", tokenizer(tiny_model), body, model_type(tiny_model))
 
@@ -152,7 +152,7 @@ def match_first_line(python: Path | str, model: Path, server: str, bundles: Path
 
 def test_match_tokenizes_as_mlx_lm_server(bos_model: Path, tmp_path: Path):
     tok = tokenizer(bos_model)
-    expected = len(request_ids("mlx-lm", tok, chat_body(REQUEST, None, {}), "qwen3"))
+    expected = len(request_ids("mlx-lm", tok, request_body(REQUEST, None, {}), "qwen3"))
     line = match_first_line(sys.executable, bos_model, "mlx-lm", tmp_path)
     assert line == f"request: {expected} tokens"
 

@@ -129,3 +129,64 @@ def test_a_request_sharing_only_the_system_prompt_reuses_the_shared_part(
     with running(serve_args(python, tiny_model, empty, port), port, tmp_path / "cold.log"):
         cold, _ = chat(port, no_tools)
     assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
+
+
+def messages(port: int, body: dict) -> dict:
+    """One Anthropic /v1/messages request."""
+    import json
+    import urllib.request
+
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/messages",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=600) as resp:
+        return json.loads(resp.read())
+
+
+@pytest.mark.slow
+def test_a_claude_code_shaped_messages_request_is_warm_on_the_first_request(
+    tiny_model: Path, tmp_path: Path
+):
+    import json
+
+    from conftest import claude_code_request
+
+    python = servers_python()
+    project = tmp_path / "project"
+    (project / "prefixes").mkdir(parents=True)
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps(claude_code_request(str(tiny_model))))
+    cli = [str(python), str(ROOT / "build.py"), "--prefixes", "prefixes", "--bundles", "bundles"]
+    for step in (
+        ["new", "cc", "--model", str(tiny_model), "--from-request", str(request)],
+        ["build", "cc"],
+    ):
+        proc = subprocess.run([*cli, *step], capture_output=True, text=True, cwd=project)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    (bundle,) = (project / "bundles").glob("cc/*/*")
+    manifest = Manifest.model_validate_json((bundle / "manifest.json").read_text())
+    assert manifest.request.api == "anthropic" and manifest.request.tokenization == ["vllm-mlx"]
+
+    # another billing hash, as each Claude Code request carries
+    asked = claude_code_request(str(tiny_model))
+    asked["system"][0]["text"] = "x-anthropic-billing-header: cc_version=2.1.3; cch=0a7c2;"
+    port = free_port()
+    with running(
+        serve_args(python, tiny_model, project / "bundles", port), port, tmp_path / "w.log"
+    ):
+        warm = messages(port, asked)
+    log = (tmp_path / "w.log").read_text()
+    assert "requests will reuse at most" not in log
+    covered = [int(n) for n in re.findall(r"bundle cc@1 covers (\d+) of \d+ prompt tokens", log)]
+    assert covered == [manifest.tokens.count], log[-3000:]
+    assert warm["usage"]["cache_read_input_tokens"] == manifest.tokens.count
+
+    empty = tmp_path / "no-bundles"
+    empty.mkdir()
+    port = free_port()
+    with running(serve_args(python, tiny_model, empty, port), port, tmp_path / "c.log"):
+        cold = messages(port, asked)
+    assert warm["content"] == cold["content"]
+    assert cold["usage"]["cache_read_input_tokens"] == 0

@@ -35,7 +35,135 @@ def _read_input(path: Path, what: str) -> str:
 def new_definition(
     prefix_dir: Path, name: str, model_dir: Path, system_file: Path | None, tools_file: Path | None
 ) -> Path:
-    """Write prefixes/<name>.toml (+ prefixes/<name>/) pinned to the model's template; return it.
+    """Write prefixes/<name>.toml (+ prefixes/<name>/) pinned to the model's template; return it."""
+    system = _read_input(system_file, "--system-file") if system_file else STARTER_SYSTEM
+    tools = _read_input(tools_file, "--tools") if tools_file else None
+    if tools is not None:
+        _parse_tools(tools, Path(tools_file))
+    return _write_definition(prefix_dir, name, model_dir, [("system", system)], tools, {})
+
+
+@dataclass(frozen=True)
+class FromRequest:
+    """What `new --from-request` wrote and what it left out."""
+
+    path: Path
+    api: str  # "openai" or "anthropic"
+    notes: list[str]
+
+
+BILLING_HEADER = "x-anthropic-billing-header:"  # Claude Code's per-request line (servers strip it)
+
+
+def definition_from_request(
+    prefix_dir: Path,
+    name: str,
+    model_dir: Path,
+    request_file: Path,
+    servers: list[str],
+    prefix_messages: int = 0,
+) -> FromRequest:
+    """A definition from a request body (OpenAI chat completions or Anthropic messages, told
+    apart by pipeline.runtime.servers.tokens.is_anthropic): its system part (and the first
+    `prefix_messages` messages after it) as message files, its tools as tools.json. An Anthropic
+    request's definition has api = "anthropic" and follows `servers` (default: vllm-mlx)."""
+    from pipeline.runtime.servers.tokens import ANTHROPIC_SERVERS, is_anthropic
+
+    where = f"--from-request {request_file}"
+    try:
+        body = json.loads(_read_input(request_file, "--from-request"))
+    except ValueError as exc:
+        raise DefinitionError(f"{where}: not valid JSON ({exc})") from None
+    if not isinstance(body, dict) or not isinstance(body.get("messages", []), list):
+        raise DefinitionError(
+            f"{where}: give a request body, an object with 'messages' (OpenAI chat completions "
+            "or Anthropic messages)"
+        )
+    anthropic = is_anthropic(body)
+    notes: list[str] = []
+    if anthropic:
+        messages = _anthropic_system(body.get("system"), where, notes)
+        tools = [_openai_tool(t, where) for t in body.get("tools") or []] or None
+        servers = servers or list(ANTHROPIC_SERVERS)
+    else:
+        messages, tools = [], body.get("tools")
+        while len(messages) < len(body["messages"]) and body["messages"][len(messages)].get(
+            "role"
+        ) in ("system", "developer"):
+            m = body["messages"][len(messages)]
+            messages.append(
+                ("system", _text(m.get("content"), f"{where}: messages.{len(messages)}"))
+            )
+    rest = body["messages"] if anthropic else body["messages"][len(messages) :]
+    if prefix_messages > len(rest):
+        raise DefinitionError(
+            f"{where}: --prefix-messages {prefix_messages}: the request has {len(rest)} message(s) "
+            "after its system part"
+        )
+    for i, m in enumerate(rest[:prefix_messages]):
+        messages.append((m.get("role"), _text(m.get("content"), f"{where}: messages.{i}")))
+    if not messages:
+        raise DefinitionError(
+            f"{where}: the request has no system part; pass --prefix-messages N to make its first "
+            "N messages the prefix"
+        )
+    extra = {"api": "anthropic"} if anthropic else {}
+    if servers:
+        extra["servers"] = servers
+    tools_text = None if tools is None else json.dumps(tools, indent=2, ensure_ascii=False) + "\n"
+    path = _write_definition(prefix_dir, name, model_dir, messages, tools_text, extra)
+    return FromRequest(path, "anthropic" if anthropic else "openai", notes)
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's text: a string, or text parts/blocks concatenated; DefinitionError otherwise."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    raise DefinitionError(f"{where}: content must be text (a string or text parts) to be a prefix")
+
+
+def _anthropic_system(system: Any, where: str, notes: list[str]) -> list[tuple[str, str]]:
+    """Each text block of an Anthropic `system` as one system message; billing-header blocks
+    (per request) left out."""
+    blocks = [{"type": "text", "text": system}] if isinstance(system, str) else system or []
+    out = []
+    for i, block in enumerate(blocks):
+        text = _text([block], f"{where}: system.{i}")
+        if text.lstrip().startswith(BILLING_HEADER):
+            notes.append(f"system.{i} is a per-request {BILLING_HEADER} line: left out")
+            continue
+        out.append(("system", text))
+    return out
+
+
+def _openai_tool(tool: Any, where: str) -> dict[str, Any]:
+    """An Anthropic tool ({name, description, input_schema}) as the OpenAI function tool a
+    definition's tools_file holds."""
+    if not isinstance(tool, dict) or "input_schema" not in tool or "name" not in tool:
+        raise DefinitionError(
+            f"{where}: tool {json.dumps(tool)[:80]} has no name and input_schema; only custom "
+            "tools can be part of a prefix"
+        )
+    function = {"name": tool["name"], "description": tool.get("description") or ""}
+    function["parameters"] = tool["input_schema"]
+    return {"type": "function", "function": function}
+
+
+def _write_definition(
+    prefix_dir: Path,
+    name: str,
+    model_dir: Path,
+    messages: list[tuple[str, str]],
+    tools: str | None,
+    extra: dict[str, Any],
+) -> Path:
+    """Write prefixes/<name>.toml (+ one file per message and tools.json in prefixes/<name>/)
+    pinned to the model's template; `extra` holds top-level keys (api, servers).
 
     Nothing is left behind when any step fails: the files are written, then loaded back through
     the definition schema, and removed again if that fails.
@@ -53,25 +181,21 @@ def new_definition(
         raise TemplateError(
             f'model {model_dir}: ships no chat template; write a definition with template.source = "file"'
         )
-    system = _read_input(system_file, "--system-file") if system_file else STARTER_SYSTEM
-    tools = _read_input(tools_file, "--tools") if tools_file else None
-    if tools is not None:
-        _parse_tools(tools, Path(tools_file))
     repo_root = prefix_dir.resolve().parent
     folder.mkdir(parents=True)
     try:
-        (folder / "system.md").write_text(system)
-        lines = [f'name = "{name}"', "version = 1", "", "[template]", 'source = "model"']
+        lines = [f'name = "{name}"', "version = 1"]
+        lines += [f"{key} = {json.dumps(value)}" for key, value in extra.items()]
+        lines += ["", "[template]", 'source = "model"']
         lines += [f'sha256 = "{sha256_text(template)}"', "", "[prefix]"]
         if tools is not None:
             (folder / "tools.json").write_text(tools)
             lines.append(f'tools_file = "{name}/tools.json"')
-        lines += [
-            "",
-            "[[prefix.messages]]",
-            'role = "system"',
-            f'content_files = ["{name}/system.md"]',
-        ]
+        for i, (role, text) in enumerate(messages):
+            file = f"{role}.md" if len(messages) == 1 else f"{i + 1}-{role}.md"
+            (folder / file).write_text(text)
+            lines += ["", "[[prefix.messages]]", f"role = {json.dumps(role)}"]
+            lines.append(f'content_files = ["{name}/{file}"]')
         lines += ["", "[[models]]", f"path = {json.dumps(_model_ref(model_dir, repo_root))}", ""]
         path.write_text("\n".join(lines))
         load_definition(path, repo_root)
@@ -108,10 +232,10 @@ def match_request(
     (pipeline.runtime.servers.tokens), and each bundle's match, best first."""
     from mlx_lm.utils import load_tokenizer
 
-    from pipeline.runtime.servers.tokens import chat_body, model_type, request_ids
+    from pipeline.runtime.servers.tokens import model_type, request_body, request_ids
 
     tokenizer = load_tokenizer(Path(model_dir))
-    body = chat_body(messages, tools, {})
+    body = request_body(messages, tools, {})
     ids = request_ids(server, tokenizer, body, model_type(model_dir))
     request = list(ids)
     out = []

@@ -124,6 +124,7 @@ def build_key(
                 "check": d.spec.check.model_dump(),
                 "builder": builder.model_dump(),
                 "servers": {s: versions(s) for s in d.spec.servers},
+                "api": d.spec.api,
             }
         )
     )

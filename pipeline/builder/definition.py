@@ -11,11 +11,18 @@ import unicodedata
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from pipeline.format.errors import DefinitionError
 from pipeline.format.fingerprint import canonical_json
-from pipeline.format.manifest import ServerName
+from pipeline.format.manifest import RequestApi, ServerName
 from pipeline.format.names import MAX_VERSION, NAME_RULE
 from pipeline.format.regular_files import FileProblem, read_text
 
@@ -135,6 +142,16 @@ class PrefixDefinition(Strict):
     # servers whose own request code gives the bundle's ids (pipeline.builder.server_ids); empty:
     # the pinned template as the builder renders it, which is mlx_lm.server's path
     servers: list[ServerName] = Field(default_factory=list, max_length=4)
+    # the request form clients send the prefix in; "anthropic" (Anthropic messages: each system
+    # message one text block, tools with input_schema) needs servers that serve that route
+    api: RequestApi = "openai"
+
+    @field_validator("servers")
+    @classmethod
+    def _each_server_once(cls, servers: list[str]) -> list[str]:
+        if len(set(servers)) != len(servers):
+            raise ValueError("name each server once")
+        return servers
 
 
 class FunctionSpec(BaseModel):

@@ -21,7 +21,13 @@ from pipeline.builder.render import Rendered, template_text
 from pipeline.builder.stability import StableCut, common_prefix_length, stable_prefix
 from pipeline.format.errors import BuildError, PipelineError
 from pipeline.format.manifest import RequestInfo, RequestMessage
-from pipeline.runtime.servers.tokens import PACKAGES, chat_body, model_type, request_ids
+from pipeline.runtime.servers.tokens import (
+    ANTHROPIC_SERVERS,
+    PACKAGES,
+    model_type,
+    request_body,
+    request_ids,
+)
 
 
 def request_info(d: LoadedDefinition) -> RequestInfo | None:
@@ -33,15 +39,24 @@ def request_info(d: LoadedDefinition) -> RequestInfo | None:
         messages=[RequestMessage(role=m["role"], content=m["content"]) for m in d.messages],
         tools_json=None if d.tools is None else json.dumps(d.tools, ensure_ascii=False),
         template_kwargs=dict(d.spec.template.kwargs),
+        api=d.spec.api,
         tokenization=list(d.spec.servers),
     )
 
 
 def check_servers(d: LoadedDefinition) -> None:
     """BuildError before any model is loaded when the definition's servers cannot be asked."""
+    where = f"{d.path}: servers"
+    if d.spec.api == "anthropic":
+        other = [s for s in d.spec.servers if s not in ANTHROPIC_SERVERS]
+        if not d.spec.servers or other:
+            raise BuildError(
+                f'{where}: api = "anthropic" needs the servers whose own Anthropic route gives '
+                f"the ids: servers = {json.dumps(list(ANTHROPIC_SERVERS))} "
+                f"({', '.join(other) or 'none given'} not supported for it)"
+            )
     if not d.spec.servers:
         return
-    where = f"{d.path}: servers"
     if d.documents:
         raise BuildError(
             f"{where}: a server's chat request carries no documents, so its request code cannot "
@@ -89,7 +104,7 @@ def server_cut(d: LoadedDefinition, model_dir: Path, rendered: Rendered) -> Stab
     for server in d.spec.servers:
 
         def ids_of(messages: list[dict], server: str = server) -> list[int]:
-            body = chat_body(messages, d.tools, d.spec.template.kwargs)
+            body = request_body(messages, d.tools, d.spec.template.kwargs, d.spec.api)
             return request_ids(server, tokenizer, body, kind)
 
         try:

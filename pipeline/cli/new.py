@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.cli.common import load_definitions
+from pipeline.cli.common import err, load_definitions
+from pipeline.runtime.servers.tokens import SERVER_NAMES
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
@@ -16,20 +17,66 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
     n.add_argument("--model", type=Path, required=True, help="the model folder it is built for")
     n.add_argument("--system-file", type=Path, help="the system prompt (default: a starter text)")
     n.add_argument("--tools", type=Path, help="OpenAI function tools, a JSON list")
+    n.add_argument(
+        "--from-request",
+        type=Path,
+        metavar="FILE",
+        help="a request body (OpenAI chat completions or Anthropic messages, auto-detected): its "
+        "system part and tools become the prefix",
+    )
+    n.add_argument(
+        "--server",
+        action="append",
+        choices=SERVER_NAMES,
+        default=[],
+        help="with --from-request: a server whose own request code gives the ids (repeatable; "
+        "Anthropic requests: vllm-mlx by default)",
+    )
+    n.add_argument(
+        "--prefix-messages",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --from-request: also the first N messages after the system part",
+    )
     n.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.builder.authoring import new_definition
+    from pipeline.builder.authoring import definition_from_request, new_definition
     from pipeline.builder.prefill import encode
     from pipeline.builder.render import render_prefix
+    from pipeline.format.errors import PipelineError
 
-    path = new_definition(args.prefixes, args.name, args.model, args.system_file, args.tools)
+    if args.from_request is not None:
+        if args.system_file or args.tools:
+            raise PipelineError(
+                "--from-request: the request gives the system text and tools; "
+                "drop --system-file and --tools"
+            )
+        made = definition_from_request(
+            args.prefixes,
+            args.name,
+            args.model,
+            args.from_request,
+            args.server,
+            args.prefix_messages,
+        )
+        path = made.path
+        for note in made.notes:
+            err(f"note: {note}")
+    elif args.server or args.prefix_messages:
+        raise PipelineError("--server and --prefix-messages go with --from-request")
+    else:
+        path = new_definition(args.prefixes, args.name, args.model, args.system_file, args.tools)
     (definition,) = load_definitions(args.prefixes, [args.name])
     from mlx_lm.utils import load_tokenizer
 
     tokens = encode(load_tokenizer(Path(args.model)), render_prefix(definition, args.model).text)
+    follows = ", ".join(definition.spec.servers)
+    how = f"; the build takes its ids from {follows}'s own request code" if follows else ""
     print(
-        f"wrote {path} ({len(tokens):,} tokens for {args.model}); build it with 'python build.py build {args.name}'"
+        f"wrote {path} ({len(tokens):,} tokens for {args.model} as the pinned template renders "
+        f"it{how}); build it with 'python build.py build {args.name}'"
     )
     return 0

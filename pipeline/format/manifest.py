@@ -135,6 +135,7 @@ class ParentInfo(Record):
 
 
 ServerName = Literal["mlx-lm", "vllm-mlx", "mlx-omni-server", "mlx-openai-server"]
+RequestApi = Literal["openai", "anthropic"]  # OpenAI chat completions or Anthropic messages
 
 
 class RequestMessage(Record):
@@ -151,6 +152,9 @@ class RequestInfo(Record):
     # template renders tools in their own order)
     tools_json: Annotated[str, Field(max_length=MAX_MANIFEST_BYTES)] | None = None
     template_kwargs: dict[str, Any] = {}
+    api: RequestApi = (
+        "openai"  # the form clients send it in (Anthropic: each system message a block)
+    )
     # the servers whose own request code gave the ids; empty: the pinned template rendered by the
     # builder (mlx_lm.server's path)
     tokenization: Annotated[list[ServerName], Field(max_length=4)] = []

@@ -58,14 +58,36 @@ def is_anthropic(body: dict[str, Any]) -> bool:
     return "system" in body or any(isinstance(t, dict) and "input_schema" in t for t in tools)
 
 
-def chat_body(
-    messages: list[dict[str, Any]], tools: list[dict] | None, template_kwargs: dict[str, Any]
+def request_body(
+    messages: list[dict[str, Any]],
+    tools: list[dict] | None,
+    template_kwargs: dict[str, Any],
+    api: str = "openai",
 ) -> dict[str, Any]:
-    """An OpenAI chat-completions body for these messages and tools; template kwargs travel as
-    `chat_template_kwargs` (omni's users send them as `extra_body`: request_ids moves them)."""
-    body: dict[str, Any] = {"messages": messages}
-    if tools is not None:
-        body["tools"] = tools
+    """A request body for these messages and OpenAI-form tools, as a client sends it: OpenAI chat
+    completions (template kwargs as `chat_template_kwargs`; omni's users send them as
+    `extra_body`: request_ids moves them), or Anthropic messages (`api="anthropic"`: each system
+    message one text block of `system`, tools with `input_schema`)."""
+    if api == "anthropic":
+        body: dict[str, Any] = {
+            "system": [
+                {"type": "text", "text": m["content"]} for m in messages if m["role"] == "system"
+            ],
+            "messages": [m for m in messages if m["role"] != "system"],
+        }
+        if tools is not None:
+            body["tools"] = [
+                {
+                    "name": t["function"]["name"],
+                    "description": t["function"].get("description") or "",
+                    "input_schema": t["function"].get("parameters") or {"type": "object"},
+                }
+                for t in tools
+            ]
+    else:
+        body = {"messages": messages}
+        if tools is not None:
+            body["tools"] = tools
     if template_kwargs:
         body["chat_template_kwargs"] = dict(template_kwargs)
     return body
@@ -250,7 +272,7 @@ def request_parity(server: str, tokenizer: Any, bundle: Any, model_type: str) ->
         return parity(server, tokenizer, ids)
     messages = [m.model_dump() for m in request.messages] + [PROBE_TURN]
     tools = None if request.tools_json is None else json.loads(request.tools_json)
-    body = chat_body(messages, tools, request.template_kwargs)
+    body = request_body(messages, tools, request.template_kwargs, request.api)
     theirs = request_ids(server, tokenizer, body, model_type)
     at = _common(theirs, ids)
     if at == len(ids):
