@@ -73,6 +73,15 @@ CASES = [
      "tokens", None, ""),
     ("unsupported mlx-lm", edit_manifest(lambda m: m["builder"].update(mlx_lm="0.20.0")), "mlx-lm",
      None, "0.20.0"),
+    ("request tools not JSON, resealed",
+     resealed(edit_manifest(lambda m: m["request"].update(tools_json="{"))), "manifest", None,
+     "request.tools_json"),
+    ("request tools not function tools, resealed",
+     resealed(edit_manifest(lambda m: m["request"].update(tools_json="[1]"))), "manifest", None,
+     "request.tools_json"),
+    ("request from an unknown server, resealed",
+     resealed(edit_manifest(lambda m: m["request"].update(tokenization=["ollama"]))), "manifest",
+     None, "request.tokenization"),
     ("flipped data byte", flip_last_data_byte, "data", CACHE_FILE, "cache.safetensors blake3 mismatch"),
 ]  # fmt: skip
 

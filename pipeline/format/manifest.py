@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pipeline.format.names import NAME_RULE
 
@@ -152,9 +152,29 @@ class RequestInfo(Record):
     # template renders tools in their own order)
     tools_json: Annotated[str, Field(max_length=MAX_MANIFEST_BYTES)] | None = None
     template_kwargs: dict[str, Any] = {}
-    api: RequestApi = (
-        "openai"  # the form clients send it in (Anthropic: each system message a block)
-    )
+
+    @field_validator("tools_json")
+    @classmethod
+    def _function_tools(cls, text: str | None) -> str | None:
+        """OpenAI function tools, as a definition's tools_file holds them."""
+        if text is None:
+            return None
+        try:
+            tools = json.loads(text)
+        except (ValueError, RecursionError):
+            raise ValueError("not JSON") from None
+        if not isinstance(tools, list) or not all(
+            isinstance(t, dict)
+            and t.get("type") == "function"
+            and isinstance(t.get("function"), dict)
+            and isinstance(t["function"].get("name"), str)
+            for t in tools
+        ):
+            raise ValueError('not a list of {"type": "function", "function": {"name": ...}} tools')
+        return text
+
+    # the form clients send it in (Anthropic: each system message one text block)
+    api: RequestApi = "openai"
     # the servers whose own request code gave the ids; empty: the pinned template rendered by the
     # builder (mlx_lm.server's path)
     tokenization: Annotated[list[ServerName], Field(max_length=4)] = []
