@@ -45,10 +45,11 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> argparse.Argum
     p.add_argument(
         "--warm-up",
         action=argparse.BooleanOptionalAction,
-        default=False,
-        help="after loading the model, run one throwaway decode step from the longest mounted "
-        "bundle before the first request (default: off; on a 2-core CPU it cost more at startup "
-        "than it saved: bench/README.md)",
+        default=None,
+        help="after loading the model and before the first request, warm the server's generation "
+        "path from the longest mounted bundle (default: on for vllm-mlx, whose first trip costs "
+        "seconds more than a hit; off for mlx_lm.server, where it cost more at startup than it "
+        "saved on a 2-core CPU: bench/README.md)",
     )
     p.add_argument(
         "--lockfile",

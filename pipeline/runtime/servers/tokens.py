@@ -139,21 +139,25 @@ def _mlx_lm(tokenizer: Any, body: dict[str, Any], model_type: str) -> list[int]:
     return ResponseGenerator._tokenize(generator, tokenizer, request, args)[0]
 
 
+def vllm_request(body: dict[str, Any]) -> Any:
+    """vllm-mlx's ChatCompletionRequest for a body, an Anthropic one through its own converter."""
+    from vllm_mlx.api.models import ChatCompletionRequest
+
+    body = {"model": "model", **body}
+    if not is_anthropic(body):
+        return ChatCompletionRequest(**body)
+    from vllm_mlx.api.anthropic_adapter import anthropic_to_openai
+    from vllm_mlx.api.anthropic_models import AnthropicRequest
+
+    return anthropic_to_openai(AnthropicRequest(**{"max_tokens": 1, **body}))
+
+
 def _vllm_mlx(tokenizer: Any, body: dict[str, Any], model_type: str) -> list[int]:
     from vllm_mlx import server
-    from vllm_mlx.api.models import ChatCompletionRequest
     from vllm_mlx.api.tool_calling import convert_tools_for_template
     from vllm_mlx.engine.simple import SimpleEngine
 
-    body.setdefault("model", "model")
-    if is_anthropic(body):
-        from vllm_mlx.api.anthropic_adapter import anthropic_to_openai
-        from vllm_mlx.api.anthropic_models import AnthropicRequest
-
-        body.setdefault("max_tokens", 1)
-        request = anthropic_to_openai(AnthropicRequest(**body))
-    else:
-        request = ChatCompletionRequest(**body)
+    request = vllm_request(body)
     engine = SimpleNamespace(is_mllm=False, preserve_native_tool_format=False)
     messages = server._prepare_chat_messages(engine, request.messages)[0]
     tools = None
