@@ -1,5 +1,8 @@
 """Case servers: each non-default server's first request with bundles (`serve --server NAME`) vs the
-same server's first request cold, on the demo's support-agent prefix (11,052 tokens), same answer.
+same server's first request cold and vs its in-memory hit (the same request again), on the demo's
+support-agent prefix (11,052 tokens), same answer; then, in the same process, the request with the
+system prompt only (no tools: it shares part of the bundle) and, on vllm-mlx, the same prefix as
+an Anthropic /v1/messages request, with the tokens each reused (the server's usage fields).
 
 Runs in the server venv (tests/envs/make_servers_env.sh; vllm-mlx, omni and mlx-openai-server pin
 mlx-lm 0.31). vllm-mlx is measured as a real server over loopback HTTP: plain `vllm-mlx serve` as
@@ -29,18 +32,57 @@ PREFIX = REPO / "prefixes" / "support-agent"
 QUESTION = "My 2FA codes stopped working after I changed phones. How do I get back in?"
 
 
-def request_body() -> dict[str, Any]:
-    """The support-agent prefix (system text + 8 tools) and one question, temperature 0."""
-    return {
+def request_body(kind: str = "full") -> dict[str, Any]:
+    """The support-agent prefix (system text + 8 tools) and one question, temperature 0; "system"
+    leaves the tools out; "anthropic" is the same request as an Anthropic messages body."""
+    system = (PREFIX / "system.md").read_text()
+    tools = json.loads((PREFIX / "tools.json").read_text())
+    if kind == "anthropic":
+        return {
+            "model": str(MODEL),
+            "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
+            "messages": [{"role": "user", "content": QUESTION}],
+            "tools": [
+                {
+                    "name": t["function"]["name"],
+                    "description": t["function"]["description"],
+                    "input_schema": t["function"]["parameters"],
+                }
+                for t in tools
+            ],
+            "max_tokens": 8,
+            "temperature": 0.0,
+        }
+    body = {
         "model": str(MODEL),
         "messages": [
-            {"role": "system", "content": (PREFIX / "system.md").read_text()},
+            {"role": "system", "content": system},
             {"role": "user", "content": QUESTION},
         ],
-        "tools": json.loads((PREFIX / "tools.json").read_text()),
         "max_tokens": 8,
         "temperature": 0.0,
     }
+    return body if kind == "system" else {**body, "tools": tools}
+
+
+def _post(port: int, kind: str) -> tuple[float, str | None, int | None]:
+    """(seconds, answer, cached tokens the usage reports) of one request."""
+    route = "/v1/messages" if kind == "anthropic" else "/v1/chat/completions"
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{route}",
+        data=json.dumps(request_body(kind)).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    t = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=1800) as resp:
+        answer = json.loads(resp.read())
+    seconds = time.perf_counter() - t
+    usage = answer.get("usage") or {}
+    if kind == "anthropic":
+        text = "".join(b.get("text") or "" for b in answer.get("content") or [])
+        return seconds, text, usage.get("cache_read_input_tokens")
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    return seconds, answer["choices"][0]["message"].get("content"), cached
 
 
 def _port() -> int:
@@ -64,31 +106,32 @@ def _ready(port: int, proc: subprocess.Popen, timeout: float = 300) -> None:
     raise RuntimeError("server not ready")
 
 
-def first_request(args: list[str], port: int, log: Path, env: dict[str, str]) -> dict[str, Any]:
-    """Start a server, time startup and its first chat request, stop it by its pid."""
+def first_request(
+    args: list[str], port: int, log: Path, env: dict[str, str], kinds: tuple[str, ...]
+) -> dict[str, Any]:
+    """Start a server, time startup, its first request, the same request again (the in-memory
+    hit), then one request of each other kind; stop it by its pid."""
     start = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         try:
             _ready(port, proc)
             ready = time.perf_counter() - start
-            req = urllib.request.Request(
-                f"http://127.0.0.1:{port}/v1/chat/completions",
-                data=json.dumps(request_body()).encode(),
-                headers={"Content-Type": "application/json"},
-            )
-            t = time.perf_counter()
-            with urllib.request.urlopen(req, timeout=1800) as resp:
-                answer = json.loads(resp.read())
-            seconds = time.perf_counter() - t
+            first, answer, cached = _post(port, "full")
+            hit = _post(port, "full")[0]
+            others = {kind: _post(port, kind) for kind in kinds}
         finally:
             proc.terminate()
             proc.wait(timeout=60)
-    message = answer["choices"][0]["message"]
-    return {"startup_s": ready, "first_s": seconds, "answer": message.get("content")}
+    row = {"startup_s": ready, "first_s": first, "hit_s": hit, "answer": answer, "cached": cached}
+    for kind, (seconds, other_answer, other_cached) in others.items():
+        row[kind] = {"s": seconds, "answer": other_answer, "cached": other_cached}
+    return row
 
 
-def measure(ctx: Context, server: str, runs: dict[str, tuple]) -> dict[str, Any]:
+def measure(
+    ctx: Context, server: str, runs: dict[str, tuple], kinds: tuple[str, ...] = ("system",)
+) -> dict[str, Any]:
     """{label: (command line without --port, extra env, repetitions)} -> rows of first requests."""
     rows = {}
     for label, (cmd, env, n) in runs.items():
@@ -96,20 +139,34 @@ def measure(ctx: Context, server: str, runs: dict[str, tuple]) -> dict[str, Any]
         for i in range(n):
             port = _port()
             log = ctx.work / f"{server}-{len(rows)}-{i}.log"
-            got.append(first_request([*cmd, "--port", str(port)], port, log, clean_env(**env)))
-            ctx.note(f"servers: {server} {label}: first request {got[-1]['first_s']:.2f} s")
+            args = [*cmd, "--port", str(port)]
+            got.append(first_request(args, port, log, clean_env(**env), kinds))
+            ctx.note(
+                f"servers: {server} {label}: first request {got[-1]['first_s']:.2f} s, "
+                f"hit {got[-1]['hit_s']:.2f} s"
+            )
         rows[label] = {
             "first_s": stat([g["first_s"] for g in got]).as_dict(),
+            "hit_s": stat([g["hit_s"] for g in got]).as_dict(),
             "startup_s": stat([g["startup_s"] for g in got]).as_dict(),
             "answers": sorted({g["answer"] for g in got}),
+            "cached": sorted({g["cached"] for g in got}, key=str),
+            **{
+                kind: {
+                    "s": stat([g[kind]["s"] for g in got]).as_dict(),
+                    "answers": sorted({g[kind]["answer"] for g in got}),
+                    "cached": sorted({g[kind]["cached"] for g in got}, key=str),
+                }
+                for kind in kinds
+            },
         }
     return rows
 
 
-def serve(bundles: Path, server: str) -> list[str]:
-    """`build.py serve --server NAME` in the server venv."""
+def serve(bundles: Path, server: str, *options: str) -> list[str]:
+    """`build.py serve [OPTIONS] --server NAME` in the server venv."""
     python = str(VENV / "bin" / "python")
-    return [python, str(REPO / "build.py"), "--bundles", str(bundles), "serve"] + [
+    return [python, str(REPO / "build.py"), "--bundles", str(bundles), "serve", *options] + [
         "--server",
         server,
         "--model",
@@ -117,8 +174,9 @@ def serve(bundles: Path, server: str) -> list[str]:
     ]
 
 
-def vllm(ctx: Context, bundles: Path, openblas: str | None) -> dict[str, Any]:
-    """vllm-mlx: plain as installed, plain with OpenBLAS, and with bundles (serve --server)."""
+def vllm(ctx: Context, bundles: Path, empty: Path, openblas: str | None) -> dict[str, Any]:
+    """vllm-mlx: plain as installed, plain with OpenBLAS, serve with no bundle, with bundles (the
+    warm-up on and off)."""
     plain = [str(VENV / "bin" / "python"), "-m", "vllm_mlx.cli", "serve", str(MODEL)]
     # --quick leaves out the run on mlx's own BLAS: 146 s of the 11k-token prefill alone (measured)
     as_installed = {} if ctx.quick else {"cold, as installed": (plain, {}, 1)}
@@ -128,12 +186,19 @@ def vllm(ctx: Context, bundles: Path, openblas: str | None) -> dict[str, Any]:
         {
             **as_installed,
             "cold, OpenBLAS preloaded": (plain, {"LD_PRELOAD": openblas} if openblas else {}, 1),
+            "cold, serve --server vllm-mlx with no bundle": (serve(empty, "vllm-mlx"), {}, 1),
             "bundles (serve --server vllm-mlx)": (
                 serve(bundles, "vllm-mlx"),
                 {},
                 1 if ctx.quick else 3,
             ),
+            "bundles, --no-warm-up": (
+                serve(bundles, "vllm-mlx", "--no-warm-up"),
+                {},
+                1 if ctx.quick else 3,
+            ),
         },
+        kinds=("system", "anthropic"),
     )
 
 
@@ -206,7 +271,7 @@ def run(ctx: Context) -> dict[str, Any] | None:
     only = os.environ.get("BENCH_SERVERS", "vllm-mlx,mlx-omni-server,mlx-openai-server")
     result = {}
     if "vllm-mlx" in only:
-        result["vllm-mlx"] = vllm(ctx, bundles, blas_status().library)
+        result["vllm-mlx"] = vllm(ctx, bundles, empty, blas_status().library)
     if "mlx-omni-server" in only:
         result["mlx-omni-server"] = omni(ctx, bundles, empty)
     if "mlx-openai-server" in only:
@@ -217,28 +282,45 @@ def run(ctx: Context) -> dict[str, Any] | None:
 def section(result: dict[str, Any]) -> list[str]:
     """Markdown for RESULTS.md."""
     lines = [
-        "## Servers: first request with bundles vs the same server cold",
+        "## Servers: first request with bundles vs the same server cold, and vs its in-memory hit",
         "",
         "Demo model `models/demo-tiny`, support-agent prefix (11,052 tokens) plus one question, "
-        "8 tokens at temperature 0; a fresh server per run (first request after startup). "
+        "8 tokens at temperature 0; a fresh server per run: its first request after startup, the "
+        "same request again (the in-memory hit), then in the same process the request without "
+        "the tools (system only) and, on vllm-mlx, the request as Anthropic /v1/messages. "
+        "'cached' is what the server's usage reports (cached_tokens / cache_read_input_tokens). "
         "Server venv (tests/envs/make_servers_env.sh): mlx-lm 0.31.3, vllm-mlx 0.6.0, "
         "mlx-omni-server 0.5.3, mlx-openai-server 1.8.1.",
         "",
-        "| server | run | first request s | startup s | answer |",
-        "| --- | --- | --- | --- | --- |",
+        "| server | run | first request s | hit s | first / hit | startup s | cached "
+        "| system only: s, cached | Anthropic: s, cached | answer |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for server, rows in result.items():
         for label, row in rows.items():
-            first, startup = row["first_s"], row["startup_s"]
+            first, hit = row["first_s"], row["hit_s"]
             cell = f"{first['median']:.2f}" + (
                 f" ({first['min']:.2f}–{first['max']:.2f}, n={first['n']})"
                 if first["n"] > 1
                 else ""
             )
             answers = " / ".join(repr(a) for a in row["answers"])
-            lines.append(f"| {server} | {label} | {cell} | {startup['median']:.1f} | {answers} |")
+            kinds = [_kind(row.get(kind)) for kind in ("system", "anthropic")]
+            lines.append(
+                f"| {server} | {label} | {cell} | {hit['median']:.2f} | "
+                f"{ratio(first['median'], hit['median']):.2f}x | {row['startup_s']['median']:.1f} "
+                f"| {_cached(row['cached'])} | {kinds[0]} | {kinds[1]} | {answers} |"
+            )
         lines += _speedups(server, rows)
     return [*lines, ""]
+
+
+def _cached(values: list) -> str:
+    return "/".join("-" if v is None else f"{v:,}" for v in values)
+
+
+def _kind(row: dict[str, Any] | None) -> str:
+    return "" if row is None else f"{row['s']['median']:.2f}, {_cached(row['cached'])}"
 
 
 def _speedups(server: str, rows: dict[str, Any]) -> list[str]:
@@ -250,7 +332,7 @@ def _speedups(server: str, rows: dict[str, Any]) -> list[str]:
         if label.startswith("cold")
     ]
     same = len({a for row in rows.values() for a in row["answers"]}) == 1
-    return [f"| {server} | speed-up | {', '.join(parts)} | | same answer: {same} |"]
+    return [f"| {server} | speed-up | {', '.join(parts)} | | | | | | | same answer: {same} |"]
 
 
 if __name__ == "__main__":
