@@ -30,23 +30,36 @@ def lookup(
     """(cache, tokens left) for a request: the server's own entry or a pinned bundle, whichever
     serves more under the rules; `batched`: the server's path merges caches (a quantized bundle
     is handed over dequantized)."""
+    return lookup_source(server, manager, model_key, tokens, own_fetch, batched)[:2]
+
+
+def lookup_source(
+    server: str,
+    manager: PromptCacheManager,
+    model_key: str,
+    tokens: Sequence[int],
+    own_fetch: Fetch,
+    batched: bool,
+) -> tuple[Any, list[int], bool]:
+    """`lookup`, and whether the cache came from a bundle (False: the server's own or none)."""
     tokens = list(tokens)
     own, rest = at_least_one_left(own_fetch, tokens)
     covered = len(tokens) - len(rest)
     if own is not None and covered < manager.lossy_floor(model_key, tokens):
         own, rest, covered = None, tokens, 0  # may continue a lossy bundle: not this short
     hit = manager.fetch(model_key, tokens)
-    if log_request(server, hit, len(tokens), covered, batched):
+    from_bundle = log_request(server, hit, len(tokens), covered, batched)
+    if from_bundle:
         cache, rest = hit.cache, list(hit.remaining)
     else:
         cache = own
     if cache is None or not batched:
-        return cache, rest
+        return cache, rest, from_bundle
     try:  # the server's own entries too: one stored after a single-path request is quantized
-        return for_batching(cache), rest
+        return for_batching(cache), rest, from_bundle
     except NotBatchable as exc:  # none seen: every kind the validator allows converts
         log.warning("%s: prompt cache not reused on the batched path: %s", server, exc)
-        return None, tokens
+        return None, tokens, False
 
 
 def log_request(
@@ -81,4 +94,4 @@ def log_request(
     return True
 
 
-__all__ = ["Fetch", "log_request", "lookup"]
+__all__ = ["Fetch", "log_request", "lookup", "lookup_source"]

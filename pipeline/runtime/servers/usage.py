@@ -12,8 +12,10 @@ never more than the lookup handed out, 0 when no lookup served the request.
 
 from __future__ import annotations
 
+import inspect
 import json
 import threading
+import uuid
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +61,41 @@ def bind_runs(engine_class: type, method: str) -> None:
         return await original(self, bound, *args, **kwargs)
 
     setattr(engine_class, method, run)
+
+
+def bind_requests(core_class: type, scheduler_class: type) -> None:
+    """For an engine whose lookup runs when its scheduler admits a request (vllm-mlx's
+    continuous batching): core_class.add_request (async, in the request's context) files the
+    request's Reuse under its request id; scheduler_class.add_request (on the worker) binds it
+    while the request is admitted."""
+    pending: dict[str, Reuse] = {}
+    add = core_class.add_request
+    signature = inspect.signature(add)
+
+    async def add_request(self: Any, *args: Any, **kwargs: Any) -> Any:
+        reuse = CURRENT.get()
+        if reuse is None:
+            return await add(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        request_id = bound.arguments.get("request_id") or str(uuid.uuid4())
+        bound.arguments["request_id"] = request_id
+        pending[request_id] = reuse
+        try:
+            return await add(*bound.args, **bound.kwargs)
+        finally:
+            pending.pop(request_id, None)
+
+    admit = scheduler_class.add_request
+
+    def admit_request(self: Any, request: Any) -> Any:
+        _worker.reuse = pending.get(getattr(request, "request_id", None))
+        try:
+            return admit(self, request)
+        finally:
+            _worker.reuse = None
+
+    core_class.add_request = add_request
+    scheduler_class.add_request = admit_request
 
 
 def add_middleware(app: Any) -> None:

@@ -19,7 +19,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from pipeline.runtime.lookup import lookup
+from pipeline.runtime.lookup import lookup, lookup_source
 from pipeline.runtime.servers import usage
 from pipeline.runtime.servers.startup import (
     BUNDLE_KEY,
@@ -33,8 +33,6 @@ from pipeline.runtime.servers.startup import (
 log = logging.getLogger("prefix-bundles")
 SERVER = "vllm-mlx"
 UNSUPPORTED = {
-    "--continuous-batching": "its BatchedEngine keeps a MemoryAwarePrefixCache the hook does not "
-    "fill yet; run without it (the default SimpleEngine)",
     "--models-config": "serve mounts bundles for the one model folder given as --model",
     "--mllm": "bundles hold text-model caches; multimodal routing is not hooked",
 }
@@ -72,6 +70,69 @@ def pinned_trie_class(mounted: Mounted) -> type:
             return cache, rest
 
     return PinnedTrie
+
+
+BATCHED_UNSUPPORTED = {  # with --continuous-batching: prefix caches other than the one hooked
+    "--use-paged-cache": "its paged BlockAwarePrefixCache is not hooked; bundles answer through "
+    "the default memory-aware prefix cache",
+    "--no-memory-aware-cache": "its legacy PrefixCacheManager is not hooked; bundles answer through "
+    "the default memory-aware prefix cache",
+    "--disable-prefix-cache": "with no prefix cache vllm-mlx looks nothing up, bundles included",
+}
+
+
+def pinned_memory_cache_class(mounted: Mounted) -> type:
+    """vllm-mlx's MemoryAwarePrefixCache (BatchedEngine's scheduler), also answering from the
+    pinned bundles: they live outside its entries, so its LRU, memory limit and prefix-subset
+    eviction never see them, and a request gets a copy (mlx-lm's BatchGenerator merges it)."""
+    from vllm_mlx.memory_cache import MemoryAwarePrefixCache
+
+    class PinnedMemoryCache(MemoryAwarePrefixCache):
+        def fetch(self, tokens: list[int]) -> tuple[Any, list[int]]:
+            own = super().fetch
+            cache, rest, from_bundle = lookup_source(
+                SERVER, mounted.manager, BUNDLE_KEY, tokens, own, batched=True
+            )
+            if from_bundle:  # the scheduler records the match; a bundle is no entry of its own
+                self._last_match_type, self._last_matched_key = "prefix", None
+            usage.record(0 if cache is None else len(tokens) - len(rest))
+            return cache, rest
+
+    return PinnedMemoryCache
+
+
+def install_batched(mounted: Mounted) -> None:
+    """Patch vllm-mlx's continuous-batching scheduler so its prefix cache answers from bundles."""
+    from vllm_mlx import scheduler
+    from vllm_mlx.engine_core import EngineCore
+
+    scheduler.MemoryAwarePrefixCache = pinned_memory_cache_class(mounted)
+    usage.bind_requests(EngineCore, scheduler.Scheduler)
+    from vllm_mlx import server
+
+    usage.add_middleware(server.app)
+
+
+def keep_own_disk_cache_off() -> None:
+    """vllm-mlx loads its own persisted prefix cache at startup (~/.cache/vllm-mlx/prefix_cache,
+    identified by model revision and library versions, not by weights, tokenizer or template)
+    and writes it back at shutdown. Under serve neither happens: no request is served from a cache
+    the validator has not seen, and nothing derived from a bundle is written where a plain
+    vllm-mlx run would load it unchecked."""
+    from vllm_mlx import server
+
+    async def not_loaded(*args: Any, **kwargs: Any) -> None:
+        log.info(
+            "%s: its own on-disk prefix cache is not loaded under serve (it is not checked by the "
+            "validator: identified by model revision and versions, not weights or template)",
+            SERVER,
+        )
+
+    async def not_saved(*args: Any, **kwargs: Any) -> None:
+        log.info("%s: its own on-disk prefix cache is not written under serve", SERVER)
+
+    server._load_prefix_cache_from_disk = not_loaded
+    server._save_prefix_cache_to_disk = not_saved
 
 
 def install(mounted: Mounted) -> None:
@@ -219,27 +280,53 @@ async def _one_request(server: Any, body: dict[str, Any]) -> None:
     request = vllm_request(body)
     engine = server._engine
     prepared = server._prepare_chat_completion_invocation(engine, request, 1)
-    # the warm-up leaves no entry of its own behind: no trie entry, no system snapshot
-    keep, snapshots = engine._bundles_keep_entries, set(engine._system_kv_cache)
-    engine._bundles_keep_entries = False
+    restore = _leave_no_entry(engine)
     try:
         await engine.chat(messages=prepared.messages, **prepared.chat_kwargs)
     finally:
-        engine._bundles_keep_entries = keep
-        if engine._prefix_trie_cache is not None:
-            engine._prefix_trie_cache.keep_entries = keep
-        for key in set(engine._system_kv_cache) - snapshots:
-            engine._system_kv_cache.pop(key, None)
+        restore()
+
+
+def _leave_no_entry(engine: Any) -> Any:
+    """The warm-up request leaves no cache entry of its own behind: SimpleEngine stores no trie
+    entry during it and its new system snapshots are dropped after; BatchedEngine's new
+    memory-aware entries are removed after. Returns the function that restores."""
+    if hasattr(engine, "_bundles_keep_entries"):  # SimpleEngine under install()
+        keep, snapshots = engine._bundles_keep_entries, set(engine._system_kv_cache)
+        engine._bundles_keep_entries = False
+
+        def restore_simple() -> None:
+            engine._bundles_keep_entries = keep
+            if engine._prefix_trie_cache is not None:
+                engine._prefix_trie_cache.keep_entries = keep
+            for key in set(engine._system_kv_cache) - snapshots:
+                engine._system_kv_cache.pop(key, None)
+
+        return restore_simple
+    core = getattr(getattr(engine, "_engine", None), "engine", None)
+    cache = getattr(getattr(core, "scheduler", None), "memory_aware_cache", None)
+    before = set(cache._entries) if cache is not None else set()
+
+    def restore_batched() -> None:
+        if cache is not None:
+            for key in set(cache._entries) - before:
+                cache.remove(list(key))
+
+    return restore_batched
 
 
 def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
     """Mount, hook, then vllm-mlx's own `serve` command line with --model as its MODEL."""
     require("vllm_mlx", SERVER)
     refuse_options(rest, SERVER, UNSUPPORTED)
-    reason = unusable_reason(args.model, rest)
+    batched = any(a == "--continuous-batching" for a in rest)
+    if batched:
+        refuse_options(rest, f"{SERVER} --continuous-batching", BATCHED_UNSUPPORTED)
+    reason = None if batched else unusable_reason(args.model, rest)
     mounted = start(args, rest, argv, unusable=lambda b: reason)
     check_tokenization(SERVER, mounted, args.strict)
-    install(mounted)
+    keep_own_disk_cache_off()
+    (install_batched if batched else install)(mounted)
     if args.warm_up is not False:  # default on: the first trip costs far more than a hit
         warm_up_before_serving(mounted)
     from vllm_mlx.cli import main
