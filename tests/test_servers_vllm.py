@@ -66,13 +66,12 @@ def test_first_request_reuses_the_bundle_and_answers_as_a_cold_server(
 
 def test_unsupported_option_is_refused_before_anything_is_mounted(tiny_model: Path, tmp_path: Path):
     python = servers_python()
-    args = serve_args(python, tiny_model, tmp_path, 1, "--continuous-batching")
+    args = serve_args(python, tiny_model, tmp_path, 1, "--mllm")
     proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1] == (
-        "error: serve --server vllm-mlx: --continuous-batching is not supported: its "
-        "BatchedEngine keeps a MemoryAwarePrefixCache the hook does not fill yet; run without "
-        "it (the default SimpleEngine)"
+        "error: serve --server vllm-mlx: --mllm is not supported: bundles hold text-model caches; "
+        "multimodal routing is not hooked"
     )
 
 
