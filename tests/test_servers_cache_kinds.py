@@ -37,7 +37,8 @@ GROUPS = {  # model -> (architecture, config overrides, the kinds built for it)
     "gemma3": ("gemma3_text", {}, ("rotating", "rotating-8-bit")),
     "lfm2": ("lfm2", ONE_HEAD, ("hybrid", "hybrid-8-bit")),
 }
-SERVERS = ("vllm-mlx", "mlx-openai-server", "mlx-omni-server")
+# "vllm-mlx-batched": vllm-mlx --continuous-batching (its BatchedEngine, mlx-lm's BatchGenerator)
+SERVERS = ("vllm-mlx", "vllm-mlx-batched", "mlx-openai-server", "mlx-omni-server")
 # vllm-mlx 0.6.0's SimpleEngine uses no prompt cache for a model with RotatingKVCache layers (its
 # own probe): serve must say so at startup and count none as mounted
 NOT_USED = {("vllm-mlx", "gemma3")}
@@ -46,8 +47,9 @@ QUESTIONS = ("Where is my order 12345?", "When is breakfast?", "Can I renew a lo
 
 def command(server: str, python: Path, model: Path, bundles: Path, port: int) -> list[str]:
     entry = ROOT / ("tests/envs/omni_chat_app.py" if server == "mlx-omni-server" else "build.py")
-    serve = ["--bundles", str(bundles), "serve", "--server", server]
-    return [str(python), str(entry), *serve, "--model", str(model), "--port", str(port)]
+    batched = ["--continuous-batching"] if server == "vllm-mlx-batched" else []
+    serve = ["--bundles", str(bundles), "serve", "--server", server.removesuffix("-batched")]
+    return [str(python), str(entry), *serve, "--model", str(model), "--port", str(port), *batched]
 
 
 def request(model: Path, system: str | None, question: str) -> dict:
