@@ -18,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 VENV = Path(os.environ.get("PREFIX_BUNDLES_SERVERS_VENV", ROOT / ".venv-servers"))
 MAKE = "tests/envs/make_servers_env.sh"
+RAPID_VENV = Path(os.environ.get("PREFIX_BUNDLES_RAPID_VENV", ROOT / ".venv-rapid"))
 QUESTION = "Where is my order 12345?"
 
 
@@ -39,10 +40,19 @@ def body(model: Path | str, question: str = QUESTION) -> dict:
 
 def servers_python() -> Path:
     """The server venv's python; skips when it is absent, except in CI (CI=true), where it fails."""
-    python = VENV / "bin" / "python"
+    return venv_python(VENV, MAKE)
+
+
+def rapid_python() -> Path:
+    """rapid-mlx's venv's python (tests/envs/make_rapid_env.sh), skipped or failed as above."""
+    return venv_python(RAPID_VENV, "tests/envs/make_rapid_env.sh")
+
+
+def venv_python(venv: Path, make: str) -> Path:
+    python = venv / "bin" / "python"
     if python.exists():
         return python
-    why = f"no server venv at {VENV}: run {MAKE} (.ci/run does)"
+    why = f"no venv at {venv}: run {make} (.ci/run does)"
     if os.environ.get("CI") == "true":
         pytest.fail(why)
     pytest.skip(why)

@@ -12,7 +12,7 @@ from pipeline.cli.common import err
 from pipeline.cli.keys import add_trusted_key_option
 from pipeline.format.errors import PipelineError
 from pipeline.runtime.hugepages import CHOICES, DEFAULT_HUGE_PAGES
-from pipeline.runtime.servers.tokens import SERVER_NAMES
+from pipeline.runtime.servers import SERVE_NAMES
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> argparse.ArgumentParser:
@@ -27,7 +27,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> argparse.Argum
     p.add_argument("--model", required=True, help="the MLX model folder the bundles were built for")
     p.add_argument(
         "--server",
-        choices=SERVER_NAMES,
+        choices=SERVE_NAMES,
         default="mlx-lm",
         help="the server to run with the bundles in its own prompt cache (default: mlx-lm, i.e. "
         "mlx_lm.server; the others need their package: docs/servers.md)",

@@ -239,6 +239,7 @@ DEFAULT_ADDRESS = {
     "vllm-mlx": ("127.0.0.1", 8000),
     "mlx-openai-server": ("0.0.0.0", 8000),
     "mlx-omni-server": ("0.0.0.0", 10240),
+    "rapid-mlx": ("127.0.0.1", 8000),
 }
 
 

@@ -16,9 +16,11 @@ HOOKS = {
     "vllm-mlx": "pipeline.runtime.servers.vllm_mlx",
     "mlx-omni-server": "pipeline.runtime.servers.mlx_omni",
     "mlx-openai-server": "pipeline.runtime.servers.mlx_openai",
+    "rapid-mlx": "pipeline.runtime.servers.rapid_mlx",
 }
+SERVE_NAMES = ("mlx-lm", *HOOKS)  # what `serve --server` takes
 
-__all__ = ["HOOKS", "SERVER_NAMES", "run"]
+__all__ = ["HOOKS", "SERVER_NAMES", "SERVE_NAMES", "run"]
 
 
 def run(server: str, args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:

@@ -49,7 +49,8 @@ def encode_text(server: str, tokenizer: Any, text: str) -> list[int]:
         bos = getattr(tokenizer, "bos_token", None)
         add_special = bos is None or not text.startswith(bos)
         return list(tokenizer.encode(text, add_special_tokens=add_special))
-    return list(tokenizer.encode(text))  # omni, mlx-openai-server: the tokenizer's default
+    # omni, mlx-openai-server, rapid-mlx (its scheduler encodes): the tokenizer's default
+    return list(tokenizer.encode(text))
 
 
 def is_anthropic(body: dict[str, Any]) -> bool:
@@ -272,7 +273,7 @@ def request_parity(server: str, tokenizer: Any, bundle: Any, model_type: str) ->
     prefix and a user turn) through request_ids, or `parity` for a bundle that records none."""
     request = bundle.manifest.request
     ids = [int(t) for t in bundle.tokens]
-    if request is None:
+    if request is None or server not in _PATHS:  # rapid-mlx: its request code is not followed
         return parity(server, tokenizer, ids)
     messages = [m.model_dump() for m in request.messages] + [PROBE_TURN]
     tools = None if request.tools_json is None else json.loads(request.tools_json)

@@ -81,17 +81,17 @@ BATCHED_UNSUPPORTED = {  # with --continuous-batching: prefix caches other than 
 }
 
 
-def pinned_memory_cache_class(mounted: Mounted) -> type:
-    """vllm-mlx's MemoryAwarePrefixCache (BatchedEngine's scheduler), also answering from the
-    pinned bundles: they live outside its entries, so its LRU, memory limit and prefix-subset
-    eviction never see them, and a request gets a copy (mlx-lm's BatchGenerator merges it)."""
-    from vllm_mlx.memory_cache import MemoryAwarePrefixCache
+def pinned_memory_cache_class(mounted: Mounted, base: type, server: str = SERVER) -> type:
+    """`base`, vllm-mlx's MemoryAwarePrefixCache (BatchedEngine's scheduler; rapid-mlx's has the
+    same interface), also answering from the pinned bundles: they live outside its entries, so
+    its LRU, memory limit and prefix-subset eviction never see them, and a request gets a copy
+    (mlx-lm's BatchGenerator merges it)."""
 
-    class PinnedMemoryCache(MemoryAwarePrefixCache):
+    class PinnedMemoryCache(base):
         def fetch(self, tokens: list[int]) -> tuple[Any, list[int]]:
             own = super().fetch
             cache, rest, from_bundle = lookup_source(
-                SERVER, mounted.manager, BUNDLE_KEY, tokens, own, batched=True
+                server, mounted.manager, BUNDLE_KEY, tokens, own, batched=True
             )
             if from_bundle:  # the scheduler records the match; a bundle is no entry of its own
                 self._last_match_type, self._last_matched_key = "prefix", None
@@ -106,7 +106,9 @@ def install_batched(mounted: Mounted) -> None:
     from vllm_mlx import scheduler
     from vllm_mlx.engine_core import EngineCore
 
-    scheduler.MemoryAwarePrefixCache = pinned_memory_cache_class(mounted)
+    scheduler.MemoryAwarePrefixCache = pinned_memory_cache_class(
+        mounted, scheduler.MemoryAwarePrefixCache
+    )
     usage.bind_requests(EngineCore, scheduler.Scheduler)
     from vllm_mlx import server
 

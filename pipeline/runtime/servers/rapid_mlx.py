@@ -1,0 +1,87 @@
+"""`serve --server rapid-mlx`: rapid-mlx 0.16 (a vllm-mlx fork; its BatchedEngine is its only
+engine) with bundles pinned in its scheduler's prefix cache.
+
+rapid-mlx's scheduler keeps a `MemoryAwarePrefixCache` (the interface of vllm-mlx's, with a
+radix index) and looks every admitted request up in it; the hook puts a subclass there whose
+fetch also answers from the pinned bundles through the one lookup rule (batched path: mergeable
+copies; the bundles stay outside its LRU, memory limit and subset eviction). rapid-mlx reports
+the scheduler's `cached_tokens` in its usage itself. Its own prefix-cache persistence (restore
+at startup, save at shutdown, `RAPID_MLX_PREFIX_CACHE_AUTOLOAD`) is off under serve, and its
+`POST /v1/cache/import` is refused: neither may serve a request from a cache the validator has
+not seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from pipeline.runtime.servers.startup import (
+    Mounted,
+    check_tokenization,
+    refuse_options,
+    require,
+    start,
+)
+from pipeline.runtime.servers.vllm_mlx import pinned_memory_cache_class
+
+log = logging.getLogger("prefix-bundles")
+SERVER = "rapid-mlx"
+UNSUPPORTED = {
+    "--models-config": "serve mounts bundles for the one model folder given as --model",
+    "--mllm": "bundles hold text-model caches; multimodal routing is not hooked",
+    "--use-paged-cache": "its paged prefix cache is not hooked; bundles answer through the default "
+    "memory-aware prefix cache",
+    "--no-memory-aware-cache": "its legacy prefix cache is not hooked; bundles answer through the "
+    "default memory-aware prefix cache",
+    "--disable-prefix-cache": "with no prefix cache rapid-mlx looks nothing up, bundles included",
+}
+REFUSED_ROUTES = ("/v1/cache/import",)
+
+
+def install(mounted: Mounted) -> None:
+    """Patch rapid-mlx's scheduler cache; its persistence off, its cache import refused."""
+    from rapid_mlx import scheduler, server
+
+    scheduler.MemoryAwarePrefixCache = pinned_memory_cache_class(
+        mounted, scheduler.MemoryAwarePrefixCache, SERVER
+    )
+    server._automatic_prefix_cache_persistence_enabled = lambda: False
+    log.info(
+        "%s: its own on-disk prefix cache is neither restored nor saved under serve (not checked "
+        "by the validator: identified by model name, KV dtype and file metadata, not weights or "
+        "template)",
+        SERVER,
+    )
+    refuse_cache_import(server.app)
+
+
+def refuse_cache_import(app: Any) -> None:
+    """POST /v1/cache/import would put unvalidated entries in the cache requests are served from."""
+    from starlette.responses import JSONResponse
+
+    @app.middleware("http")
+    async def no_import(request: Any, call_next: Any) -> Any:
+        if request.url.path in REFUSED_ROUTES:
+            message = (
+                "refused under serve: imported cache entries are not checked by the validator; "
+                "deploy prefix bundles instead (docs/servers.md)"
+            )
+            return JSONResponse({"error": {"message": message, "type": "forbidden"}}, 403)
+        return await call_next(request)
+
+
+def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
+    """Mount, hook, then rapid-mlx's own `serve` command line with --model as its MODEL."""
+    require("rapid_mlx", SERVER)
+    refuse_options(rest, SERVER, UNSUPPORTED)
+    mounted = start(args, rest, argv)
+    check_tokenization(SERVER, mounted, args.strict)
+    install(mounted)
+    from rapid_mlx.cli import main
+
+    sys.argv = ["rapid-mlx", "serve", str(args.model), *rest]
+    main()
+    return 0
