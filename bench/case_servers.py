@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ from common import REPO, Context, clean_env, ratio, stat  # noqa: E402
 
 MODEL = REPO / "models" / "demo-tiny"
 VENV = Path(os.environ.get("PREFIX_BUNDLES_SERVERS_VENV", REPO / ".venv-servers"))
+RAPID_VENV = Path(os.environ.get("PREFIX_BUNDLES_RAPID_VENV", REPO / ".venv-rapid"))
 PREFIX = REPO / "prefixes" / "support-agent"
 QUESTION = "My 2FA codes stopped working after I changed phones. How do I get back in?"
 
@@ -202,9 +204,33 @@ def vllm(ctx: Context, bundles: Path, empty: Path, openblas: str | None) -> dict
     )
 
 
+def omni_bundles(ctx: Context) -> Path:
+    """The support-agent prefix built through omni's own request code (servers =
+    ["mlx-omni-server"]), in the server venv where omni is installed."""
+    project = ctx.work / "omni-project"
+    prefixes = project / "prefixes"
+    if prefixes.exists():
+        shutil.rmtree(prefixes)
+    shutil.copytree(REPO / "prefixes" / "support-agent", prefixes / "support-agent")
+    text = (REPO / "prefixes" / "support-agent.toml").read_text()
+    text = text.replace("[template]", 'servers = ["mlx-omni-server"]\n\n[template]', 1)
+    text = text.replace('path = "models/demo-tiny"', f"path = {json.dumps(str(MODEL))}")
+    (prefixes / "support-agent.toml").write_text(text)
+    cli = [str(VENV / "bin" / "python"), str(REPO / "build.py"), "--prefixes", str(prefixes)]
+    subprocess.run(
+        [*cli, "--bundles", str(project / "bundles"), "build", "--no-check", "support-agent"],
+        check=True,
+        cwd=project,
+        env=clean_env(),
+        capture_output=True,
+    )
+    return project / "bundles"
+
+
 def omni(ctx: Context, bundles: Path, empty: Path) -> dict[str, Any]:
     """omni's chat route (tests/envs/omni_chat_app.py: its full app needs mflux) with serve's
-    preparation, no bundle vs bundles; OpenBLAS in both."""
+    preparation, no bundle vs bundles built from the builder's rendering vs bundles built through
+    omni's own request code; OpenBLAS in all."""
     app = [str(VENV / "bin" / "python"), str(REPO / "tests" / "envs" / "omni_chat_app.py")]
 
     def cmd(folder: Path) -> list[str]:
@@ -226,7 +252,52 @@ def omni(ctx: Context, bundles: Path, empty: Path) -> dict[str, Any]:
         {
             **({} if ctx.quick else {"cold (no bundle), OpenBLAS": (cmd(empty), {}, 1)}),
             "bundles (serve --server mlx-omni-server)": (cmd(bundles), {}, 1 if ctx.quick else 3),
+            "bundles built with servers = [mlx-omni-server]": (
+                cmd(omni_bundles(ctx)),
+                {},
+                1 if ctx.quick else 3,
+            ),
         },
+    )
+
+
+def batching(ctx: Context, bundles: Path, empty: Path, openblas: str | None) -> dict[str, Any]:
+    """vllm-mlx --continuous-batching (BatchedEngine): plain with OpenBLAS, and with bundles."""
+    plain = [str(VENV / "bin" / "python"), "-m", "vllm_mlx.cli", "serve", str(MODEL)]
+    batched = ["--continuous-batching"]
+    return measure(
+        ctx,
+        "vllm-mlx --continuous-batching",
+        {
+            "cold, OpenBLAS preloaded": (
+                [*plain, *batched],
+                {"LD_PRELOAD": openblas} if openblas else {},
+                1,
+            ),
+            "bundles (serve --server vllm-mlx --continuous-batching)": (
+                [*serve(bundles, "vllm-mlx"), *batched],
+                {},
+                1 if ctx.quick else 3,
+            ),
+        },
+    )
+
+
+def rapid(ctx: Context, bundles: Path, openblas: str | None) -> dict[str, Any]:
+    """rapid-mlx (its own venv, tests/envs/make_rapid_env.sh): plain `rapid-mlx serve` with
+    OpenBLAS, and with bundles (serve --server rapid-mlx)."""
+    python = str(RAPID_VENV / "bin" / "python")
+    plain = [python, "-m", "rapid_mlx.cli", "serve", str(MODEL)]
+    with_bundles = [python, str(REPO / "build.py"), "--bundles", str(bundles), "serve"]
+    with_bundles += ["--server", "rapid-mlx", "--model", str(MODEL)]
+    return measure(
+        ctx,
+        "rapid-mlx",
+        {
+            "cold, OpenBLAS preloaded": (plain, {"LD_PRELOAD": openblas} if openblas else {}, 1),
+            "bundles (serve --server rapid-mlx)": (with_bundles, {}, 1 if ctx.quick else 3),
+        },
+        kinds=("system", "anthropic"),
     )
 
 
@@ -268,10 +339,18 @@ def run(ctx: Context) -> dict[str, Any] | None:
     )
     empty = ctx.work / "servers-none"
     empty.mkdir(exist_ok=True)
-    only = os.environ.get("BENCH_SERVERS", "vllm-mlx,mlx-omni-server,mlx-openai-server")
+    only = os.environ.get(
+        "BENCH_SERVERS", "vllm-mlx,vllm-mlx-batched,mlx-omni-server,mlx-openai-server,rapid-mlx"
+    ).split(",")
     result = {}
     if "vllm-mlx" in only:
         result["vllm-mlx"] = vllm(ctx, bundles, empty, blas_status().library)
+    if "vllm-mlx-batched" in only:
+        result["vllm-mlx --continuous-batching"] = batching(
+            ctx, bundles, empty, blas_status().library
+        )
+    if "rapid-mlx" in only and (RAPID_VENV / "bin" / "python").exists():
+        result["rapid-mlx"] = rapid(ctx, bundles, blas_status().library)
     if "mlx-omni-server" in only:
         result["mlx-omni-server"] = omni(ctx, bundles, empty)
     if "mlx-openai-server" in only:
