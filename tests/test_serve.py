@@ -503,3 +503,70 @@ def test_sighup_remounts_new_refused_and_removed_versions_while_serving(
         chat(port, "Last one?", SYSTEM + MORE)
         assert log.read_text().rstrip().count("no bundle covers") >= 1
         assert proc.poll() is None
+
+
+def admin(port: int, method: str, path: str, token: str | None = None) -> tuple[int, dict]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        method=method,
+        headers=headers,
+        data=b"" if method == "POST" else None,
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+@pytest.mark.slow
+def test_the_admin_endpoint_remounts_and_answers_with_a_json_report(
+    tiny_model: Path, tmp_path: Path
+):
+    from test_incremental import MORE, define, run_build
+
+    root = tmp_path / "project"
+    define(root, tiny_model)
+    run_build(root)
+    token = "s3cret-token-0123456789"
+    (tmp_path / "token").write_text(token + "\n")
+    admin_port = free_port()
+    extra = ("--admin-port", str(admin_port), "--admin-token-file", str(tmp_path / "token"))
+    log = tmp_path / "serve.log"
+    with server_process(tiny_model, root / "bundles", log, *extra) as (proc, port):
+        assert admin(admin_port, "POST", "/v1/bundles/remount")[0] == 401
+        assert admin(admin_port, "POST", "/v1/bundles/remount", "wrong-token-0123456")[0] == 401
+        status, listing = admin(admin_port, "GET", "/v1/bundles", token)
+        assert status == 200 and [m["name"] for m in listing["mounted"]] == ["shop@1"]
+
+        define(root, tiny_model, version=2, system=SYSTEM + MORE)
+        v2 = run_build(root)
+        status, report = admin(admin_port, "POST", "/v1/bundles/remount", token)
+        assert status == 200 and report["schema"] == "remount/1"
+        assert report["replaced"] == [{"old": "shop@1", "new": "shop@2"}]
+        assert [m["name"] for m in report["mounted"]] == ["shop@2"]
+        chat(port, "Where is my order 12345?", SYSTEM + MORE)
+        assert f"bundle shop@2 covers {v2.manifest.tokens.count} of" in log.read_text()
+
+        define(root, tiny_model, version=3, system=SYSTEM + MORE + " Be kind.")
+        v3 = run_build(root)
+        (v3.bundle / "cache.safetensors").write_bytes(b"truncated")
+        status, report = admin(admin_port, "POST", "/v1/bundles/remount", token)
+        assert status == 200 and report["refused"][0]["path"] == str(v3.bundle)
+        assert [m["name"] for m in report["mounted"]] == ["shop@2"]  # the old version stays
+        assert proc.poll() is None
+
+
+def test_an_admin_port_that_is_taken_is_one_error_line(tiny_model: Path, tmp_path: Path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        args = [sys.executable, str(ROOT / "build.py"), "serve", "--model", str(tiny_model)]
+        args += ["--bundles", str(tmp_path), "--port", str(free_port()), "--admin-port", str(port)]
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and lines[-1].startswith(
+        f"error: --admin-port {port}: cannot listen"
+    )

@@ -63,6 +63,19 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> argparse.Argum
         help="on: restart serve with GLIBC_TUNABLES=glibc.malloc.hugetlb=1, so malloc uses "
         f"transparent huge pages (Linux with glibc 2.35+; default: {DEFAULT_HUGE_PAGES})",
     )
+    p.add_argument(
+        "--admin-port",
+        type=int,
+        metavar="N",
+        help="also listen on 127.0.0.1:N for POST /v1/bundles/remount (re-read --bundles, as "
+        "SIGHUP does, answered with a JSON report) and GET /v1/bundles (default: off)",
+    )
+    p.add_argument(
+        "--admin-token-file",
+        type=Path,
+        metavar="FILE",
+        help="require 'Authorization: Bearer <the file's first line>' on the admin endpoint",
+    )
     add_trusted_key_option(p)  # each refusal is logged and serve goes on; --strict exits 1
     # unknown options belong to the server; bundles default to <model>/prefix-bundles
     p.set_defaults(func=run, passes_through=True, bundles_near_model=True)

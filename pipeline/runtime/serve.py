@@ -331,21 +331,26 @@ def mount_options(args: argparse.Namespace, chat_template: str | None) -> Callab
     return options
 
 
-def reload_on_hangup(
+def live_remount(
     args: argparse.Namespace,
     result: MountResult,
     manager: PromptCacheManager,
     options: Callable[[], dict],
     unusable: Callable[[MountedBundle], str | None],
 ) -> None:
-    """SIGHUP re-reads the bundles (`kill -HUP <pid>` after a deploy) with startup's rules and
-    options: in a thread of its own, so the server goes on answering; one log line per change. A
-    failure is logged, never fatal. Only the main thread can install the handler."""
+    """A new bundle version goes live without a restart: SIGHUP re-reads the bundles (`kill
+    -HUP <pid>` after a deploy) with startup's rules and options, in a thread of its own so the
+    server goes on answering, one log line per change, a failure logged and never fatal (only
+    the main thread can install the handler); with --admin-port, POST /v1/bundles/remount on
+    the loopback interface does the same and answers with a JSON report (pipeline.runtime.admin)."""
+    from pipeline.runtime.admin import read_token, start_admin
 
     def reload() -> MountResult:
         return mount(args.model, args.bundles, skip_refused=True, **options())
 
     remounter = Remounter(result, manager, BUNDLE_KEY, reload, unusable)
+    if getattr(args, "admin_port", None) is not None:
+        start_admin(args.admin_port, read_token(getattr(args, "admin_token_file", None)), remounter)
 
     def run() -> None:
         try:

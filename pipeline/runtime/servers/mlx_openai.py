@@ -78,8 +78,9 @@ def child_worker(model_cfg: dict[str, Any], *rest: Any) -> None:
     model = Path(options["model"])
     if Path(str(model_cfg.get("model_path", ""))).resolve() == model.resolve():
         options.update(model=model, bundles=Path(options["bundles"]))
-        if options["lockfile"] is not None:
-            options["lockfile"] = Path(options["lockfile"])
+        for key in ("lockfile", "admin_token_file"):
+            if options[key] is not None:
+                options[key] = Path(options[key])
         mounted = mount_for(argparse.Namespace(**options), template)
         install(mounted)
         log.info(
@@ -97,12 +98,23 @@ def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
     refuse_options(rest, SERVER, UNSUPPORTED)
     template_file = passed_option(rest, "--chat-template-file")
     template = Path(template_file).read_text() if template_file else None
-    mounted = start(args, rest, argv, template)
+    # the handler child serves from its own mount: SIGHUP and --admin-port are its (live)
+    mounted = start(args, rest, argv, template, live=False)
     check_tokenization(SERVER, mounted, args.strict)
     options = {
         k: str(v) if isinstance(v, Path) else v
         for k, v in vars(args).items()
-        if k in ("model", "bundles", "strict", "verify_full", "lockfile", "trusted_key")
+        if k
+        in (
+            "model",
+            "bundles",
+            "strict",
+            "verify_full",
+            "lockfile",
+            "trusted_key",
+            "admin_port",
+            "admin_token_file",
+        )
     }
     options["trusted_key"] = [str(p) for p in options.get("trusted_key") or []]
     options["chat_template"] = template

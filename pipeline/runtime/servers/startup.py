@@ -22,10 +22,10 @@ from pipeline.runtime.prompt_cache import PromptCacheManager
 from pipeline.runtime.serve import (
     check_mlx_lm,
     drop_unusable,
+    live_remount,
     log_mounts,
     mount_options,
     passed_option,
-    reload_on_hangup,
 )
 from pipeline.runtime.servers.tokens import model_type, request_parity
 
@@ -76,9 +76,11 @@ def mount_for(
     args: argparse.Namespace,
     chat_template: str | None = None,
     unusable: Callable[[MountedBundle], str | None] | None = None,
+    live: bool = True,
 ) -> Mounted:
     """Validate and mount the bundles for args.model, drop those the server would not use
-    (`unusable` says why), log them; PipelineError under --strict."""
+    (`unusable` says why), log them; PipelineError under --strict. `live`: this process serves
+    from them, so SIGHUP and --admin-port re-mount them (serve.live_remount)."""
     if args.bundles is None:
         args.bundles = model_bundles_dir(args.model)
     check_mlx_lm()
@@ -100,7 +102,8 @@ def mount_for(
         raise PipelineError(f"--strict: bundle {path} would not be used: {reason}")
     if args.strict and not result.bundles:
         raise PipelineError(f"--strict: no bundle for {args.model} was found in {args.bundles}")
-    reload_on_hangup(args, result, manager, options, unusable or (lambda b: None))
+    if live:
+        live_remount(args, result, manager, options, unusable or (lambda b: None))
     return Mounted(Path(args.model), manager, result, chat_template)
 
 
@@ -110,13 +113,14 @@ def start(
     argv: list[str],
     chat_template: str | None = None,
     unusable: Callable[[MountedBundle], str | None] | None = None,
+    live: bool = True,
 ) -> Mounted:
     """Logging, huge pages (may re-execute), then mount: the common start of every hook. The
     bundles are checked against `chat_template` (text) or the one --chat-template passes."""
     setup_logging(passed_option(rest, "--log-level"))
     ensure_huge_pages(args.huge_pages, argv)
     template = chat_template or passed_option(rest, "--chat-template")
-    return mount_for(args, template, unusable)
+    return mount_for(args, template, unusable, live)
 
 
 def check_tokenization(server: str, mounted: Mounted, strict: bool) -> dict[str, int]:

@@ -1,0 +1,135 @@
+"""The opt-in admin endpoint of `serve --admin-port N`: re-mount the bundles over HTTP.
+
+A small HTTP server of its own on the loopback interface only (whatever server serve wraps, and
+whatever address that server listens on), in a daemon thread:
+
+  POST /v1/bundles/remount   re-read --bundles as SIGHUP does; 200 with the JSON report
+  GET  /v1/bundles           what is mounted; 200 with {"schema": "bundles/1", "mounted": [...]}
+
+With --admin-token-file F every request must carry `Authorization: Bearer <the file's first
+line>` (401 otherwise). A failed remount answers 500 with its error; what was mounted stays.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from pipeline.format.errors import PipelineError
+from pipeline.runtime.remount import Changes, Remounter
+
+log = logging.getLogger("prefix-bundles")
+HOST = "127.0.0.1"
+
+
+def report(changes: Changes, remounter: Remounter) -> dict[str, Any]:
+    """The remount's JSON report (schema remount/1)."""
+    return {
+        "schema": "remount/1",
+        "added": changes.added,
+        "replaced": [{"old": a, "new": b} for a, b in changes.replaced],
+        "removed": changes.removed,
+        "kept": changes.kept,
+        "refused": [{"path": str(r.path), "reason": r.reason} for r in changes.refused],
+        "unused": [{"path": str(p), "reason": why} for p, why in changes.unused],
+        "mounted": mounted(remounter),
+    }
+
+
+def mounted(remounter: Remounter) -> list[dict[str, Any]]:
+    return [
+        {"name": b.name, "tokens": len(b.tokens), "path": str(b.path)}
+        for b in sorted(remounter.current.values(), key=lambda b: b.name)
+    ]
+
+
+def read_token(path: Path | None) -> str | None:
+    """The admin token: the file's first line; PipelineError naming the file when unusable."""
+    if path is None:
+        return None
+    try:
+        token = Path(path).read_text().strip().splitlines()[0].strip()
+    except (OSError, UnicodeDecodeError, IndexError) as exc:
+        raise PipelineError(
+            f"--admin-token-file {path}: cannot read a token from it ({exc.__class__.__name__}); "
+            "write one line of at least 16 characters"
+        ) from None
+    if len(token) < 16:
+        raise PipelineError(
+            f"--admin-token-file {path}: the token is {len(token)} characters; use at least 16"
+        )
+    return token
+
+
+def start_admin(port: int, token: str | None, remounter: Remounter) -> ThreadingHTTPServer:
+    """Serve the admin endpoint on HOST:port in a daemon thread; PipelineError if it cannot bind."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+            log.info("admin: %s", format % args)
+
+        def _answer(self, status: int, body: dict[str, Any]) -> None:
+            data = (json.dumps(body, indent=2) + "\n").encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _allowed(self) -> bool:
+            if token is None:
+                return True
+            given = self.headers.get("Authorization", "")
+            if hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                return True
+            self._answer(401, {"error": "missing or wrong Authorization: Bearer <token>"})
+            return False
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            if not self._allowed():
+                return
+            if self.path.rstrip("/") != "/v1/bundles":
+                self._answer(404, {"error": f"no {self.path}; GET /v1/bundles"})
+                return
+            self._answer(200, {"schema": "bundles/1", "mounted": mounted(remounter)})
+
+        def do_POST(self) -> None:  # noqa: N802
+            if not self._allowed():
+                return
+            if self.path.rstrip("/") != "/v1/bundles/remount":
+                self._answer(404, {"error": f"no {self.path}; POST /v1/bundles/remount"})
+                return
+            try:
+                changes = remounter.remount()
+            except Exception as exc:  # noqa: BLE001 - a failed remount leaves what was mounted
+                log.error("remount failed (%s); the mounted bundles stay", exc)
+                self._answer(500, {"error": f"remount failed: {exc}; the mounted bundles stay"})
+                return
+            for line in changes.lines():
+                log.info("%s", line)
+            self._answer(200, report(changes, remounter))
+
+    try:
+        httpd = ThreadingHTTPServer((HOST, port), Handler)
+    except OSError as exc:
+        raise PipelineError(
+            f"--admin-port {port}: cannot listen on {HOST}:{port} ({exc.strerror}); choose a free "
+            "port"
+        ) from None
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, name="prefix-bundles-admin", daemon=True).start()
+    log.info(
+        "admin endpoint on http://%s:%d (POST /v1/bundles/remount, GET /v1/bundles)%s",
+        HOST,
+        port,
+        "; a bearer token is required" if token else "",
+    )
+    return httpd
+
+
+__all__ = ["read_token", "report", "start_admin"]
