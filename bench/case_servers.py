@@ -1,5 +1,6 @@
 """Case servers: each non-default server's first request with bundles (`serve --server NAME`) vs the
-same server's first request cold and vs its in-memory hit (the same request again), on the demo's
+same server's first request cold and vs its in-memory hit (the next question on the same prefix), on
+the demo's
 support-agent prefix (11,052 tokens), same answer; then, in the same process, the request with the
 system prompt only (no tools: it shares part of the bundle) and, on vllm-mlx, the same prefix as
 an Anthropic /v1/messages request, with the tokens each reused (the server's usage fields).
@@ -32,18 +33,23 @@ VENV = Path(os.environ.get("PREFIX_BUNDLES_SERVERS_VENV", REPO / ".venv-servers"
 RAPID_VENV = Path(os.environ.get("PREFIX_BUNDLES_RAPID_VENV", REPO / ".venv-rapid"))
 PREFIX = REPO / "prefixes" / "support-agent"
 QUESTION = "My 2FA codes stopped working after I changed phones. How do I get back in?"
+# the in-memory hit: the next client's question on the same prefix (a warm server has the prefix,
+# never this question); about the same length as QUESTION
+NEXT_QUESTION = "I was charged twice for my annual plan this month. Can you refund one of them?"
 
 
 def request_body(kind: str = "full") -> dict[str, Any]:
-    """The support-agent prefix (system text + 8 tools) and one question, temperature 0; "system"
-    leaves the tools out; "anthropic" is the same request as an Anthropic messages body."""
+    """The support-agent prefix (system text + 8 tools) and one question, temperature 0; "next"
+    asks the next question instead; "system" leaves the tools out; "anthropic" is the same request
+    as an Anthropic messages body."""
+    question = NEXT_QUESTION if kind == "next" else QUESTION
     system = (PREFIX / "system.md").read_text()
     tools = json.loads((PREFIX / "tools.json").read_text())
     if kind == "anthropic":
         return {
             "model": str(MODEL),
             "system": [{"type": "text", "text": system, "cache_control": {"type": "ephemeral"}}],
-            "messages": [{"role": "user", "content": QUESTION}],
+            "messages": [{"role": "user", "content": question}],
             "tools": [
                 {
                     "name": t["function"]["name"],
@@ -59,7 +65,7 @@ def request_body(kind: str = "full") -> dict[str, Any]:
         "model": str(MODEL),
         "messages": [
             {"role": "system", "content": system},
-            {"role": "user", "content": QUESTION},
+            {"role": "user", "content": question},
         ],
         "max_tokens": 8,
         "temperature": 0.0,
@@ -111,8 +117,10 @@ def _ready(port: int, proc: subprocess.Popen, timeout: float = 300) -> None:
 def first_request(
     args: list[str], port: int, log: Path, env: dict[str, str], kinds: tuple[str, ...]
 ) -> dict[str, Any]:
-    """Start a server, time startup, its first request, the same request again (the in-memory
-    hit), then one request of each other kind; stop it by its pid."""
+    """Start a server, time startup, its first request, the next question on the same prefix (the
+    in-memory hit: what a warm server costs a new client), the first request again (a repeat: the
+    whole prompt is in memory, which no prefix cache can give a new question), then one request of
+    each other kind; stop it by its pid."""
     start = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
@@ -120,12 +128,14 @@ def first_request(
             _ready(port, proc)
             ready = time.perf_counter() - start
             first, answer, cached = _post(port, "full")
-            hit = _post(port, "full")[0]
+            hit = _post(port, "next")[0]
+            repeat = _post(port, "full")[0]
             others = {kind: _post(port, kind) for kind in kinds}
         finally:
             proc.terminate()
             proc.wait(timeout=60)
-    row = {"startup_s": ready, "first_s": first, "hit_s": hit, "answer": answer, "cached": cached}
+    row = {"startup_s": ready, "first_s": first, "hit_s": hit, "repeat_s": repeat}
+    row |= {"answer": answer, "cached": cached}
     for kind, (seconds, other_answer, other_cached) in others.items():
         row[kind] = {"s": seconds, "answer": other_answer, "cached": other_cached}
     return row
@@ -142,14 +152,21 @@ def measure(
             port = _port()
             log = ctx.work / f"{server}-{len(rows)}-{i}.log"
             args = [*cmd, "--port", str(port)]
+            # a fresh HOME per run: vllm-mlx and rapid-mlx load their own on-disk prefix caches
+            # (~/.cache/...) saved by an earlier run, which would make a cold run warm
+            home = ctx.work / "home"
+            shutil.rmtree(home, ignore_errors=True)
+            home.mkdir()
+            env = {"HOME": str(home), **env}
             got.append(first_request(args, port, log, clean_env(**env), kinds))
             ctx.note(
                 f"servers: {server} {label}: first request {got[-1]['first_s']:.2f} s, "
-                f"hit {got[-1]['hit_s']:.2f} s"
+                f"hit {got[-1]['hit_s']:.2f} s, repeat {got[-1]['repeat_s']:.2f} s"
             )
         rows[label] = {
             "first_s": stat([g["first_s"] for g in got]).as_dict(),
             "hit_s": stat([g["hit_s"] for g in got]).as_dict(),
+            "repeat_s": stat([g["repeat_s"] for g in got]).as_dict(),
             "startup_s": stat([g["startup_s"] for g in got]).as_dict(),
             "answers": sorted({g["answer"] for g in got}),
             "cached": sorted({g["cached"] for g in got}, key=str),
@@ -165,15 +182,29 @@ def measure(
     return rows
 
 
-def serve(bundles: Path, server: str, *options: str) -> list[str]:
-    """`build.py serve [OPTIONS] --server NAME` in the server venv."""
+def serve(bundles: Path, server: str | None, *options: str) -> list[str]:
+    """`build.py serve [OPTIONS] [--server NAME]` in the server venv (no NAME: mlx_lm.server)."""
     python = str(VENV / "bin" / "python")
-    return [python, str(REPO / "build.py"), "--bundles", str(bundles), "serve", *options] + [
-        "--server",
-        server,
-        "--model",
-        str(MODEL),
-    ]
+    named = [] if server is None else ["--server", server]
+    cli = [python, str(REPO / "build.py"), "--bundles", str(bundles), "serve", *options]
+    return [*cli, *named, "--model", str(MODEL)]
+
+
+def mlx_lm(ctx: Context, bundles: Path, empty: Path, openblas: str | None) -> dict[str, Any]:
+    """mlx_lm.server: plain with OpenBLAS, serve with no bundle, with bundles (the warm-up on,
+    the default, and off)."""
+    plain = [str(VENV / "bin" / "python"), "-m", "mlx_lm", "server", "--model", str(MODEL)]
+    n = 1 if ctx.quick else 3
+    return measure(
+        ctx,
+        "mlx_lm.server",
+        {
+            "cold, OpenBLAS preloaded": (plain, {"LD_PRELOAD": openblas} if openblas else {}, 1),
+            **({} if ctx.quick else {"cold, serve with no bundle": (serve(empty, None), {}, 1)}),
+            "bundles (serve)": (serve(bundles, None), {}, n),
+            "bundles, --no-warm-up": (serve(bundles, None, "--no-warm-up"), {}, n),
+        },
+    )
 
 
 def vllm(ctx: Context, bundles: Path, empty: Path, openblas: str | None) -> dict[str, Any]:
@@ -231,15 +262,17 @@ def omni(ctx: Context, bundles: Path, empty: Path) -> dict[str, Any]:
     """omni's chat route (tests/envs/omni_chat_app.py: its full app needs mflux) with serve's
     preparation, no bundle vs bundles built from the builder's rendering vs bundles built through
     omni's own request code; OpenBLAS in all."""
+    own = omni_bundles(ctx)
     app = [str(VENV / "bin" / "python"), str(REPO / "tests" / "envs" / "omni_chat_app.py")]
 
-    def cmd(folder: Path) -> list[str]:
+    def cmd(folder: Path, *options: str) -> list[str]:
         # the app takes PORT first: measure() appends --port P, so it is passed as an option here
         return [
             *app,
             "--bundles",
             str(folder),
             "serve",
+            *options,
             "--server",
             "mlx-omni-server",
             "--model",
@@ -253,10 +286,11 @@ def omni(ctx: Context, bundles: Path, empty: Path) -> dict[str, Any]:
             **({} if ctx.quick else {"cold (no bundle), OpenBLAS": (cmd(empty), {}, 1)}),
             "bundles (serve --server mlx-omni-server)": (cmd(bundles), {}, 1 if ctx.quick else 3),
             "bundles built with servers = [mlx-omni-server]": (
-                cmd(omni_bundles(ctx)),
+                cmd(own),
                 {},
                 1 if ctx.quick else 3,
             ),
+            "the same, --no-warm-up": (cmd(own, "--no-warm-up"), {}, 1 if ctx.quick else 3),
         },
     )
 
@@ -279,6 +313,11 @@ def batching(ctx: Context, bundles: Path, empty: Path, openblas: str | None) -> 
                 {},
                 1 if ctx.quick else 3,
             ),
+            "bundles, --no-warm-up": (
+                [*serve(bundles, "vllm-mlx", "--no-warm-up"), *batched],
+                {},
+                1 if ctx.quick else 3,
+            ),
         },
     )
 
@@ -289,13 +328,22 @@ def rapid(ctx: Context, bundles: Path, openblas: str | None) -> dict[str, Any]:
     python = str(RAPID_VENV / "bin" / "python")
     plain = [python, "-m", "rapid_mlx.cli", "serve", str(MODEL)]
     with_bundles = [python, str(REPO / "build.py"), "--bundles", str(bundles), "serve"]
-    with_bundles += ["--server", "rapid-mlx", "--model", str(MODEL)]
+    named = ["--server", "rapid-mlx", "--model", str(MODEL)]
     return measure(
         ctx,
         "rapid-mlx",
         {
             "cold, OpenBLAS preloaded": (plain, {"LD_PRELOAD": openblas} if openblas else {}, 1),
-            "bundles (serve --server rapid-mlx)": (with_bundles, {}, 1 if ctx.quick else 3),
+            "bundles (serve --server rapid-mlx)": (
+                [*with_bundles, *named],
+                {},
+                1 if ctx.quick else 3,
+            ),
+            "bundles, --no-warm-up": (
+                [*with_bundles, "--no-warm-up", *named],
+                {},
+                1 if ctx.quick else 3,
+            ),
         },
         kinds=("system", "anthropic"),
     )
@@ -314,6 +362,11 @@ def openai(ctx: Context, bundles: Path, empty: Path) -> dict[str, Any]:
             ),
             "bundles (serve --server mlx-openai-server)": (
                 serve(bundles, "mlx-openai-server"),
+                {},
+                1 if ctx.quick else 3,
+            ),
+            "bundles, --no-warm-up": (
+                serve(bundles, "mlx-openai-server", "--no-warm-up"),
                 {},
                 1 if ctx.quick else 3,
             ),
@@ -340,9 +393,12 @@ def run(ctx: Context) -> dict[str, Any] | None:
     empty = ctx.work / "servers-none"
     empty.mkdir(exist_ok=True)
     only = os.environ.get(
-        "BENCH_SERVERS", "vllm-mlx,vllm-mlx-batched,mlx-omni-server,mlx-openai-server,rapid-mlx"
+        "BENCH_SERVERS",
+        "mlx_lm.server,vllm-mlx,vllm-mlx-batched,mlx-omni-server,mlx-openai-server,rapid-mlx",
     ).split(",")
     result = {}
+    if "mlx_lm.server" in only:
+        result["mlx_lm.server"] = mlx_lm(ctx, bundles, empty, blas_status().library)
     if "vllm-mlx" in only:
         result["vllm-mlx"] = vllm(ctx, bundles, empty, blas_status().library)
     if "vllm-mlx-batched" in only:
@@ -365,15 +421,17 @@ def section(result: dict[str, Any]) -> list[str]:
         "",
         "Demo model `models/demo-tiny`, support-agent prefix (11,052 tokens) plus one question, "
         "8 tokens at temperature 0; a fresh server per run: its first request after startup, the "
-        "same request again (the in-memory hit), then in the same process the request without "
+        "next question on the same prefix (the in-memory hit: what a warm server costs a new "
+        "client), the first request again (repeat: its whole prompt is in memory, which no "
+        "prefix cache gives a new question), then in the same process the request without "
         "the tools (system only) and, on vllm-mlx, the request as Anthropic /v1/messages. "
         "'cached' is what the server's usage reports (cached_tokens / cache_read_input_tokens). "
         "Server venv (tests/envs/make_servers_env.sh): mlx-lm 0.31.3, vllm-mlx 0.6.0, "
         "mlx-omni-server 0.5.3, mlx-openai-server 1.8.1.",
         "",
-        "| server | run | first request s | hit s | first / hit | startup s | cached "
+        "| server | run | first request s | hit s | first / hit | repeat s | startup s | cached "
         "| system only: s, cached | Anthropic: s, cached | answer |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for server, rows in result.items():
         for label, row in rows.items():
@@ -387,7 +445,8 @@ def section(result: dict[str, Any]) -> list[str]:
             kinds = [_kind(row.get(kind)) for kind in ("system", "anthropic")]
             lines.append(
                 f"| {server} | {label} | {cell} | {hit['median']:.2f} | "
-                f"{ratio(first['median'], hit['median']):.2f}x | {row['startup_s']['median']:.1f} "
+                f"{ratio(first['median'], hit['median']):.2f}x | {row['repeat_s']['median']:.2f} "
+                f"| {row['startup_s']['median']:.1f} "
                 f"| {_cached(row['cached'])} | {kinds[0]} | {kinds[1]} | {answers} |"
             )
         lines += _speedups(server, rows)
@@ -411,7 +470,7 @@ def _speedups(server: str, rows: dict[str, Any]) -> list[str]:
         if label.startswith("cold")
     ]
     same = len({a for row in rows.values() for a in row["answers"]}) == 1
-    return [f"| {server} | speed-up | {', '.join(parts)} | | | | | | | same answer: {same} |"]
+    return [f"| {server} | speed-up | {', '.join(parts)} | | | | | | | | same answer: {same} |"]
 
 
 if __name__ == "__main__":

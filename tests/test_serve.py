@@ -116,7 +116,7 @@ def test_first_request_after_start_is_warm_and_equals_cold(
         warm = chat(port, "Where is my order 12345?")
     log = (tmp_path / "warm.log").read_text()
     assert "mounted shop@1" in log and "1 bundle(s) mounted, 0 refused" in log
-    assert "warmed up" not in log  # off by default
+    assert "warmed up from shop@1" in log  # on by default
     assert cached(warm) >= prefix_tokens - 1
 
     empty = tmp_path / "no-bundles"
@@ -133,10 +133,10 @@ def test_first_request_after_start_is_warm_and_equals_cold(
     assert cached(again) >= prefix_tokens - 1 and again["choices"] == warm["choices"]
     assert cached(later) >= prefix_tokens - 1
 
-    with server_process(tiny_model, bundles, tmp_path / "hot.log", "--warm-up") as (_, port):
-        warmed = chat(port, "Where is my order 12345?")
-    assert "warmed up from shop@1" in (tmp_path / "hot.log").read_text()
-    assert warmed["choices"] == warm["choices"] and cached(warmed) == cached(warm)
+    with server_process(tiny_model, bundles, tmp_path / "cool.log", "--no-warm-up") as (_, port):
+        unwarmed = chat(port, "Where is my order 12345?")
+    assert "warmed up" not in (tmp_path / "cool.log").read_text()
+    assert unwarmed["choices"] == warm["choices"] and cached(unwarmed) == cached(warm)
 
 
 @pytest.mark.slow

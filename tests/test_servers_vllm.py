@@ -47,7 +47,7 @@ def test_first_request_reuses_the_bundle_and_answers_as_a_cold_server(
     covered = [int(n) for n in re.findall(r"bundle shop@1 covers (\d+) of \d+ prompt tokens", log)]
     # serve's warm-up before the port opened, then both requests, the first one included
     assert covered == [manifest.tokens.count] * 3
-    assert "warmed up vllm-mlx's generation path with shop@1's request" in log
+    assert "vllm-mlx: warmed up its generation path with shop@1's request" in log
     assert "Prefix trie cache HIT" in log  # vllm-mlx's own lookup took the bundle
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == manifest.tokens.count
 
@@ -101,7 +101,7 @@ def test_with_prefix_trie_cache_the_servers_own_entries_work_next_to_the_bundle(
     with running(args, port, tmp_path / "trie.log"):
         first, _ = chat(port, body(tiny_model))
         second, _ = chat(port, body(tiny_model))
-    log = (tmp_path / "trie.log").read_text().split("warmed up vllm-mlx's generation path")[1]
+    log = (tmp_path / "trie.log").read_text().split("vllm-mlx: warmed up its generation path")[1]
     lines = re.findall(r"vllm-mlx request: bundle shop@1 covers .*", log)  # the warm-up's: none
     assert len(lines) == 2 and "the server's own cache" not in lines[0]
     # vllm-mlx 0.6.0 keys its trie by the (unhashable) model: under serve its own entry is found
@@ -119,7 +119,7 @@ def test_a_request_sharing_only_the_system_prompt_reuses_the_shared_part(
     args = serve_args(python, tiny_model, shop_bundle.parents[2], port)
     with running(args, port, tmp_path / "warm.log"):
         warm, _ = chat(port, no_tools)
-    log = (tmp_path / "warm.log").read_text().split("warmed up vllm-mlx's generation path")[1]
+    log = (tmp_path / "warm.log").read_text().split("vllm-mlx: warmed up its generation path")[1]
     covered = [int(n) for n in re.findall(r"bundle shop@1 covers (\d+) of \d+ prompt tokens", log)]
     assert len(covered) == 1 and covered[0] > 0, log[-3000:]
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == covered[0]
@@ -180,7 +180,7 @@ def test_a_claude_code_shaped_messages_request_is_warm_on_the_first_request(
         warm = messages(port, asked)
     log = (tmp_path / "w.log").read_text()
     assert "requests will reuse at most" not in log
-    log = log.split("warmed up vllm-mlx's generation path")[1]
+    log = log.split("vllm-mlx: warmed up its generation path")[1]
     covered = [int(n) for n in re.findall(r"bundle cc@1 covers (\d+) of \d+ prompt tokens", log)]
     assert covered == [manifest.tokens.count], log[-3000:]
     assert warm["usage"]["cache_read_input_tokens"] == manifest.tokens.count

@@ -56,7 +56,7 @@ def test_batched_requests_reuse_the_pinned_bundle_and_answer_as_a_cold_server(
     assert "its own on-disk prefix cache is not loaded under serve" in log
     assert "its own on-disk prefix cache is not written under serve" in log
     assert sorted(p.name for p in own.parent.iterdir()) == ["stale"]
-    served = covered(log.split("warmed up vllm-mlx's generation path")[1])
+    served = covered(log.split("vllm-mlx: warmed up its generation path")[1])
     assert served[0] == count and len(served) == 2 * len(QUESTIONS) + 1
     assert together[0]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert [r["choices"][0]["message"] for r in together] == [

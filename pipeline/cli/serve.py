@@ -46,10 +46,10 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> argparse.Argum
         "--warm-up",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="after loading the model and before the first request, warm the server's generation "
-        "path from the longest mounted bundle (default: on for vllm-mlx, whose first trip costs "
-        "seconds more than a hit; off for mlx_lm.server, where it cost more at startup than it "
-        "saved on a 2-core CPU: bench/README.md)",
+        help="after loading the model and before the port opens, send the longest mounted "
+        "bundle's request through the server's own generation path once (mlx_lm.server: one decode "
+        "step from it), so the first client pays what an in-memory hit costs; it leaves no cache "
+        "entry behind (default: on; --no-warm-up skips it)",
     )
     p.add_argument(
         "--lockfile",

@@ -193,7 +193,7 @@ def warming_model_provider_class(manager: PromptCacheManager, enabled: bool) -> 
             if source is not None:
                 log.info(
                     "warmed up from %s in %.1f ms (the first request now costs what an "
-                    "in-memory hit costs)",
+                    "in-memory hit costs; --no-warm-up skips it)",
                     source.removeprefix("bundle:"),
                     (time.perf_counter() - start) * 1000,
                 )
@@ -397,7 +397,8 @@ def serve(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
 
     death = GenerationDeath()
     server.LRUPromptCache = bundled_prompt_cache_class(manager, args.model)
-    server.ModelProvider = warming_model_provider_class(manager, args.warm_up)
+    # default on (bench case servers: first request / hit 1.35x without, 0.92x with)
+    server.ModelProvider = warming_model_provider_class(manager, args.warm_up is not False)
     server.ResponseGenerator = guarded_response_generator_class(death)
     server.scan_cache_dir = hub_cache_or_none(server.scan_cache_dir)
     sys.argv = ["mlx_lm.server", "--model", args.model, *rest]

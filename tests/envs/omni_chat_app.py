@@ -21,16 +21,17 @@ def main() -> None:
     from mlx_omni_server.chat.openai.router import router
 
     from pipeline.cli import parse_args
-    from pipeline.runtime.servers.mlx_omni import prepare
+    from pipeline.runtime.servers.mlx_omni import prepare, warm_up_app
     from pipeline.runtime.servers.startup import passed_option
 
     args = parse_args(sys.argv[1:])
     port = int(passed_option(args.passthrough, "--port") or 10240)  # omni's default port
-    prepare(args, args.passthrough, sys.argv[1:])
+    mounted = prepare(args, args.passthrough, sys.argv[1:])
     app = FastAPI()
     app.include_router(router)
     app.include_router(models_router)
     app.get("/health")(lambda: {"status": "ok"})
+    warm_up_app(app, mounted, args)
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.format.errors import PipelineError
+from pipeline.runtime.servers import warm_up
 from pipeline.runtime.servers.startup import (
     BUNDLE_KEY,
     Mounted,
@@ -74,6 +75,10 @@ def pinned_pool_class(mounted: Mounted) -> type:
             kept = list(prompt_tokens[: hit.cache_hit_tokens])
             return PromptCache(tokens=kept, cache=hit.cache, model_key=model_key)
 
+        def put_cache(self, cache: Any) -> None:
+            if not warm_up.WARMING.is_set():  # the warm-up request leaves no entry
+                super().put_cache(cache)
+
     return PinnedPromptCachePool
 
 
@@ -109,10 +114,22 @@ def prepare(args: argparse.Namespace, rest: list[str], argv: list[str]) -> Mount
     return mounted
 
 
+def warm_up_app(app: Any, mounted: Mounted, args: argparse.Namespace) -> None:
+    """Before the port opens: omni loads the model (it would on the first request naming it) and
+    runs the longest bundle's request through its chat route (servers/warm_up.py). The request
+    names the model as --model gives it; a client that spells the folder differently gets a
+    ChatGenerator of its own from omni, loaded on its first request."""
+    if args.warm_up is not False:  # default on (bench: first request / hit)
+        warm_up.through_app(app, SERVER, mounted, str(args.model))
+
+
 def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
     """Mount, hook, then mlx-omni-server's own command line (models load per request)."""
-    prepare(args, rest, argv)
+    mounted = prepare(args, rest, argv)
+    from mlx_omni_server.main import app
     from mlx_omni_server.main import start as omni_start
+
+    warm_up_app(app, mounted, args)
 
     sys.argv = ["mlx-omni-server", *rest]
     omni_start()

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.runtime.lookup import lookup
+from pipeline.runtime.servers import warm_up
 from pipeline.runtime.servers.startup import (
     BUNDLE_KEY,
     Mounted,
@@ -47,9 +48,18 @@ def pinned_cache_class(mounted: Mounted) -> type:
     from app.utils.prompt_cache import LRUPromptCache
 
     class PinnedPromptCache(LRUPromptCache):
+        warmed_up = False  # entries of the warm-up request to drop at the first client's lookup
+
         def fetch_nearest_cache(
             self, tokens_ids: list[int], *, allowed_sources: set[str] | None = None
         ) -> tuple[list[Any] | None, list[int]]:
+            if warm_up.WARMING.is_set():
+                type(self).warmed_up = True
+            elif type(self).warmed_up:
+                # its batch scheduler stores a finished request's cache on its own thread, after
+                # the response: whatever the cache holds before the first client is the warm-up's
+                type(self).warmed_up = False
+                self.clear()
             own = super().fetch_nearest_cache
             fetch = lambda t: own(t, allowed_sources=allowed_sources)  # noqa: E731
             # its handler generates through mlx-lm's BatchGenerator, which merges every layer
@@ -89,7 +99,31 @@ def child_worker(model_cfg: dict[str, Any], *rest: Any) -> None:
             len(mounted.result.bundles),
             os.getpid(),
         )
+        if options["warm_up"] is not False:  # default on (bench: first request / hit)
+            warm_up_handler(mounted, model_cfg.get("served_model_name") or str(model))
     handler_process._handler_worker(model_cfg, *rest)  # the child's module is not patched
+
+
+def warm_up_handler(mounted: Mounted, model: str) -> None:
+    """Once the handler has loaded the model, and before the child reports ready (the parent opens
+    its port after): the longest bundle's request through the handler's own text path, the one
+    the parent's chat route calls (servers/warm_up.py)."""
+    from app.handler.mlx_lm import MLXLMHandler
+    from app.schemas.openai import ChatCompletionRequest
+
+    bundle = warm_up.longest_recorded(mounted)
+    if bundle is None:
+        return
+    original = MLXLMHandler.initialize
+
+    async def initialize(self: Any, *args: Any, **kwargs: Any) -> Any:
+        ready = await original(self, *args, **kwargs)
+        body = warm_up.body_of(bundle, model, "openai")
+        request = lambda: self.generate_text_response(ChatCompletionRequest(**body))  # noqa: E731
+        await warm_up.run_logged(SERVER, bundle, request)
+        return ready
+
+    MLXLMHandler.initialize = initialize
 
 
 def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
@@ -114,6 +148,7 @@ def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
             "trusted_key",
             "admin_port",
             "admin_token_file",
+            "warm_up",
         )
     }
     options["trusted_key"] = [str(p) for p in options.get("trusted_key") or []]

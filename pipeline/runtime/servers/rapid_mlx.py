@@ -18,9 +18,11 @@ import logging
 import sys
 from typing import Any
 
+from pipeline.runtime.servers import warm_up
 from pipeline.runtime.servers.startup import (
     Mounted,
     check_tokenization,
+    passed_option,
     refuse_options,
     require,
     start,
@@ -80,6 +82,12 @@ def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
     mounted = start(args, rest, argv)
     check_tokenization(SERVER, mounted, args.strict)
     install(mounted)
+    if args.warm_up is not False:  # default on (bench: first request / hit)
+        from rapid_mlx import server
+
+        model = passed_option(rest, "--served-model-name") or str(args.model)
+        headers = warm_up.api_key_headers(passed_option(rest, "--api-key"))
+        warm_up.through_app(server.app, SERVER, mounted, model, headers)
     from rapid_mlx.cli import main
 
     sys.argv = ["rapid-mlx", "serve", str(args.model), *rest]

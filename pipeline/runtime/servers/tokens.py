@@ -33,6 +33,7 @@ from pipeline.format.manifest import ServerName
 
 SERVER_NAMES: tuple[str, ...] = get_args(ServerName)
 ANTHROPIC_SERVERS = ("vllm-mlx",)  # servers whose /v1/messages route request_ids follows
+ANTHROPIC_ROUTES = ("vllm-mlx", "rapid-mlx")  # servers that serve /v1/messages at all
 PACKAGES = {
     "mlx-lm": "mlx_lm.server",
     "vllm-mlx": "vllm_mlx.server",

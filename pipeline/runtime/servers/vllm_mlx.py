@@ -14,17 +14,16 @@ import argparse
 import dataclasses
 import logging
 import sys
-import time
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 from pipeline.runtime.lookup import lookup, lookup_source
-from pipeline.runtime.servers import usage
+from pipeline.runtime.servers import usage, warm_up
 from pipeline.runtime.servers.startup import (
     BUNDLE_KEY,
     Mounted,
     check_tokenization,
+    passed_option,
     refuse_options,
     require,
     start,
@@ -58,7 +57,7 @@ def pinned_trie_class(mounted: Mounted) -> type:
             return super().__len__() + len(mounted.result.bundles)
 
         def insert_cache(self, model: Any, tokens: list[int], prompt_cache: Any, **kw: Any) -> None:
-            if self.keep_entries:
+            if self.keep_entries and not warm_up.WARMING.is_set():
                 super().insert_cache(self.key(model), tokens, prompt_cache, **kw)
 
         def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
@@ -97,6 +96,11 @@ def pinned_memory_cache_class(mounted: Mounted, base: type, server: str = SERVER
                 self._last_match_type, self._last_matched_key = "prefix", None
             usage.record(0 if cache is None else len(tokens) - len(rest))
             return cache, rest
+
+        def store(self, *args: Any, **kwargs: Any) -> Any:
+            if warm_up.WARMING.is_set():  # the warm-up request leaves no entry
+                return False
+            return super().store(*args, **kwargs)
 
     return PinnedMemoryCache
 
@@ -229,92 +233,20 @@ def unusable_reason(model: Path, rest: list[str]) -> str | None:
     return None
 
 
-def warm_up_before_serving(mounted: Mounted) -> None:
-    """Once vllm-mlx's lifespan has loaded the engine, and before the port opens: one request of
-    the longest bundle's recorded form (its prefix and a user turn, 1 token) through vllm-mlx's
-    own route preparation and engine.chat, so the process's first trip through its generation
-    path (about 2.7 s on the bench) is not paid by the first client. The bundle is untouched
-    (lookups hand out copies); a failure is logged, never fatal."""
+def warm_up_before_serving(mounted: Mounted, model: str, rest: list[str]) -> None:
+    """One request of the longest bundle's form through vllm-mlx's app before the port opens
+    (servers/warm_up.py); SimpleEngine's system snapshots it makes are dropped after."""
     from vllm_mlx import server
 
-    recorded = [b for b in mounted.result.bundles if b.manifest.request is not None]
-    if not recorded:
-        return
-    longest = max(recorded, key=lambda b: len(b.tokens))
-    original = server.app.router.lifespan_context
+    def leave_no_snapshot() -> Any:
+        snapshots = getattr(server._engine, "_system_kv_cache", None)
+        if snapshots is None:  # BatchedEngine: its stores are skipped by the hook
+            return lambda: None
+        before = set(snapshots)
+        return lambda: [snapshots.pop(key, None) for key in set(snapshots) - before]
 
-    @asynccontextmanager
-    async def lifespan(app: Any) -> Any:
-        async with original(app) as state:
-            start = time.perf_counter()
-            try:
-                await _one_request(server, body_of(longest))
-            except Exception as exc:  # optional: the server serves without it
-                log.warning("warm-up failed (%s); serving without it", exc)
-            else:
-                log.info(
-                    "warmed up vllm-mlx's generation path with %s's request in %.1f s "
-                    "(--no-warm-up skips it)",
-                    longest.name,
-                    time.perf_counter() - start,
-                )
-            yield state
-
-    server.app.router.lifespan_context = lifespan
-
-
-def body_of(bundle: Any) -> dict[str, Any]:
-    """The bundle's recorded request with a user turn, as a client sends it (1 token, greedy)."""
-    import json
-
-    from pipeline.runtime.servers.tokens import PROBE_TURN, request_body
-
-    r = bundle.manifest.request
-    messages = [m.model_dump() for m in r.messages] + [PROBE_TURN]
-    tools = None if r.tools_json is None else json.loads(r.tools_json)
-    body = request_body(messages, tools, r.template_kwargs, r.api)
-    return {**body, "max_tokens": 1, "temperature": 0.0}
-
-
-async def _one_request(server: Any, body: dict[str, Any]) -> None:
-    from pipeline.runtime.servers.tokens import vllm_request
-
-    request = vllm_request(body)
-    engine = server._engine
-    prepared = server._prepare_chat_completion_invocation(engine, request, 1)
-    restore = _leave_no_entry(engine)
-    try:
-        await engine.chat(messages=prepared.messages, **prepared.chat_kwargs)
-    finally:
-        restore()
-
-
-def _leave_no_entry(engine: Any) -> Any:
-    """The warm-up request leaves no cache entry of its own behind: SimpleEngine stores no trie
-    entry during it and its new system snapshots are dropped after; BatchedEngine's new
-    memory-aware entries are removed after. Returns the function that restores."""
-    if hasattr(engine, "_bundles_keep_entries"):  # SimpleEngine under install()
-        keep, snapshots = engine._bundles_keep_entries, set(engine._system_kv_cache)
-        engine._bundles_keep_entries = False
-
-        def restore_simple() -> None:
-            engine._bundles_keep_entries = keep
-            if engine._prefix_trie_cache is not None:
-                engine._prefix_trie_cache.keep_entries = keep
-            for key in set(engine._system_kv_cache) - snapshots:
-                engine._system_kv_cache.pop(key, None)
-
-        return restore_simple
-    core = getattr(getattr(engine, "_engine", None), "engine", None)
-    cache = getattr(getattr(core, "scheduler", None), "memory_aware_cache", None)
-    before = set(cache._entries) if cache is not None else set()
-
-    def restore_batched() -> None:
-        if cache is not None:
-            for key in set(cache._entries) - before:
-                cache.remove(list(key))
-
-    return restore_batched
+    headers = warm_up.api_key_headers(passed_option(rest, "--api-key"))
+    warm_up.through_app(server.app, SERVER, mounted, model, headers, leave_no_snapshot)
 
 
 def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
@@ -329,8 +261,9 @@ def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
     check_tokenization(SERVER, mounted, args.strict)
     keep_own_disk_cache_off()
     (install_batched if batched else install)(mounted)
-    if args.warm_up is not False:  # default on: the first trip costs far more than a hit
-        warm_up_before_serving(mounted)
+    if args.warm_up is not False:  # default on (bench: first request / hit)
+        model = passed_option(rest, "--served-model-name") or str(args.model)
+        warm_up_before_serving(mounted, model, rest)
     from vllm_mlx.cli import main
 
     sys.argv = ["vllm-mlx", "serve", str(args.model), *rest]
