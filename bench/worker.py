@@ -52,6 +52,7 @@ def task_build(args: dict[str, Any]) -> dict[str, Any]:
     from pipeline.builder.builder import build
     from pipeline.builder.definition import load_definition
     from pipeline.builder.targets import targets
+    from pipeline.format.signature import read_trusted_keys
 
     baseline = reset_peak()
     project = Path(args["project"])
@@ -59,8 +60,15 @@ def task_build(args: dict[str, Any]) -> dict[str, Any]:
     (target,) = targets(definition, project)
     start = time.perf_counter()
     incremental = args.get("incremental", False)  # a full build unless the case asks
+    keys = args.get("trusted_key")  # a parent must be signed by it (then: no recompute)
     result = build(
-        target, Path(args["bundles"]), force=True, check=args["check"], incremental=incremental
+        target,
+        Path(args["bundles"]),
+        force=True,
+        check=args["check"],
+        incremental=incremental,
+        trusted_keys=read_trusted_keys([Path(keys)]) if keys else (),
+        parent_check=args.get("parent_check", "proven"),
     )
     seconds = time.perf_counter() - start
     m = result.manifest
@@ -78,6 +86,8 @@ def task_build(args: dict[str, Any]) -> dict[str, Any]:
         "fidelity": m.fidelity.model_dump(),
         "blas": blas_status().notice,
         "reused_tokens": result.report["reused_tokens"],
+        "parent_seconds": result.report.get("parent_seconds", 0.0),
+        "parent_checked": m.parent.checked if m.parent else None,
         "file_sha256": m.cache.file_sha256,
         "rss_baseline": baseline,
         "rss_peak": max_rss(),

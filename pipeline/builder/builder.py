@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import platform
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -326,12 +327,18 @@ def _produce(job: Job, bundles_root: Path, tmp: Path) -> tuple[Manifest, dict[st
         len(cut.tokens), job.identity.shape, loaded.serving_dtype, d.spec.cache.kv_bits
     )
     check_room(bundles_root, needed)
+    looked = time.perf_counter()
     resume, reuse_note = _resume(job, loaded, cut.tokens, bundles_root)
+    parent_seconds = time.perf_counter() - looked  # finding, validating and proving a parent
     start = (resume.cache, resume.done) if resume else None
     cache, stats = prefill(loaded, cut.tokens, d.spec.cache.prefill_step_size, job.progress, start)
     parent = resume.parent if resume else None
     del resume, start  # the parent's arrays: the prefill's cache holds what it needs
-    report_extra = {"reused_tokens": parent.reused_tokens if parent else 0, "reuse": reuse_note}
+    report_extra = {
+        "reused_tokens": parent.reused_tokens if parent else 0,
+        "reuse": reuse_note,
+        "parent_seconds": parent_seconds,
+    }
     if REFUSED_PARENT in reuse_note:  # a parent failed its spot check: the CLI warns
         report_extra["parent_warning"] = reuse_note
     manifest, report = _write(job, loaded, cut, cache, stats, tmp, needed, parent, report_extra)

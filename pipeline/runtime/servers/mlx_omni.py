@@ -120,7 +120,7 @@ def warm_up_app(app: Any, mounted: Mounted, args: argparse.Namespace) -> None:
     names the model as --model gives it; a client that spells the folder differently gets a
     ChatGenerator of its own from omni, loaded on its first request."""
     if args.warm_up is not False:  # default on (bench: first request / hit)
-        warm_up.through_app(app, SERVER, mounted, str(args.model))
+        warm_up.through_app(app, SERVER, mounted, lambda: str(args.model))
 
 
 def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:

@@ -86,8 +86,9 @@ def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
         from rapid_mlx import server
 
         model = passed_option(rest, "--served-model-name") or str(args.model)
+        served = lambda: server._model_name or model  # noqa: E731 - the name it checks requests against
         headers = warm_up.api_key_headers(passed_option(rest, "--api-key"))
-        warm_up.through_app(server.app, SERVER, mounted, model, headers)
+        warm_up.through_app(server.app, SERVER, mounted, served, headers)
     from rapid_mlx.cli import main
 
     sys.argv = ["rapid-mlx", "serve", str(args.model), *rest]

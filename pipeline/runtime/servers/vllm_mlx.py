@@ -246,7 +246,8 @@ def warm_up_before_serving(mounted: Mounted, model: str, rest: list[str]) -> Non
         return lambda: [snapshots.pop(key, None) for key in set(snapshots) - before]
 
     headers = warm_up.api_key_headers(passed_option(rest, "--api-key"))
-    warm_up.through_app(server.app, SERVER, mounted, model, headers, leave_no_snapshot)
+    served = lambda: server._model_name or model  # noqa: E731 - the name it checks requests against
+    warm_up.through_app(server.app, SERVER, mounted, served, headers, leave_no_snapshot)
 
 
 def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:

@@ -82,14 +82,15 @@ def through_app(
     app: Any,
     server: str,
     mounted: Any,
-    model: str,
+    model: Callable[[], str],
     headers: dict[str, str] | None = None,
     leave_no_entry: Callable[[], Callable[[], None]] | None = None,
 ) -> None:
     """Wrap `app`'s lifespan: once the server's own startup has run (model loaded), post the
     warm-up request to the app in-process, then let uvicorn bind the port. `leave_no_entry`, when
     given, is called before the request and returns what undoes any entry the server's own code
-    keeps outside the hooks."""
+    keeps outside the hooks. `model` gives the request's model name once the server has loaded
+    (the name it validates requests against)."""
     bundle = longest_recorded(mounted)
     if bundle is None:
         return
@@ -106,7 +107,7 @@ def through_app(
             async with httpx.AsyncClient(
                 transport=transport, base_url="http://127.0.0.1"
             ) as client:
-                body = body_of(bundle, model, api)
+                body = body_of(bundle, model(), api)
                 answer = await client.post(route, json=body, headers=headers, timeout=None)
         finally:
             restore()
