@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import time
@@ -108,3 +109,15 @@ def chat(port: int, body: dict, timeout: float = 600) -> tuple[dict, float]:
     start = time.perf_counter()
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read()), time.perf_counter() - start
+
+
+# serve's warm-up line on every server (omni's rich log may wrap it: any whitespace between words)
+WARM_UP_LINE = re.compile(
+    r"warmed\s+up\s+its\s+generation\s+path|warm-up\s+failed|warmed\s+up\s+from"
+)
+
+
+def after_warm_up(log: str) -> str:
+    """The log after serve's warm-up (its own lookup is no client's): what clients' requests did.
+    The whole log when no warm-up ran."""
+    return WARM_UP_LINE.split(log)[-1]

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from servers_env import ROOT, body, chat, free_port, running, servers_python
+from servers_env import ROOT, after_warm_up, body, chat, free_port, running, servers_python
 
 from pipeline.format.manifest import Manifest
 
@@ -29,7 +29,8 @@ def test_the_spawned_handler_reuses_the_bundle_and_answers_as_a_cold_server(
     log = (tmp_path / "w.log").read_text()
     pinned = re.search(r"mlx-openai-server: 1 bundle\(s\) pinned in the handler process (\d+)", log)
     assert pinned is not None, log
-    assert f"bundle shop@1 covers {count} of " in log
+    assert "mlx-openai-server: warmed up its generation path with shop@1's request" in log
+    assert f"bundle shop@1 covers {count} of " in after_warm_up(log)
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == count
 
     empty = tmp_path / "none"

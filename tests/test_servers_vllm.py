@@ -192,3 +192,31 @@ def test_a_claude_code_shaped_messages_request_is_warm_on_the_first_request(
         cold = messages(port, asked)
     assert warm["content"] == cold["content"]
     assert cold["usage"]["cache_read_input_tokens"] == 0
+
+
+@pytest.mark.slow
+def test_the_warm_up_names_the_served_model_and_carries_the_api_key(
+    shop_bundle: Path, tiny_model: Path, tmp_path: Path
+):
+    """A server that checks the model name and a key: the warm-up request passes both checks
+    (served name read from vllm-mlx once loaded, the key from --api-key) and leaves no entry."""
+    import json
+    import urllib.request
+
+    manifest = Manifest.model_validate_json((shop_bundle / "manifest.json").read_text())
+    port = free_port()
+    key = "a-key-for-the-warm-up-test"
+    extra = ("--served-model-name", "shop-model", "--api-key", key)
+    args = serve_args(servers_python(), tiny_model, shop_bundle.parents[2], port, *extra)
+    with running(args, port, tmp_path / "named.log"):
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            data=json.dumps(body("shop-model")).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+        )
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            answer = json.loads(resp.read())
+    log = (tmp_path / "named.log").read_text()
+    assert "vllm-mlx: warmed up its generation path with shop@1's request" in log, log[-3000:]
+    assert "warm-up failed" not in log
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == manifest.tokens.count
