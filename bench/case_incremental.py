@@ -221,7 +221,7 @@ def targets(r: dict[str, Any]) -> list[dict[str, Any]]:
                     {
                         "target": f"incremental build ({kind}), {what} a {size['base_tokens']}-"
                         f"token prefix ≤ {goal}× a full build, cache file byte-identical",
-                        "measured": f"{y['ratio']:.2f}×, byte-identical: "
+                        "measured": f"{y['ratio']:.3f}×, byte-identical: "
                         f"{'yes' if x['byte_identical'] else 'NO'}",
                         "met": y["ratio"] <= goal and x["byte_identical"],
                     }
