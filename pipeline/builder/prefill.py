@@ -105,6 +105,7 @@ def prefill(
         progress(first, len(tokens), 0.0, first)  # the size, before the first chunk runs
     start = time.perf_counter()
     for done in range(first, len(tokens), step):
+        _reserve(cache, len(tokens))
         chunk = mx.array(tokens[done : done + step])[None]
         loaded.model(chunk, cache=cache)  # logits stay lazy and are never computed
         mx.eval([c.state for c in cache])
@@ -115,6 +116,28 @@ def prefill(
     computed = len(tokens) - first
     stats = PrefillStats(seconds, computed / max(seconds, 1e-9), mx.get_peak_memory())
     return cache, stats
+
+
+def _reserve(cache: list[Any], total: int) -> None:
+    """Give each plain KVCache layer room for all `total` tokens at once (a layer holding none
+    yet is left to its first chunk). mlx-lm grows a KVCache by concatenating its whole buffer
+    with one more step every chunk: a prefill of n chunks copied the cache n times, twice the
+    cache held at each copy, and the exact-size cut at the end copied it again; reserved, the
+    buffer is copied once and is already exact. The values and the positions each chunk reads
+    are the same, so are the bytes."""
+    for layer in cache:
+        if type(layer) is not KVCache or layer.keys is None or layer.keys.shape[2] >= total:
+            continue
+        layer.keys, layer.values = (_grown(a, layer.offset, total) for a in (layer.keys, layer.values))
+        mx.eval(layer.keys, layer.values)
+
+
+def _grown(buffer: mx.array, held: int, total: int) -> mx.array:
+    """A buffer of `total` positions along axis 2 starting with the `held` ones of `buffer`."""
+    b, heads, _, dim = buffer.shape
+    grown = mx.zeros((b, heads, total, dim), buffer.dtype)
+    grown[..., :held, :] = buffer[..., :held, :]
+    return grown
 
 
 def check_context(definition: Any, tokens: int, shape: ModelShape) -> None:
