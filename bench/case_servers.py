@@ -374,13 +374,8 @@ def openai(ctx: Context, bundles: Path, empty: Path) -> dict[str, Any]:
     )
 
 
-def run(ctx: Context) -> dict[str, Any] | None:
-    """Demo model and bundles (under WORK), then each server's rows."""
-    from pipeline.blas import blas_status
-
-    if not (VENV / "bin" / "python").exists():
-        ctx.note(f"servers: skipped, no server venv at {VENV} (tests/envs/make_servers_env.sh)")
-        return None
+def demo_bundles(ctx: Context) -> Path:
+    """The demo's bundles (`build.py demo`: the demo model and its prefixes) under WORK."""
     bundles = ctx.work / "servers-bundles"
     bundles.mkdir(parents=True, exist_ok=True)
     subprocess.run(
@@ -390,6 +385,17 @@ def run(ctx: Context) -> dict[str, Any] | None:
         env=clean_env(),
         capture_output=True,
     )
+    return bundles
+
+
+def run(ctx: Context) -> dict[str, Any] | None:
+    """Demo model and bundles (under WORK), then each server's rows."""
+    from pipeline.blas import blas_status
+
+    if not (VENV / "bin" / "python").exists():
+        ctx.note(f"servers: skipped, no server venv at {VENV} (tests/envs/make_servers_env.sh)")
+        return None
+    bundles = demo_bundles(ctx)
     empty = ctx.work / "servers-none"
     empty.mkdir(exist_ok=True)
     only = os.environ.get(

@@ -21,6 +21,7 @@ if "--quick" in sys.argv[1:]:  # before the cases import common: the small model
 
 import case_arch  # noqa: E402
 import case_build  # noqa: E402
+import case_concurrency  # noqa: E402
 import case_incremental  # noqa: E402
 import case_mount  # noqa: E402
 import case_servers  # noqa: E402
@@ -34,7 +35,9 @@ from common import HUGE_PAGES, MODEL_F32, Context, ensure_models, run_worker, st
 
 from pipeline.blas import blas_status, ensure_fast_blas  # noqa: E402
 
-CASES = ("build", "ttft", "mount", "sizes", "incremental", "handout", "arch", "servers")
+CASES = (
+    "build", "ttft", "mount", "sizes", "incremental", "handout", "arch", "servers", "concurrency"
+)  # fmt: skip
 STEPS = (
     "setup",
     "calibration",
@@ -47,6 +50,7 @@ STEPS = (
     "handout",
     "arch",
     "servers",
+    "concurrency",
 )
 BENCH_MODEL_CASES = {
     "build",
@@ -168,6 +172,8 @@ def run_all(ctx: Context, cases: set[str]) -> dict[str, Any]:
                 results.setdefault("errors", {})[f"arch {row['arch']}"] = row["error"]
     if "servers" in cases:  # needs the server venv (tests/envs/make_servers_env.sh)
         timed(ctx, "servers", results, lambda: case_servers.run(ctx))
+    if "concurrency" in cases:  # the batched engines, in the server venvs
+        timed(ctx, "concurrency", results, lambda: case_concurrency.run(ctx))
     results["targets"] = summary.targets(results, ctx.quick)
     return results
 
@@ -226,6 +232,8 @@ def markdown(results: dict[str, Any], total: float) -> str:
         lines += report.arch_section(results["arch"])
     if results.get("servers"):
         lines += case_servers.section(results["servers"])
+    if results.get("concurrency"):
+        lines += case_concurrency.section(results["concurrency"])
     for name, err in results.get("errors", {}).items():
         lines += [f"**Case {name} failed:** `{err}`", ""]
     spent = results.get("durations", {})

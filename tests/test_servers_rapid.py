@@ -59,6 +59,8 @@ def test_rapid_mlx_reuses_the_pinned_bundle_and_answers_as_cold(
     log = (tmp_path / "w.log").read_text()
     assert "1 bundle(s) mounted, 0 refused" in log and "Traceback" not in log
     assert "its own on-disk prefix cache is neither restored nor saved under serve" in log
+    # its own app (route, converter, engine) computed the bundle's ids at the warm-up
+    assert "rapid-mlx: its own app computed the ids of 1 of 1 recorded bundle(s) exactly" in log
     served = [int(n) for n in re.findall(r"bundle shop@1 covers (\d+) of \d+ prompt", log)]
     assert served[: len(QUESTIONS)] == [count] * len(QUESTIONS)
     assert [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in together] == [

@@ -180,6 +180,7 @@ def test_a_claude_code_shaped_messages_request_is_warm_on_the_first_request(
         warm = messages(port, asked)
     log = (tmp_path / "w.log").read_text()
     assert "requests will reuse at most" not in log
+    assert "vllm-mlx: its own app computed the ids of 1 of 1 recorded bundle(s) exactly" in log
     log = log.split("vllm-mlx: warmed up its generation path")[1]
     covered = [int(n) for n in re.findall(r"bundle cc@1 covers (\d+) of \d+ prompt tokens", log)]
     assert covered == [manifest.tokens.count], log[-3000:]

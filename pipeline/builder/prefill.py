@@ -128,7 +128,9 @@ def _reserve(cache: list[Any], total: int) -> None:
     for layer in cache:
         if type(layer) is not KVCache or layer.keys is None or layer.keys.shape[2] >= total:
             continue
-        layer.keys, layer.values = (_grown(a, layer.offset, total) for a in (layer.keys, layer.values))
+        layer.keys, layer.values = (
+            _grown(a, layer.offset, total) for a in (layer.keys, layer.values)
+        )
         mx.eval(layer.keys, layer.values)
 
 

@@ -88,8 +88,8 @@ class GenerationDeath:
         self.cause = cause
         log.error("generation thread died (%s); serve exits with status 1", cause)
         if not callable(signal.getsignal(signal.SIGINT)):
-            _hard_exit()
-        timer = threading.Timer(self.grace_s, _hard_exit)
+            hard_exit()
+        timer = threading.Timer(self.grace_s, hard_exit)
         timer.daemon = True
         timer.start()
         _thread.interrupt_main()
@@ -102,7 +102,7 @@ class GenerationDeath:
         )
 
 
-def _hard_exit() -> None:
+def hard_exit() -> None:
     """Exit with status 1 now, from any thread, output flushed."""
     for stream in (sys.stdout, sys.stderr):
         stream.flush()

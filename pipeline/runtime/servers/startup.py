@@ -11,8 +11,9 @@ import argparse
 import importlib.util
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from pipeline.format.errors import PipelineError
 from pipeline.runtime.hugepages import ensure_huge_pages
@@ -42,6 +43,9 @@ class Mounted:
     manager: PromptCacheManager
     result: MountResult
     chat_template: str | None = None  # the template text the server was given, if not the model's
+    strict: bool = False  # --strict: a bundle the server will not reuse whole is refused
+    # {bundle name: tokens the server's request code keeps}, as check_tokenization found
+    reusable: dict[str, int] = field(default_factory=dict)
 
     def covered(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of a request the best pinned bundle can serve (no copy)."""
@@ -104,7 +108,7 @@ def mount_for(
         raise PipelineError(f"--strict: no bundle for {args.model} was found in {args.bundles}")
     if live:
         live_remount(args, result, manager, options, unusable or (lambda b: None))
-    return Mounted(Path(args.model), manager, result, chat_template)
+    return Mounted(Path(args.model), manager, result, chat_template, args.strict)
 
 
 def start(
@@ -127,13 +131,10 @@ def check_tokenization(server: str, mounted: Mounted, strict: bool) -> dict[str,
     """Run each bundle's recorded request (its prefix and a user turn) through `server`'s own
     request code (or, for bundles without one, re-encode its text the server's way); one warning
     per bundle the server's first request will not reuse whole, PipelineError under --strict.
-    Returns {bundle name: tokens the server can reuse}."""
-    from mlx_lm.utils import load_tokenizer
-
-    extra = {"chat_template": mounted.chat_template} if mounted.chat_template else None
-    tokenizer = load_tokenizer(mounted.model, tokenizer_config_extra=extra)
+    Returns {bundle name: tokens the server can reuse}, also kept as `mounted.reusable`."""
+    tokenizer = server_tokenizer(mounted)
     kind = model_type(mounted.model)
-    reusable = {}
+    reusable = mounted.reusable
     for b in mounted.result.bundles:
         try:
             p = request_parity(server, tokenizer, b, kind)
@@ -149,3 +150,11 @@ def check_tokenization(server: str, mounted: Mounted, strict: bool) -> dict[str,
             raise PipelineError(f"--strict: bundle {b.path}: {line}")
         log.warning("%s", line)
     return reusable
+
+
+def server_tokenizer(mounted: Mounted) -> Any:
+    """mlx-lm's tokenizer of the served model, with the template the server was given."""
+    from mlx_lm.utils import load_tokenizer
+
+    extra = {"chat_template": mounted.chat_template} if mounted.chat_template else None
+    return load_tokenizer(mounted.model, tokenizer_config_extra=extra)

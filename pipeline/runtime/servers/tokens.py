@@ -274,20 +274,36 @@ def request_parity(server: str, tokenizer: Any, bundle: Any, model_type: str) ->
     prefix and a user turn) through request_ids, or `parity` for a bundle that records none."""
     request = bundle.manifest.request
     ids = [int(t) for t in bundle.tokens]
-    if request is None or server not in _PATHS:  # rapid-mlx: its request code is not followed
+    # rapid-mlx: no request code to call short of its app (warm_up checks a bundle through it)
+    if request is None or server not in _PATHS:
         return parity(server, tokenizer, ids)
     messages = [m.model_dump() for m in request.messages] + [PROBE_TURN]
     tools = None if request.tools_json is None else json.loads(request.tools_json)
     body = request_body(messages, tools, request.template_kwargs, request.api)
     theirs = request_ids(server, tokenizer, body, model_type)
-    at = _common(theirs, ids)
+    return ids_parity(server, tokenizer, bundle, theirs, "own request code")
+
+
+def ids_parity(server: str, tokenizer: Any, bundle: Any, theirs: Sequence[int], how: str) -> Parity:
+    """How much of `bundle` the ids `server` computed for its recorded request (`how`: by what)
+    keep, and where they part: the text on each side and what to do."""
+    ids = [int(t) for t in bundle.tokens]
+    at = _common([int(t) for t in theirs], ids)
     if at == len(ids):
         return Parity(at, len(ids), None)
-    built = ", ".join(request.tokenization) or "the builder's rendering (mlx_lm.server's path)"
+    request = bundle.manifest.request
+    built = ", ".join(request.tokenization if request else ()) or (
+        "the builder's rendering (mlx_lm.server's path)"
+    )
+    fix = (
+        f'add "{server}" to the definition\'s servers and rebuild'
+        if server in _PATHS
+        else f"build the definition so its text renders as {server} renders it"
+    )
     why = (
-        f"{server}'s own request code parts from the bundle at token {at} ({server}: "
-        f"{tokenizer.decode(theirs[at : at + 8])!r}, bundle: {tokenizer.decode(ids[at : at + 8])!r}; "
-        f"the bundle's ids follow {built}); add \"{server}\" to the definition's servers and "
-        "rebuild (docs/servers.md)"
+        f"{server}'s {how} parts from the bundle at token {at} ({server}: "
+        f"{tokenizer.decode(list(theirs[at : at + 8]))!r}, bundle: "
+        f"{tokenizer.decode(ids[at : at + 8])!r}; the bundle's ids follow {built}); {fix} "
+        "(docs/servers.md)"
     )
     return Parity(at, len(ids), why)

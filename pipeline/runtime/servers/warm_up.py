@@ -9,26 +9,41 @@ request handling: its ASGI app in-process for the FastAPI servers, its handler i
 mlx-openai-server's model process. The request leaves no cache entry behind (while `WARMING` is
 set, the hooks store nothing) and the bundles untouched (lookups hand out copies). A failed
 warm-up is one warning; the server serves without it.
+
+Through an app, every other bundle that records its request gets one such request too, and the
+token ids the server's own code computed (seen at the bundle lookup) are compared with the
+bundle's: the whole request path, route and engine, with nothing re-implemented. Where they part
+at another token than the startup check predicted, one warning says where (`--strict`: serve
+exits). For rapid-mlx, whose request code has no function short of its app to call, this is the
+check of its own path.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
+from pipeline.format.errors import PipelineError
+
 log = logging.getLogger("prefix-bundles")
 WARMING = threading.Event()  # set while the warm-up request runs: hooks keep no entry of it
 
 
+def recorded(mounted: Any) -> list[Any]:
+    """The mounted bundles that record their request (older bundles record none), longest first."""
+    found = [b for b in mounted.result.bundles if b.manifest.request is not None]
+    return sorted(found, key=lambda b: (-len(b.tokens), b.name))
+
+
 def longest_recorded(mounted: Any) -> Any | None:
-    """The longest mounted bundle that records its request (older bundles record none)."""
-    recorded = [b for b in mounted.result.bundles if b.manifest.request is not None]
-    return max(recorded, key=lambda b: (len(b.tokens), b.name), default=None)
+    """The longest mounted bundle that records its request."""
+    return next(iter(recorded(mounted)), None)
 
 
 def api_of(bundle: Any, server: str) -> str:
@@ -60,22 +75,26 @@ def warming() -> Iterator[None]:
         WARMING.clear()
 
 
-async def run_logged(server: str, bundle: Any, send: Callable[[], Awaitable[None]]) -> None:
-    """Run `send` with WARMING set; one line saying what it took, or why it failed."""
+async def run_logged(server: str, bundles: list[Any], send: Callable[[], Awaitable[None]]) -> bool:
+    """Run `send` (the requests of `bundles`, the warm-up first) with WARMING set; one line saying
+    what it took, or why it failed (False)."""
     start = time.perf_counter()
     try:
         with warming():
             await send()
     except Exception as exc:  # optional: the server serves without it
         log.warning("%s: warm-up failed (%s); serving without it", server, _one_line(exc))
-        return
+        return False
+    more = f" and {len(bundles) - 1} other bundles' requests" if len(bundles) > 1 else ""
     log.info(
-        "%s: warmed up its generation path with %s's request in %.2f s before the port opened "
+        "%s: warmed up its generation path with %s's request%s in %.2f s before the port opened "
         "(--no-warm-up skips it)",
         server,
-        bundle.name,
+        bundles[0].name,
+        more,
         time.perf_counter() - start,
     )
+    return True
 
 
 def through_app(
@@ -86,21 +105,23 @@ def through_app(
     headers: dict[str, str] | None = None,
     leave_no_entry: Callable[[], Callable[[], None]] | None = None,
 ) -> None:
-    """Wrap `app`'s lifespan: once the server's own startup has run (model loaded), post the
-    warm-up request to the app in-process, then let uvicorn bind the port. `leave_no_entry`, when
-    given, is called before the request and returns what undoes any entry the server's own code
+    """Wrap `app`'s lifespan: once the server's own startup has run (model loaded), post each
+    recorded bundle's request to the app in-process (the longest first: the warm-up), check the
+    ids the server computed for each, then let uvicorn bind the port. `leave_no_entry`, when
+    given, is called before each request and returns what undoes any entry the server's own code
     keeps outside the hooks. `model` gives the request's model name once the server has loaded
     (the name it validates requests against)."""
-    bundle = longest_recorded(mounted)
-    if bundle is None:
+    bundles = recorded(mounted)
+    if not bundles:
         return
     original = app.router.lifespan_context
-    api = api_of(bundle, server)
-    route = "/v1/messages" if api == "anthropic" else "/v1/chat/completions"
+    seen: dict[str, list[int] | None] = {}
 
-    async def send() -> None:
+    async def send(bundle: Any) -> None:
         import httpx
 
+        api = api_of(bundle, server)
+        route = "/v1/messages" if api == "anthropic" else "/v1/chat/completions"
         restore = leave_no_entry() if leave_no_entry is not None else (lambda: None)
         transport = httpx.ASGITransport(app=app)  # loopback host: rapid-mlx checks the Host
         try:
@@ -108,19 +129,86 @@ def through_app(
                 transport=transport, base_url="http://127.0.0.1"
             ) as client:
                 body = body_of(bundle, model(), api)
-                answer = await client.post(route, json=body, headers=headers, timeout=None)
+                with looked_up(mounted.manager) as ids:
+                    answer = await client.post(route, json=body, headers=headers, timeout=None)
         finally:
             restore()
         if answer.status_code != 200:
             raise RuntimeError(f"{route} answered {answer.status_code}: {answer.text}")
+        seen[bundle.name] = ids[0] if ids else None
+
+    async def every_bundle() -> None:
+        for bundle in bundles:
+            await send(bundle)
 
     @asynccontextmanager
     async def lifespan(app: Any) -> Any:
         async with original(app) as state:
-            await run_logged(server, bundle, send)
+            if await run_logged(server, bundles, every_bundle):
+                try:
+                    check_seen(server, mounted, bundles, seen)
+                except PipelineError as exc:  # --strict: no port opens; the supervisor sees why
+                    from pipeline.runtime.serve import hard_exit
+
+                    print(f"error: {exc}", file=sys.stderr)
+                    hard_exit()
             yield state
 
     app.router.lifespan_context = lifespan
+
+
+@contextmanager
+def looked_up(manager: Any) -> Iterator[list[list[int]]]:
+    """The token ids of every bundle lookup meanwhile (the hooks all ask `manager.fetch`)."""
+    ids: list[list[int]] = []
+    fetch = manager.fetch
+
+    def recording(key: str, tokens: Any, *args: Any, **kwargs: Any) -> Any:
+        ids.append([int(t) for t in tokens])
+        return fetch(key, tokens, *args, **kwargs)
+
+    manager.fetch = recording  # an instance attribute over the method, for this request only
+    try:
+        yield ids
+    finally:
+        del manager.fetch
+
+
+def check_seen(
+    server: str, mounted: Any, bundles: list[Any], seen: dict[str, list[int] | None]
+) -> None:
+    """Compare the ids the server's own app computed for each bundle's request with the bundle's:
+    one line where they part at another token than the startup check predicted, one line for the
+    rest. PipelineError under --strict when a bundle will not be reused whole."""
+    from pipeline.runtime.servers.startup import server_tokenizer
+    from pipeline.runtime.servers.tokens import ids_parity
+
+    tokenizer, whole = None, 0
+    for bundle in bundles:
+        ids = seen.get(bundle.name)
+        if ids is None:
+            log.warning(
+                "%s: %s's request through its app looked up no bundle: its ids were not checked",
+                server,
+                bundle.name,
+            )
+            continue
+        tokenizer = tokenizer or server_tokenizer(mounted)
+        p = ids_parity(server, tokenizer, bundle, ids, "app (its whole request path)")
+        if p.reason is None:
+            whole += 1
+            continue
+        line = f"{bundle.name}: requests will reuse at most {p.reusable} of its {p.total} tokens: {p.reason}"
+        if mounted.strict:
+            raise PipelineError(f"--strict: bundle {bundle.path}: {line}")
+        if p.reusable != mounted.reusable.get(bundle.name):  # else the startup check said so
+            log.warning("%s", line)
+    log.info(
+        "%s: its own app computed the ids of %d of %d recorded bundle(s) exactly as built",
+        server,
+        whole,
+        len(bundles),
+    )
 
 
 def api_key_headers(key: str | None) -> dict[str, str] | None:

@@ -1,0 +1,206 @@
+"""Case concurrency: the batched engines' throughput when many clients arrive at once, with bundles
+(`serve --server NAME`) vs the same engine run plainly, on the demo's support-agent prefix.
+
+vllm-mlx `--continuous-batching` and rapid-mlx (their BatchedEngine) serve concurrent requests in
+one batch. Right after startup, CLIENTS clients send their first question on the same 11k-token
+prefix at once (the burst a deploy, restart or scale-out meets): a plain engine prefills the prefix
+for the ones it cannot yet share, with bundles each reuses the mounted prefix. Then a second burst of
+CLIENTS other questions on the now-warm server. Per burst: wall seconds until the last answer,
+requests per second, prompt tokens per second (the server's usage), the cached tokens each request
+reports, and whether every answer equals the plain engine's for the same question (temperature 0).
+
+Standalone: `python bench/case_concurrency.py [--quick]` prints the markdown section.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+sys.path[:0] = [str(BENCH), str(BENCH.parent)]
+
+from case_servers import (  # noqa: E402
+    MODEL,
+    RAPID_VENV,
+    VENV,
+    _port,
+    _ready,
+    demo_bundles,
+    request_body,
+    serve,
+)
+from common import REPO, Context, clean_env, ratio  # noqa: E402
+
+CLIENTS = 8
+# two bursts of CLIENTS distinct questions: the first right after startup, the second once warm
+QUESTIONS = [
+    "How do I reset my password if I no longer have access to my email?",
+    "Can I change the billing date of my subscription?",
+    "Why was my account locked after three login attempts?",
+    "How do I export all my invoices as PDF?",
+    "Is there a way to add a second admin to our workspace?",
+    "My order arrived damaged. What are my options?",
+    "How do I cancel my trial before it converts to a paid plan?",
+    "Can I move my data to the EU region?",
+    "What happens to my files if I downgrade to the free plan?",
+    "How do I turn off the weekly summary emails?",
+    "The mobile app crashes when I open settings. What should I try?",
+    "Do you offer discounts for non-profit organisations?",
+    "How do I update the VAT number on my invoices?",
+    "Can two people share one seat on the team plan?",
+    "I forgot which email I signed up with. How can I find out?",
+    "How long do you keep deleted projects before they are gone for good?",
+]
+
+
+def _ask(port: int, question: str) -> tuple[str | None, int | None, int | None]:
+    """(answer, prompt tokens, cached tokens) of one chat request."""
+    body = request_body("full")
+    body["messages"][-1]["content"] = question
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=3600) as resp:
+        answer = json.loads(resp.read())
+    usage = answer.get("usage") or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+    return answer["choices"][0]["message"].get("content"), usage.get("prompt_tokens"), cached
+
+
+def burst(port: int, questions: list[str]) -> dict[str, Any]:
+    """All questions at once, one client each: wall seconds until the last answer and per-question
+    answers, prompt and cached tokens."""
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(questions)) as pool:
+        got = list(pool.map(lambda q: _ask(port, q), questions))
+    seconds = time.perf_counter() - start
+    prompt = sum(p or 0 for _, p, _ in got)
+    return {
+        "s": seconds,
+        "requests_per_s": len(questions) / seconds,
+        "prompt_tokens_per_s": prompt / seconds,
+        "answers": [a for a, _, _ in got],
+        "cached": [c for _, _, c in got],
+    }
+
+
+def bursts(ctx: Context, label: str, args: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """A fresh server (fresh HOME: no disk cache of its own from an earlier run), the first burst
+    right after it is ready, then the warm burst; stopped by its pid."""
+    port = _port()
+    home = ctx.work / "home"
+    shutil.rmtree(home, ignore_errors=True)
+    home.mkdir(parents=True)
+    log = ctx.work / f"concurrency-{label.replace(' ', '-').replace('/', '-')}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [*args, "--port", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=clean_env(HOME=str(home), **env),
+            cwd=REPO,
+        )
+        try:
+            _ready(port, proc)
+            first = burst(port, QUESTIONS[:CLIENTS])
+            warm = burst(port, QUESTIONS[CLIENTS : 2 * CLIENTS])
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+    ctx.note(f"concurrency: {label}: first burst {first['s']:.1f} s, warm burst {warm['s']:.1f} s")
+    return {"first": first, "warm": warm}
+
+
+def engines(ctx: Context, bundles: Path, openblas: str | None) -> dict[str, dict[str, Any]]:
+    """{engine: {"plain": bursts, "bundles": bursts}} for each batched engine installed here."""
+    preload = {"LD_PRELOAD": openblas} if openblas else {}
+    vllm = [str(VENV / "bin" / "python"), "-m", "vllm_mlx.cli", "serve", str(MODEL)]
+    runs = {
+        "vllm-mlx --continuous-batching": (
+            [*vllm, "--continuous-batching"],
+            [*serve(bundles, "vllm-mlx"), "--continuous-batching"],
+        )
+    }
+    rapid = str(RAPID_VENV / "bin" / "python")
+    if (RAPID_VENV / "bin" / "python").exists():
+        runs["rapid-mlx"] = (
+            [rapid, "-m", "rapid_mlx.cli", "serve", str(MODEL)],
+            [rapid, str(REPO / "build.py"), "--bundles", str(bundles), "serve"]
+            + ["--server", "rapid-mlx", "--model", str(MODEL)],
+        )
+    result = {}
+    for engine, (plain, with_bundles) in runs.items():
+        result[engine] = {
+            "plain": bursts(ctx, f"{engine} plain", plain, preload),
+            "bundles": bursts(ctx, f"{engine} bundles", with_bundles, {}),
+        }
+    return result
+
+
+def run(ctx: Context) -> dict[str, Any] | None:
+    from pipeline.blas import blas_status
+
+    if not (VENV / "bin" / "python").exists():
+        ctx.note(f"concurrency: skipped, no server venv at {VENV} (tests/envs/make_servers_env.sh)")
+        return None
+    bundles = demo_bundles(ctx)
+    return {"clients": CLIENTS, "engines": engines(ctx, bundles, blas_status().library)}
+
+
+def section(result: dict[str, Any]) -> list[str]:
+    """Markdown for RESULTS.md."""
+    n = result["clients"]
+    lines = [
+        f"## Concurrency: {n} clients at once on the batched engines, with bundles vs plain",
+        "",
+        f"Demo model `models/demo-tiny`, support-agent prefix (11,052 tokens, 8 tools); a fresh "
+        f"server per run (plain: the engine's own command with OpenBLAS preloaded; bundles: "
+        f"`serve --server NAME`, its defaults). Right after startup {n} clients each send their "
+        f"first question at once (first burst), then {n} other questions (warm burst); 8 tokens "
+        "at temperature 0. Wall seconds until the last answer, requests and prompt tokens per "
+        "second, the cached tokens the requests report (min–max), and whether each answer equals "
+        "the plain engine's for the same question.",
+        "",
+        "| engine | run | burst | wall s | requests/s | prompt tok/s | cached per request "
+        "| same answers as plain |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for engine, runs in result["engines"].items():
+        for run_name, run in runs.items():
+            for burst_name in ("first", "warm"):
+                b = run[burst_name]
+                same = b["answers"] == runs["plain"][burst_name]["answers"]
+                cached = [c or 0 for c in b["cached"]]
+                lines.append(
+                    f"| {engine} | {run_name} | {burst_name} | {b['s']:.1f} "
+                    f"| {b['requests_per_s']:.2f} | {b['prompt_tokens_per_s']:,.0f} "
+                    f"| {min(cached):,}–{max(cached):,} | {same} |"
+                )
+        first = ratio(runs["plain"]["first"]["s"], runs["bundles"]["first"]["s"])
+        warm = ratio(runs["plain"]["warm"]["s"], runs["bundles"]["warm"]["s"])
+        lines.append(
+            f"| {engine} | speed-up | | first burst {first:.1f}x, warm burst {warm:.2f}x | | | | |"
+        )
+    return [*lines, ""]
+
+
+if __name__ == "__main__":
+    from pipeline.blas import ensure_fast_blas
+
+    ensure_fast_blas(sys.argv[1:])
+    work = REPO / "bench" / "out" / "concurrency"
+    work.mkdir(parents=True, exist_ok=True)
+    if "--render" not in sys.argv:  # --render: print the section of the last run's result
+        result = run(Context("--quick" in sys.argv, work))
+        (work / "concurrency.json").write_text(json.dumps(result, indent=2) + "\n")
+    print("\n".join(section(json.loads((work / "concurrency.json").read_text()))))
