@@ -43,7 +43,9 @@ def test_ids_parting_inside_the_bundle_name_the_token_and_the_fix(
     check_seen("rapid-mlx", m, [bundle], {bundle.name: ids})
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert f"reuse at most {at} of its {len(bundle.tokens)} tokens" in warning
-    assert f"rapid-mlx's app (its whole request path) parts from the bundle at token {at}" in warning
+    assert (
+        f"rapid-mlx's app (its whole request path) parts from the bundle at token {at}" in warning
+    )
     assert "renders it" in warning  # rapid-mlx has no request code to build with: what to do
     assert "0 of 1 recorded bundle(s)" in caplog.text
 
@@ -73,9 +75,7 @@ def test_no_lookup_seen_is_said(shop_bundle: Path, tiny_model: Path, caplog):
     assert "looked up no bundle: its ids were not checked" in caplog.text
 
 
-def test_looked_up_records_each_fetch_and_restores_the_manager(
-    shop_bundle: Path, tiny_model: Path
-):
+def test_looked_up_records_each_fetch_and_restores_the_manager(shop_bundle: Path, tiny_model: Path):
     m = mounted(shop_bundle, tiny_model)
     (bundle,) = recorded(m)
     asked = [*bundle.tokens, 7]
