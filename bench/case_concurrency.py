@@ -37,7 +37,7 @@ from case_servers import (  # noqa: E402
     request_body,
     serve,
 )
-from common import REPO, Context, clean_env, ratio  # noqa: E402
+from common import REPO, Context, clean_env, ratio, stat  # noqa: E402
 
 CLIENTS = 8
 # two bursts of CLIENTS distinct questions: the first right after startup, the second once warm
@@ -138,13 +138,37 @@ def engines(ctx: Context, bundles: Path, openblas: str | None) -> dict[str, dict
             [rapid, str(REPO / "build.py"), "--bundles", str(bundles), "serve"]
             + ["--server", "rapid-mlx", "--model", str(MODEL)],
         )
-    result = {}
+    reps = 1 if ctx.quick else 3
+    result: dict[str, dict[str, Any]] = {}
     for engine, (plain, with_bundles) in runs.items():
-        result[engine] = {
-            "plain": bursts(ctx, f"{engine} plain", plain, preload),
-            "bundles": bursts(ctx, f"{engine} bundles", with_bundles, {}),
-        }
+        got: dict[str, list[dict[str, Any]]] = {"plain": [], "bundles": []}
+        for rep in range(reps):  # alternating, a fresh server each
+            for kind in ("plain", "bundles") if rep % 2 == 0 else ("bundles", "plain"):
+                args, env = (plain, preload) if kind == "plain" else (with_bundles, {})
+                got[kind].append(bursts(ctx, f"{engine} {kind} {rep + 1}", args, env))
+        result[engine] = {kind: summarized(runs_of) for kind, runs_of in got.items()}
     return result
+
+
+def summarized(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per burst: wall seconds as a statistic, rates of its median, the first run's answers and
+    every run's cached tokens."""
+    out = {}
+    for name in ("first", "warm"):
+        bursts_of = [r[name] for r in runs]
+        wall = stat([b["s"] for b in bursts_of])
+        prompt_per_request = bursts_of[0]["prompt_tokens_per_s"] * bursts_of[0]["s"] / CLIENTS
+        out[name] = {
+            "s": wall.as_dict(),
+            "requests_per_s": CLIENTS / wall.median,
+            "prompt_tokens_per_s": prompt_per_request * CLIENTS / wall.median,
+            "answers": bursts_of[0]["answers"],
+            "same_answers_every_run": all(
+                b["answers"] == bursts_of[0]["answers"] for b in bursts_of
+            ),
+            "cached": [c for b in bursts_of for c in b["cached"]],
+        }
+    return out
 
 
 def run(ctx: Context) -> dict[str, Any] | None:
@@ -157,6 +181,12 @@ def run(ctx: Context) -> dict[str, Any] | None:
     return {"clients": CLIENTS, "engines": engines(ctx, bundles, blas_status().library)}
 
 
+def cell(s: dict[str, Any]) -> str:
+    """Median wall seconds, with min–max and n when repeated."""
+    spread = f" ({s['min']:.1f}–{s['max']:.1f}, n={s['n']})" if s["n"] > 1 else ""
+    return f"{s['median']:.1f}{spread}"
+
+
 def section(result: dict[str, Any]) -> list[str]:
     """Markdown for RESULTS.md."""
     n = result["clients"]
@@ -167,9 +197,11 @@ def section(result: dict[str, Any]) -> list[str]:
         f"server per run (plain: the engine's own command with OpenBLAS preloaded; bundles: "
         f"`serve --server NAME`, its defaults). Right after startup {n} clients each send their "
         f"first question at once (first burst), then {n} other questions (warm burst); 8 tokens "
-        "at temperature 0. Wall seconds until the last answer, requests and prompt tokens per "
-        "second, the cached tokens the requests report (min–max), and whether each answer equals "
-        "the plain engine's for the same question.",
+        "at temperature 0. Wall seconds until the last answer (median, min–max, n fresh servers, "
+        "plain and bundles alternating), requests and prompt tokens per second at the median, "
+        "the cached tokens the requests report (min–max over every run; vllm-mlx run plainly "
+        "reports none), and whether each answer equals the plain engine's for the same question "
+        "in every run.",
         "",
         "| engine | run | burst | wall s | requests/s | prompt tok/s | cached per request "
         "| same answers as plain |",
@@ -180,14 +212,17 @@ def section(result: dict[str, Any]) -> list[str]:
             for burst_name in ("first", "warm"):
                 b = run[burst_name]
                 same = b["answers"] == runs["plain"][burst_name]["answers"]
+                same = same and b["same_answers_every_run"]
                 cached = [c or 0 for c in b["cached"]]
                 lines.append(
-                    f"| {engine} | {run_name} | {burst_name} | {b['s']:.1f} "
+                    f"| {engine} | {run_name} | {burst_name} | {cell(b['s'])} "
                     f"| {b['requests_per_s']:.2f} | {b['prompt_tokens_per_s']:,.0f} "
                     f"| {min(cached):,}–{max(cached):,} | {same} |"
                 )
-        first = ratio(runs["plain"]["first"]["s"], runs["bundles"]["first"]["s"])
-        warm = ratio(runs["plain"]["warm"]["s"], runs["bundles"]["warm"]["s"])
+        first = ratio(
+            runs["plain"]["first"]["s"]["median"], runs["bundles"]["first"]["s"]["median"]
+        )
+        warm = ratio(runs["plain"]["warm"]["s"]["median"], runs["bundles"]["warm"]["s"]["median"])
         lines.append(
             f"| {engine} | speed-up | | first burst {first:.1f}x, warm burst {warm:.2f}x | | | | |"
         )

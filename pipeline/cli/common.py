@@ -24,6 +24,11 @@ def err(message: str) -> None:
     print(f"error: {one_line(message)}", file=sys.stderr)
 
 
+def note(message: str) -> None:
+    """A one-line note on stderr: something the command did that the user should know."""
+    print(f"note: {one_line(message)}", file=sys.stderr)
+
+
 def warn(message: str) -> None:
     """A one-line warning on stderr (the command goes on)."""
     print(f"warning: {one_line(message)}", file=sys.stderr)

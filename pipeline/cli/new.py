@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.cli.common import err, load_definitions
+from pipeline.cli.common import load_definitions, note
 from pipeline.runtime.servers.tokens import SERVER_NAMES
 
 
@@ -63,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
             args.prefix_messages,
         )
         path = made.path
-        for note in made.notes:
-            err(f"note: {note}")
+        for message in made.notes:
+            note(message)
     elif args.server or args.prefix_messages:
         raise PipelineError("--server and --prefix-messages go with --from-request")
     else:
