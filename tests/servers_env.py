@@ -111,6 +111,19 @@ def chat(port: int, body: dict, timeout: float = 600) -> tuple[dict, float]:
         return json.loads(resp.read()), time.perf_counter() - start
 
 
+def stream(port: int, route: str, body: dict, timeout: float = 600) -> list[dict]:
+    """The JSON data of each server-sent event of a streamed request, in order."""
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{route}",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        lines = resp.read().decode().splitlines()
+    data = [line[6:] for line in lines if line.startswith("data: ") and line != "data: [DONE]"]
+    return [json.loads(d) for d in data]
+
+
 # serve's warm-up line on every server (omni's rich log may wrap it: any whitespace between words)
 WARM_UP_LINE = re.compile(
     r"warmed\s+up\s+its\s+generation\s+path|warm-up\s+failed|warmed\s+up\s+from"

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from servers_env import ROOT, body, chat, free_port, running, servers_python
+from servers_env import ROOT, body, chat, free_port, running, servers_python, stream
 
 from pipeline.format.manifest import Manifest
 
@@ -31,6 +31,30 @@ def serve_args(python: Path, model: Path, bundles: Path, port: int, *extra: str)
     ]
 
 
+def anthropic_body(model: Path) -> dict:
+    """servers_env.body as an Anthropic messages request: the system text, tools with
+    input_schema."""
+    chat_body = body(model)
+    system = [m["content"] for m in chat_body["messages"] if m["role"] == "system"]
+    tools = [
+        {
+            "name": t["function"]["name"],
+            "description": t["function"].get("description", ""),
+            "input_schema": t["function"]["parameters"],
+        }
+        for t in chat_body.get("tools") or []
+    ]
+    messages = [m for m in chat_body["messages"] if m["role"] != "system"]
+    return {
+        "model": str(model),
+        "system": [{"type": "text", "text": s} for s in system],
+        "messages": messages,
+        "tools": tools,
+        "max_tokens": 8,
+        "temperature": 0.0,
+    }
+
+
 @pytest.mark.slow
 def test_first_request_reuses_the_bundle_and_answers_as_a_cold_server(
     shop_bundle: Path, tiny_model: Path, tmp_path: Path
@@ -42,6 +66,12 @@ def test_first_request_reuses_the_bundle_and_answers_as_a_cold_server(
     with running(args, port, tmp_path / "warm.log"):
         warm, _ = chat(port, body(tiny_model))
         again, _ = chat(port, body(tiny_model, "And my order 777?"))
+        streamed = stream(
+            port,
+            "/v1/chat/completions",
+            {**body(tiny_model), "stream_options": {"include_usage": True}},
+        )
+        anthropic = stream(port, "/v1/messages", anthropic_body(tiny_model))
     log = (tmp_path / "warm.log").read_text()
     assert "mounted shop@1" in log and "1 bundle(s) mounted, 0 refused" in log
     covered = [int(n) for n in re.findall(r"bundle shop@1 covers (\d+) of \d+ prompt tokens", log)]
@@ -50,6 +80,12 @@ def test_first_request_reuses_the_bundle_and_answers_as_a_cold_server(
     assert "vllm-mlx: warmed up its generation path with shop@1's request" in log
     assert "Prefix trie cache HIT" in log  # vllm-mlx's own lookup took the bundle
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == manifest.tokens.count
+    # streamed: the usage chunk, and Anthropic's message_start (sent before the lookup runs)
+    (usage,) = [e["usage"] for e in streamed if e.get("usage")]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == manifest.tokens.count
+    (start,) = [e for e in anthropic if e.get("type") == "message_start"]
+    assert start["message"]["usage"]["cache_read_input_tokens"] == manifest.tokens.count
+    assert [e["type"] for e in anthropic][:2] == ["message_start", "content_block_start"]
 
     empty = tmp_path / "no-bundles"
     empty.mkdir()

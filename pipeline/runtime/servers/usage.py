@@ -7,7 +7,9 @@ a context variable, the engine's serialized runner (called from the request's ow
 context is the request's) binds it to the worker thread for the run, and the lookup records
 into it. The middleware then writes the count into the response: `usage.prompt_tokens_details
 .cached_tokens` (chat completions) or `usage.cache_read_input_tokens` (Anthropic messages),
-never more than the lookup handed out, 0 when no lookup served the request.
+never more than the lookup handed out, 0 when no lookup served the request. In a stream, the
+events a server sends before it generates (an Anthropic `message_start` carries usage) wait for
+the lookup, so they carry the count too.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ ROUTES = {"/v1/chat/completions": "openai", "/v1/messages": "anthropic"}
 
 @dataclass
 class Reuse:
-    """The tokens one request's cache lookup served."""
+    """The tokens one request's cache lookup served (`looked_up`: the lookup has run)."""
 
     cached: int = 0
+    looked_up: bool = False
 
 
 CURRENT: ContextVar[Reuse | None] = ContextVar("prefix_bundles_reuse", default=None)
@@ -38,7 +41,7 @@ def record(tokens: int) -> None:
     """On the generation worker: the running request's lookup served `tokens` tokens."""
     reuse = getattr(_worker, "reuse", None)
     if reuse is not None:
-        reuse.cached = tokens
+        reuse.cached, reuse.looked_up = tokens, True
 
 
 def bind_runs(engine_class: type, method: str) -> None:
@@ -149,16 +152,41 @@ def _with_usage(body: bytes, reuse: Reuse, api: str) -> bytes:
     return json.dumps(data).encode()
 
 
+# Anthropic stream events a server sends before generating (vllm-mlx: before its engine looks the
+# prompt up): held back until the lookup has run or generation output arrives
+PREAMBLE = ("message_start", "content_block_start", "ping")
+
+
 async def _events_with_usage(events: Any, reuse: Reuse, api: str) -> Any:
-    """Server-sent events with the usage fields set in every event that carries usage."""
-    pending = b""
+    """Server-sent events with the usage fields set in every event that carries usage. The
+    events before generation (PREAMBLE: an Anthropic `message_start` carries usage) are held
+    until the lookup has run, or the first generated event arrives, so they report it too."""
+    pending, held = b"", []
     async for chunk in events:
         pending += chunk.encode() if isinstance(chunk, str) else chunk
         *done, pending = pending.split(b"\n\n")
         for event in done:
-            yield _event_with_usage(event, reuse, api) + b"\n\n"
+            held.append(event)
+            if reuse.looked_up or _event_type(event) not in PREAMBLE:
+                for ready in held:
+                    yield _event_with_usage(ready, reuse, api) + b"\n\n"
+                held = []
+    for ready in held:
+        yield _event_with_usage(ready, reuse, api) + b"\n\n"
     if pending:
         yield pending
+
+
+def _event_type(event: bytes) -> str | None:
+    """The `type` of an event's JSON data (None for other events)."""
+    for line in event.split(b"\n"):
+        if line.startswith(b"data: "):
+            try:
+                data = json.loads(line[6:])
+            except ValueError:
+                return None
+            return data.get("type") if isinstance(data, dict) else None
+    return None
 
 
 def _event_with_usage(event: bytes, reuse: Reuse, api: str) -> bytes:

@@ -1,0 +1,98 @@
+"""Usage fields written for a server whose responses carry none (pipeline.runtime.servers.usage):
+bodies and server-sent event streams as vllm-mlx sends them. The real server's responses are
+checked over HTTP in tests/test_servers_vllm.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from pipeline.runtime.servers.usage import Reuse, _events_with_usage, _with_usage
+
+
+def event(data: dict, name: str | None = None) -> bytes:
+    head = f"event: {name}\n".encode() if name else b""
+    return head + b"data: " + json.dumps(data).encode() + b"\n\n"
+
+
+def data_of(raw: bytes) -> dict:
+    line = next(x for x in raw.split(b"\n") if x.startswith(b"data: "))
+    return json.loads(line[6:])
+
+
+MESSAGE_START = {
+    "type": "message_start",
+    "message": {"id": "m", "usage": {"input_tokens": 120, "output_tokens": 0}},
+}
+BLOCK_START = {"type": "content_block_start", "index": 0, "content_block": {"type": "text"}}
+DELTA = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "Hi"}}
+MESSAGE_DELTA = {"type": "message_delta", "usage": {"input_tokens": 120, "output_tokens": 2}}
+
+
+def run_stream(parts: list, reuse: Reuse, api: str, lookup_before: int | None) -> list[bytes]:
+    """The events `_events_with_usage` yields for `parts` (bytes, split anywhere); the lookup
+    records 100 cached tokens just before part `lookup_before` is sent (None: never)."""
+
+    async def source():
+        for i, part in enumerate(parts):
+            if i == lookup_before:
+                reuse.cached, reuse.looked_up = 100, True
+            yield part
+
+    async def collect():
+        return [e async for e in _events_with_usage(source(), reuse, api)]
+
+    return asyncio.run(collect())
+
+
+def test_a_body_gets_the_reused_tokens_in_its_usage():
+    openai = json.dumps({"usage": {"prompt_tokens": 9}}).encode()
+    assert json.loads(_with_usage(openai, Reuse(7, True), "openai"))["usage"] == {
+        "prompt_tokens": 9,
+        "prompt_tokens_details": {"cached_tokens": 7},
+    }
+    anthropic = json.dumps({"usage": {"input_tokens": 9, "output_tokens": 1}}).encode()
+    usage = json.loads(_with_usage(anthropic, Reuse(7, True), "anthropic"))["usage"]
+    assert usage["cache_read_input_tokens"] == 7
+    assert _with_usage(b"not json", Reuse(7, True), "openai") == b"not json"
+
+
+def test_message_start_waits_for_the_lookup_and_reports_it():
+    stream = event(MESSAGE_START, "message_start") + event(BLOCK_START, "content_block_start")
+    stream += event({"type": "ping"}, "ping")
+    parts = [stream[:17], stream[17:], event(DELTA), event(MESSAGE_DELTA)]
+    out = run_stream(parts, Reuse(), "anthropic", lookup_before=2)
+    types = [data_of(e)["type"] for e in out]
+    assert types == ["message_start", "content_block_start", "ping", "content_block_delta", "message_delta"]  # fmt: skip
+    assert data_of(out[0])["message"]["usage"]["cache_read_input_tokens"] == 100
+    assert data_of(out[-1])["usage"]["cache_read_input_tokens"] == 100
+    assert out[0].startswith(b"event: message_start\ndata: ")
+
+
+def test_without_a_lookup_the_preamble_goes_with_the_first_generated_event():
+    parts = [event(MESSAGE_START), event(DELTA), event(DELTA), event(MESSAGE_DELTA)]
+    seen_at: list[int] = []
+
+    async def source():
+        for i, part in enumerate(parts):
+            seen_at.append(i)
+            yield part
+
+    async def first_event_after() -> int:
+        async for _ in _events_with_usage(source(), Reuse(), "anthropic"):
+            return len(seen_at)  # how many parts the server had sent when the client got one
+        return -1
+
+    assert asyncio.run(first_event_after()) == 2  # not held to the end of the stream
+    out = run_stream(parts, Reuse(), "anthropic", lookup_before=None)
+    assert data_of(out[0])["message"]["usage"]["cache_read_input_tokens"] == 0
+
+
+def test_openai_chunks_pass_at_once_and_the_usage_chunk_reports_the_reuse():
+    chunk = {"object": "chat.completion.chunk", "choices": [{"delta": {"content": "Hi"}}]}
+    last = {"object": "chat.completion.chunk", "choices": [], "usage": {"prompt_tokens": 120}}
+    parts = [event(chunk), event(last), b"data: [DONE]\n\n"]
+    out = run_stream(parts, Reuse(), "openai", lookup_before=1)
+    assert out[0] == event(chunk)  # before the lookup: not held, unchanged
+    assert data_of(out[1])["usage"]["prompt_tokens_details"] == {"cached_tokens": 100}
+    assert out[2] == b"data: [DONE]\n\n"
