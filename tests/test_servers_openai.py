@@ -12,8 +12,8 @@ from servers_env import ROOT, after_warm_up, body, chat, free_port, running, ser
 from pipeline.format.manifest import Manifest
 
 
-def serve(python: Path, model: Path, bundles: Path, port: int) -> list[str]:
-    args = [str(python), str(ROOT / "build.py"), "--bundles", str(bundles), "serve"]
+def serve(python: Path, model: Path, bundles: Path, port: int, *extra: str) -> list[str]:
+    args = [str(python), str(ROOT / "build.py"), "--bundles", str(bundles), "serve", *extra]
     return [*args, "--server", "mlx-openai-server", "--model", str(model), "--port", str(port)]
 
 
@@ -24,7 +24,8 @@ def test_the_spawned_handler_reuses_the_bundle_and_answers_as_a_cold_server(
     python = servers_python()
     count = Manifest.model_validate_json((shop_bundle / "manifest.json").read_text()).tokens.count
     port = free_port()
-    with running(serve(python, tiny_model, shop_bundle.parents[2], port), port, tmp_path / "w.log"):
+    args = serve(python, tiny_model, shop_bundle.parents[2], port, "--warm-up")  # default: off
+    with running(args, port, tmp_path / "w.log"):
         warm, _ = chat(port, body(tiny_model, "Where is my order 12345?"))
     log = (tmp_path / "w.log").read_text()
     pinned = re.search(r"mlx-openai-server: 1 bundle\(s\) pinned in the handler process (\d+)", log)

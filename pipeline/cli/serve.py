@@ -49,7 +49,8 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> argparse.Argum
         help="after loading the model and before the port opens, send the longest mounted "
         "bundle's request through the server's own generation path once (mlx_lm.server: one decode "
         "step from it), so the first client pays what an in-memory hit costs; it leaves no cache "
-        "entry behind (default: on; --no-warm-up skips it)",
+        "entry behind (default: on, but off for mlx-openai-server, where it was measured not to "
+        "pay; --no-warm-up skips it)",
     )
     p.add_argument(
         "--lockfile",
