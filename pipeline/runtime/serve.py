@@ -390,7 +390,7 @@ def serve(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
     from pipeline.runtime.servers.startup import check_tokenization, start
 
     mounted = start(args, rest, argv, unusable=lambda b: unusable_reason(b, rest))
-    check_tokenization("mlx-lm", mounted, args.strict)
+    check_tokenization("mlx-lm", mounted)
     manager = mounted.manager
 
     import mlx_lm.server as server

@@ -104,7 +104,7 @@ def prepare(args: argparse.Namespace, rest: list[str], argv: list[str]) -> Mount
             "the hook does not reach; run one worker"
         )
     mounted = start(args, rest, argv)
-    check_tokenization(SERVER, mounted, args.strict)
+    check_tokenization(SERVER, mounted)
     install(mounted)
     log.info(
         "%s: requests whose model is %s (or resolves to it) reuse the bundles",

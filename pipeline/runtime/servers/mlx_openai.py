@@ -136,7 +136,7 @@ def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
     template = Path(template_file).read_text() if template_file else None
     # the handler child serves from its own mount: SIGHUP and --admin-port are its (live)
     mounted = start(args, rest, argv, template, live=False)
-    check_tokenization(SERVER, mounted, args.strict)
+    check_tokenization(SERVER, mounted)
     if args.warm_up is None:
         log.info(
             "%s: no warm-up by default (measured: its first request is slower with one); "

@@ -80,7 +80,7 @@ def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
     require("rapid_mlx", SERVER)
     refuse_options(rest, SERVER, UNSUPPORTED)
     mounted = start(args, rest, argv)
-    check_tokenization(SERVER, mounted, args.strict)
+    check_tokenization(SERVER, mounted)
     install(mounted)
     if args.warm_up is not False:  # default on (bench: first request / hit)
         from rapid_mlx import server

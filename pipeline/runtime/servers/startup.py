@@ -127,10 +127,11 @@ def start(
     return mount_for(args, template, unusable, live)
 
 
-def check_tokenization(server: str, mounted: Mounted, strict: bool) -> dict[str, int]:
+def check_tokenization(server: str, mounted: Mounted) -> dict[str, int]:
     """Run each bundle's recorded request (its prefix and a user turn) through `server`'s own
     request code (or, for bundles without one, re-encode its text the server's way); one warning
-    per bundle the server's first request will not reuse whole, PipelineError under --strict.
+    per bundle the server's first request will not reuse whole, PipelineError under --strict
+    (`mounted.strict`).
     Returns {bundle name: tokens the server can reuse}, also kept as `mounted.reusable`."""
     tokenizer = server_tokenizer(mounted)
     kind = model_type(mounted.model)
@@ -146,7 +147,7 @@ def check_tokenization(server: str, mounted: Mounted, strict: bool) -> dict[str,
             if p.reason is None:
                 continue
             line = f"{b.name}: requests will reuse at most {p.reusable} of its {p.total} tokens: {p.reason}"
-        if strict:
+        if mounted.strict:
             raise PipelineError(f"--strict: bundle {b.path}: {line}")
         log.warning("%s", line)
     return reusable

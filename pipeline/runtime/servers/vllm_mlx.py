@@ -259,7 +259,7 @@ def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
         refuse_options(rest, f"{SERVER} --continuous-batching", BATCHED_UNSUPPORTED)
     reason = None if batched else unusable_reason(args.model, rest)
     mounted = start(args, rest, argv, unusable=lambda b: reason)
-    check_tokenization(SERVER, mounted, args.strict)
+    check_tokenization(SERVER, mounted)
     keep_own_disk_cache_off()
     (install_batched if batched else install)(mounted)
     if args.warm_up is not False:  # default on (bench: first request / hit)
