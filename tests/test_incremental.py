@@ -97,7 +97,7 @@ def test_a_new_version_with_appended_text_starts_from_the_old_one(
     assert new.report["reuse"].startswith(f"reused {parent.reused_tokens:,} tokens from shop@1")
     assert new.manifest.fidelity.greedy_match  # warm from the bundle equals a cold prefill
     assert parent.checked == (
-        "built by this builder (its private build record pins these bytes: no recompute)"
+        "built by this builder (its private build record pins this manifest: no recompute)"
     )
     reference = new.manifest.fidelity.reference  # its reference run continued from the parent
     assert reference.endswith(

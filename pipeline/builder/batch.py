@@ -20,7 +20,7 @@ from pipeline.builder.writer import clean_staging
 from pipeline.format.bundle_folder import model_folder
 from pipeline.format.errors import PipelineError
 from pipeline.format.fingerprint import model_fingerprint
-from pipeline.format.lockfile import Lockfile, lock_path, read_lock, write_lock
+from pipeline.format.lockfile import Lockfile, lock_path, read_lock, update_lock
 
 
 @dataclass(frozen=True)
@@ -77,26 +77,27 @@ def build_all(
     """Build in order, stopping at the first error; `options` go to builder.build.
 
     Every target is reported, a failed one too (then its error is raised). prefixes.lock is
-    written after each definition, so a later failure keeps what was built.
+    updated after each definition (that entry only, merged under its file lock), so a later
+    failure keeps what was built and a build running beside this one keeps its entries.
     """
     refs = shard_refs(list(definitions), plan.model, plan.shard)
-    lock = read_lock(lock_path(plan.prefixes))
+    read_lock(lock_path(plan.prefixes))  # a malformed lockfile stops the build before any prefill
     clean_staging(plan.bundles)
     for definition in definitions:
         if refs[definition.name]:  # else another shard's
-            lock = _build_definition(definition, refs[definition.name], lock, plan, report, progress, options)  # fmt: skip
+            _build_definition(definition, refs[definition.name], plan, report, progress, options)
 
 
 def _build_definition(
     definition: LoadedDefinition,
     refs: list[str],
-    lock: Lockfile,
     plan: BuildPlan,
     report: Callable[[Outcome], None],
     progress: Callable[[str], Progress | None],
     options: dict[str, Any],
-) -> Lockfile:
-    """Build one definition's targets; return the lockfile as it now is."""
+) -> None:
+    """Build one definition's targets against the lockfile as it is now, then record them."""
+    lock = read_lock(lock_path(plan.prefixes))  # what builds beside this one locked meanwhile
     root = plan.prefixes.resolve().parent
     planned = targets(definition, root, plan.model, refs if plan.shard else None)
     if plan.locked:  # before any prefill: CI builds only what prefixes.lock names
@@ -106,12 +107,8 @@ def _build_definition(
     for ref, target in zip(refs, planned, strict=True):
         m = _build_one(target, ref, lock, plan, report, progress, options).manifest
         built[model_folder(m.model.slug, m.model.fingerprint)] = m.model.fingerprint
-    if plan.locked:
-        return lock
-    entries = {**lock.prefixes, definition.name: locked_entry(definition, lock, built)}
-    lock = lock.model_copy(update={"prefixes": entries})
-    write_lock(lock_path(plan.prefixes), lock)
-    return lock
+    if not plan.locked:
+        update_lock(lock_path(plan.prefixes), definition.name, locked_entry(definition, built))
 
 
 def _build_one(

@@ -62,6 +62,7 @@ from pipeline.format.fingerprint import (
 )
 from pipeline.format.lockfile import Lockfile
 from pipeline.format.manifest import (
+    DEFAULT_LAYOUT,
     FORMAT_VERSION,
     BuilderInfo,
     CacheInfo,
@@ -72,6 +73,7 @@ from pipeline.format.manifest import (
     PrefixInfo,
     TextInfo,
     TokenInfo,
+    manifest_bytes,
 )
 from pipeline.format.secret_key import SecretKey
 from pipeline.format.validate import validate
@@ -153,6 +155,7 @@ def builder_info(compute: str | None = None) -> BuilderInfo:
     import mlx.core as mx
     from mlx_lm import __version__ as mlx_lm_version
 
+    from pipeline.builder.kernels import kernels
     from pipeline.builder.prefill import device_label
 
     if layout_for(mlx_lm_version) is None:
@@ -164,6 +167,7 @@ def builder_info(compute: str | None = None) -> BuilderInfo:
         platform=f"{platform.system()} {platform.machine()} python{platform.python_version()}",
         device=device_label(),
         compute_dtype=resolve_compute(compute),
+        kernels=kernels(),
     )
 
 
@@ -311,7 +315,8 @@ def _build_locked(job: Job, bundles_root: Path) -> BuildResult:
         if job.sign_key is not None:
             sign_manifest(tmp, job.sign_key)
         publish(bundles_root, tmp, job.dest)
-        record_built(manifest)  # a later incremental build may reuse it with no recompute
+        # a later incremental build may reuse it with no recompute
+        record_built(sha256_bytes(manifest_bytes(manifest)), manifest)
         return BuildResult(job.dest, manifest, report, up_to_date=False)
     finally:
         discard(bundles_root, tmp)
@@ -364,8 +369,9 @@ def _resume(job: Job, loaded, tokens: list[int], bundles_root: Path) -> tuple[Re
         return None, "incremental builds off (--full)"
     wanted = Wanted(
         tokens, job.identity, job.builder, dtype_name(loaded.compute_dtype),
-        job.target.definition.spec.cache.prefill_step_size, loaded.model, job.trusted_keys,
-        job.parent_check,
+        job.target.definition.spec.cache.prefill_step_size,
+        layout=layout_for(job.builder.mlx_lm) or DEFAULT_LAYOUT, model=loaded.model,
+        trusted_keys=job.trusted_keys, parent_check=job.parent_check,
     )  # fmt: skip
     explicit = job.reuse if isinstance(job.reuse, Path) else None
     return find_parent(bundles_root, wanted, job.dest, explicit)
@@ -459,6 +465,7 @@ def make_manifest(target: Target, facts: BuildFacts, fidelity: FidelityInfo) -> 
     d, text, opts = target.definition, facts.rendered.text, target.definition.spec.cache
     return Manifest(
         format_version=FORMAT_VERSION,
+        kind="prefix",
         prefix=PrefixInfo(name=d.name, version=d.version, content_sha256=d.content_sha256),
         text=TextInfo(sha256=sha256_bytes(text.encode()), chars=len(text), preview=preview(text)),
         tokens=TokenInfo(

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.builder.build_record import built_here
+from pipeline.builder.build_record import built_here, recorded_before_manifests
 from pipeline.format.bundle_folder import (
     CACHE_FILE,
     MANIFEST_FILE,
@@ -42,7 +42,7 @@ from pipeline.format.errors import BuildError, BundleError
 from pipeline.format.fingerprint import ModelIdentity
 from pipeline.format.manifest import DEFAULT_LAYOUT, BuilderInfo, FidelityInfo, Manifest, ParentInfo
 from pipeline.format.safetensors_read import FormatError, read_header
-from pipeline.format.validate import validate
+from pipeline.format.validate import Validated, validate
 from pipeline.runtime.mount import find_bundles
 
 
@@ -55,6 +55,7 @@ class Wanted:
     builder: BuilderInfo
     compute_dtype: str  # the dtype the prefill holds its cache in
     step: int  # prefill chunk size
+    layout: str = DEFAULT_LAYOUT  # the cache-file layout this build writes
     model: Any = None  # the loaded model, to recompute chunks of a parent with (spot_check)
     trusted_keys: tuple = ()  # with keys, a parent must carry a valid signature by one of them
     parent_check: str = "proven"  # what to do with a parent neither signed nor built here
@@ -89,13 +90,14 @@ def find_parent(
         found, _ = find_bundles(bundles_root)
     except BundleError:
         return None, "no earlier bundles to start from"
-    candidates = []
-    for path in found:
-        manifest = None if path.resolve() == exclude.resolve() else examine(path, wanted)[0]
+    candidates, refused = [], []
+    for path in (p for p in found if p.resolve() != exclude.resolve()):
+        manifest, why = examine(path, wanted)
+        reused = reusable_tokens(_token_ids(path), wanted) if manifest or _same_model(why) else 0
         if manifest is not None:
-            reused = reusable_tokens(_token_ids(path), wanted)
             candidates.append((reused, str(path), path, manifest))
-    refused: list[str] = []
+        elif reused:  # this model's bundle that would give tokens: say why it does not
+            refused.append(f"{path}: {why}")
     for reused, _, path, manifest in sorted(candidates, key=lambda c: (-c[0], c[1])):
         if reused == 0:
             break
@@ -108,6 +110,14 @@ def find_parent(
     if refused:
         return None, f"prefilled from token 0; {REFUSED_PARENT}: {'; '.join(refused)}"
     return None, "no earlier bundle shares a whole prefill chunk with these tokens"
+
+
+def _same_model(why: str | None) -> bool:
+    """A refusal by examine that concerns how a bundle of this model was built (worth a line)."""
+    return bool(why) and not why.startswith((OTHER_WEIGHTS, "unreadable"))
+
+
+OTHER_WEIGHTS = "built for other weights"
 
 
 def reusable_tokens(parent_tokens: list[int], wanted: Wanted) -> int:
@@ -130,7 +140,7 @@ def examine(bundle: Path, wanted: Wanted) -> tuple[Manifest | None, str | None]:
         return None, f"unreadable ({exc})"
     b = m.builder
     checks = (
-        (m.model.fingerprint == wanted.identity.model, "built for other weights"),
+        (m.model.fingerprint == wanted.identity.model, OTHER_WEIGHTS),
         (m.cache.kv_bits is None, f"its cache is quantized ({m.cache.kv_bits}-bit)"),
         (set(m.cache.classes) == {"KVCache"}, "its cache has non-trimmable layers"),
         (
@@ -142,8 +152,18 @@ def examine(bundle: Path, wanted: Wanted) -> tuple[Manifest | None, str | None]:
             f"chunks of {m.cache.prefill_step_size}, this build uses {wanted.step}",
         ),
         (
-            (b.mlx, b.mlx_lm, b.device) == (wanted.builder.mlx, wanted.builder.mlx_lm, wanted.builder.device),
-            f"built with mlx {b.mlx}, mlx-lm {b.mlx_lm} on {b.device}",
+            m.cache.layout == wanted.layout,
+            f"its cache file has the {m.cache.layout} layout, this build writes {wanted.layout}",
+        ),
+        (
+            b.kernels is not None,
+            "format 2: it does not record which kernels made it, so it is recomputed from token "
+            "0 once (its rebuild records them)",
+        ),
+        (
+            (b.mlx, b.mlx_lm, b.device, b.kernels) == (wanted.builder.mlx, wanted.builder.mlx_lm, wanted.builder.device, wanted.builder.kernels),
+            f"made by other kernels (mlx {b.mlx}, mlx-lm {b.mlx_lm} on {b.device}: {b.kernels}; "
+            f"this build: {wanted.builder.kernels})",
         ),
     )  # fmt: skip
     reason = next((why for ok, why in checks if not ok), None)
@@ -184,28 +204,35 @@ def _load(bundle: Path, manifest: Manifest, wanted: Wanted) -> tuple[Resume | No
     if done == 0 or checked.cache is None:
         return None, "it shares no whole prefill chunk with these tokens"
     start = time.perf_counter()
-    how = _prove(checked.cache, manifest, wanted, done)
+    how = _prove(checked, wanted, done)
     if how.startswith(SPOT_CHECK) or how.startswith(UNPROVEN_REFUSAL):
         return None, how
     how += f" ({time.perf_counter() - start:.2f} s)" if how.startswith("spot check") else ""
-    record = _record(bundle, manifest, done, how)
+    record = _record(checked, done, how)
     return Resume(_replay(checked.cache, done, wanted.step), done, record, bundle), None
 
 
 UNPROVEN_REFUSAL = f"not reused: {UNPROVEN}"
 
 
-def _prove(layers: list[Any], manifest: Manifest, wanted: Wanted, done: int) -> str:
+def _prove(checked: Validated, wanted: Wanted, done: int) -> str:
     """How the parent is trusted, as the manifest records it; or why it is not (a refusal that
     starts with UNPROVEN_REFUSAL or SPOT_CHECK)."""
+    layers, manifest = checked.cache, checked.manifest
     if wanted.trusted_keys:
         return "signed by a trusted key (validated: no recompute)"
-    if built_here(manifest):
-        return "built by this builder (its private build record pins these bytes: no recompute)"
+    if built_here(checked.manifest_sha256, manifest):
+        return "built by this builder (its private build record pins this manifest: no recompute)"
     if wanted.parent_check == "proven":
+        older = (
+            " (the build record names its cache file from before records pinned manifests: "
+            "recomputed from token 0 once)"
+            if recorded_before_manifests(manifest)
+            else ""
+        )
         return (
-            f"{UNPROVEN_REFUSAL}; sign it and pass --trusted-key, or pass --parent-check sample "
-            "(spot check) or chunks to reuse it anyway"
+            f"{UNPROVEN_REFUSAL}{older}; sign it and pass --trusted-key, or pass --parent-check "
+            "sample (spot check) or chunks to reuse it anyway"
         )
     if wanted.parent_check == "sample":
         problem = sample_check(wanted.model, layers, wanted.tokens, done, wanted.step)
@@ -297,15 +324,17 @@ def _replay(layers: list[Any], done: int, step: int) -> list[Any]:
     return out
 
 
-def _record(bundle: Path, manifest: Manifest, done: int, how: str) -> ParentInfo:
-    p = manifest.prefix
+def _record(parent: Validated, done: int, how: str) -> ParentInfo:
+    p, m = parent.manifest.prefix, parent.manifest
     return ParentInfo(
         prefix=p.name,
         version=p.version,
-        folder=bundle.name,
-        file_sha256=manifest.cache.file_sha256,
+        folder=parent.path.name,
+        file_sha256=m.cache.file_sha256,
         reused_tokens=done,
         checked=how,
+        manifest_sha256=parent.manifest_sha256,
+        kernels=m.builder.kernels,
     )
 
 

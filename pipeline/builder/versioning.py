@@ -68,13 +68,12 @@ def check_locked(d: LoadedDefinition, lock: Lockfile, models: dict[str, str]) ->
             )
 
 
-def locked_entry(d: LoadedDefinition, lock: Lockfile, models: dict[str, str]) -> LockedPrefix:
-    """The lockfile entry after building d for `models` ({model folder: fingerprint})."""
-    entry = lock.prefixes.get(d.name)
-    kept = entry.models if entry is not None and entry.version == d.version else {}
+def locked_entry(d: LoadedDefinition, models: dict[str, str]) -> LockedPrefix:
+    """The lockfile entry a build of d for `models` ({model folder: fingerprint}) contributes
+    (pipeline.format.lockfile.update_lock merges it with what the file holds then)."""
     return LockedPrefix(
         version=d.version,
         content_sha256=d.content_sha256,
         template_sha256=d.spec.template.sha256,
-        models={**kept, **models},
+        models=models,
     )

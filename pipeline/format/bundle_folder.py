@@ -10,6 +10,7 @@ BundleError naming the file and the fix; none opens a special file.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
@@ -19,7 +20,7 @@ from pydantic import ValidationError
 
 from pipeline.format.errors import BundleError
 from pipeline.format.fingerprint import sha256_bytes
-from pipeline.format.manifest import FORMAT_VERSION, MAX_MANIFEST_BYTES, Manifest
+from pipeline.format.manifest import FORMAT_VERSION, MAX_MANIFEST_BYTES, READ_VERSIONS, Manifest
 from pipeline.format.names import LAYOUT_FOLDER  # noqa: F401  (re-exported: the layout's name)
 from pipeline.format.regular_files import FileProblem, kind_of, read_regular
 
@@ -140,19 +141,35 @@ def parse_manifest(bundle: Path, data: bytes) -> Manifest:
     try:
         return Manifest.model_validate_json(data)
     except ValidationError as exc:
-        raise _manifest_error(bundle, exc) from None
+        raise _manifest_error(bundle, exc, data) from None
 
 
-def _manifest_error(bundle: Path, exc: ValidationError) -> BundleError:
+def _format_refusal(version: object, data: bytes) -> str:
+    """Why a format_version is not read, and what to do: a newer format names the release that
+    built it (builder.pipeline), the version to upgrade this runtime to."""
+    reads = ", ".join(map(str, READ_VERSIONS))
+    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+        try:
+            built_by = json.loads(data)["builder"]["pipeline"]
+        except (ValueError, KeyError, TypeError, RecursionError):
+            built_by = None
+        release = (
+            f"mlx-prefix-bundles {str(built_by)[:40]} or later"
+            if isinstance(built_by, str)
+            else "a newer mlx-prefix-bundles"
+        )
+        return (
+            f"format_version {version} is newer than this runtime reads ({reads}); "
+            f"upgrade the runtime to {release}"
+        )
+    return f"format_version {version!r} is not supported (this runtime reads {reads}); rebuild it with this version"
+
+
+def _manifest_error(bundle: Path, exc: ValidationError, data: bytes) -> BundleError:
     err = exc.errors()[0]
     where = ".".join(str(p) for p in err["loc"]) or "(top level)"
     if where == "format_version":
-        return refuse(
-            bundle,
-            f"format_version {err.get('input')!r} is not supported (this loader reads "
-            f"{FORMAT_VERSION}); rebuild with this version",
-            "format_version",
-        )
+        return refuse(bundle, _format_refusal(err.get("input"), data), "format_version")
     return refuse(
         bundle, f"{MANIFEST_FILE} is invalid at {where}: {err['msg']}; rebuild the bundle", where
     )

@@ -3,6 +3,13 @@
 Written by `build`, checked by `build --locked` (CI), readable by `serve --lockfile` to mount exactly
 the locked versions. A content change under the same version is refused against it, so version
 discipline holds even where the old bundles are not on this machine.
+
+A shared record: several builds may run at once, so each writes only its own definition's entry,
+read-modify-write under a file lock held around that update alone (never around a prefill), and
+never moves an entry another build wrote backwards (`merge_entry`). The lock is `flock` on
+`.prefixes.lock.lock` beside the file: it holds between processes on one host and, on Linux, on NFS
+v4 (flock is emulated with byte-range locks there); on a file system without working locks
+(some SMB/FUSE mounts) two builds of one repository must not run at once.
 """
 
 from __future__ import annotations
@@ -80,6 +87,44 @@ def write_lock(path: Path, lock: Lockfile) -> None:
     except OSError as exc:
         tmp.unlink(missing_ok=True)
         raise LockError(f"cannot write {path}: {exc.strerror}") from None
+
+
+def update_lock(path: Path, name: str, entry: LockedPrefix) -> Lockfile:
+    """Merge one definition's entry into the lockfile as it is on disk now, under its file lock;
+    LockError when another build locked that definition at a newer version or other content."""
+    from filelock import FileLock
+
+    path = Path(path)
+    try:
+        with FileLock(str(path.with_name(f".{path.name}.lock"))):
+            current = read_lock(path)
+            merged = merge_entry(path, name, current.prefixes.get(name), entry)
+            lock = current.model_copy(update={"prefixes": {**current.prefixes, name: merged}})
+            write_lock(path, lock)
+    except OSError as exc:  # the lock file cannot be created: the folder is read-only
+        raise LockError(f"cannot lock {path} for update: {exc.strerror}") from None
+    return lock
+
+
+def merge_entry(
+    path: Path, name: str, now: LockedPrefix | None, built: LockedPrefix
+) -> LockedPrefix:
+    """The entry after a build: a newer version replaces, the same version and content adds its
+    models; an entry another build moved on (newer version, or other content) is never reverted."""
+    if now is None or now.version < built.version:
+        return built
+    if now.version > built.version:
+        raise LockError(
+            f"{path}: {name}@{now.version} was locked by another build while this one built "
+            f"{name}@{built.version}; this build's entry is not recorded: build {name} again"
+        )
+    if (now.content_sha256, now.template_sha256) != (built.content_sha256, built.template_sha256):
+        raise LockError(
+            f"{path}: {name}@{built.version} was locked by another build with other content "
+            f"({now.content_sha256[:12]}.. there, {built.content_sha256[:12]}.. here); "
+            f"bump version of {name} and build it again"
+        )
+    return built.model_copy(update={"models": {**now.models, **built.models}})
 
 
 def locked_versions(path: Path) -> dict[str, int]:

@@ -1,7 +1,17 @@
-"""Manifest schema (format v2): everything a bundle's validity depends on, as a strict, frozen record.
+"""Manifest schema (format v3, reads v2): everything a bundle's validity depends on, as a strict,
+frozen record.
 
 Strict on purpose: the runtime parses manifests it did not write (copied, edited, forged), so every
 field has the type and range a builder can produce, and nothing else is accepted.
+
+Format 3 (this release) adds what tells two builders apart and what a parent was:
+- `builder.kernels`: the device, mlx build and BLAS that made the bytes (required);
+- `parent.manifest_sha256` and `parent.kernels`: the exact parent manifest the child continued and
+  the kernels that made the parent's part (required with a parent);
+- `kind`: "prefix" (the place for runtime snapshots' own kind);
+- rapid-mlx among the servers a request's ids follow, and the `developer` role.
+A format 2 manifest is still read and served; it is never continued as a parent (nothing in it says
+which kernels made it).
 """
 
 from __future__ import annotations
@@ -9,11 +19,14 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pipeline.format.names import NAME_RULE
 
-FORMAT_VERSION = 2  # 2: cache file digest and size in the manifest, fingerprinted model folders
+# 2: cache file digest and size in the manifest, fingerprinted model folders; 3: builder kernels,
+# the parent's manifest digest, kind. READ_VERSIONS: what this runtime reads and can still prove.
+FORMAT_VERSION = 3
+READ_VERSIONS = (2, 3)
 MAX_MANIFEST_BYTES = 1 << 20
 
 Hex64 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -80,6 +93,8 @@ class BuilderInfo(Record):
     platform: Short
     device: Short
     compute_dtype: Short
+    # what decides the bytes (pipeline.builder.kernels): device, mlx build, BLAS; None: format 2
+    kernels: Short | None = None
 
 
 class ServingCheck(Record):
@@ -132,14 +147,20 @@ class ParentInfo(Record):
     file_sha256: Hex64
     reused_tokens: Count
     checked: Short | None = None  # signature, chunks recomputed from token 0 (None: older builds)
+    manifest_sha256: Hex64 | None = (
+        None  # the parent manifest continued (pins all it was built for)
+    )
+    kernels: Short | None = None  # what made the parent's part (its builder.kernels)
 
 
-ServerName = Literal["mlx-lm", "vllm-mlx", "mlx-omni-server", "mlx-openai-server"]
+# every server serve wraps (the registry in pipeline.runtime.servers maps each name to its hook)
+SERVER_NAMES = ("mlx-lm", "vllm-mlx", "rapid-mlx", "mlx-omni-server", "mlx-openai-server")
+ServerName = Literal["mlx-lm", "vllm-mlx", "rapid-mlx", "mlx-omni-server", "mlx-openai-server"]
 RequestApi = Literal["openai", "anthropic"]  # OpenAI chat completions or Anthropic messages
 
 
 class RequestMessage(Record):
-    role: Literal["system", "user", "assistant", "tool"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[str, Field(max_length=MAX_MANIFEST_BYTES)]
 
 
@@ -177,13 +198,14 @@ class RequestInfo(Record):
     api: RequestApi = "openai"
     # the servers whose own request code gave the ids; empty: the pinned template rendered by the
     # builder (mlx_lm.server's path)
-    tokenization: Annotated[list[ServerName], Field(max_length=4)] = []
+    tokenization: Annotated[list[ServerName], Field(max_length=len(SERVER_NAMES))] = []
 
 
 class Manifest(Record):
     """Everything a bundle's validity depends on; deterministic for identical inputs."""
 
-    format_version: Literal[2]
+    format_version: Literal[2, 3]
+    kind: Literal["prefix"] | None = None  # format 3: "prefix" (runtime snapshots get their own)
     prefix: PrefixInfo
     text: TextInfo
     tokens: TokenInfo
@@ -195,6 +217,24 @@ class Manifest(Record):
     parent: ParentInfo | None = None  # absent for a build from token 0
     request: RequestInfo | None = None  # absent before requests were recorded, or with documents
 
+    @model_validator(mode="after")
+    def _fields_of_its_format(self) -> Manifest:
+        """Format 3 has kind, builder kernels and a pinned parent; format 2 has none of them."""
+        v3 = self.format_version == 3
+        parent = self.parent
+        facts = {
+            "kind": self.kind is not None,
+            "builder.kernels": self.builder.kernels is not None,
+            "parent.manifest_sha256": parent is None or parent.manifest_sha256 is not None,
+            "parent.kernels": parent is None or parent.kernels is not None,
+        }
+        if v3 and not all(facts.values()):
+            missing = next(k for k, ok in facts.items() if not ok)
+            raise ValueError(f"format_version 3 requires {missing}")
+        if not v3 and (self.kind, self.builder.kernels) != (None, None):
+            raise ValueError("kind and builder.kernels are format 3 fields")
+        return self
+
 
 def manifest_bytes(manifest: Manifest) -> bytes:
     """Canonical manifest bytes: sorted keys, two-space indent, trailing newline; no `parent` key
@@ -205,7 +245,12 @@ def manifest_bytes(manifest: Manifest) -> bytes:
         exclude["parent"] = True
     if manifest.request is None:
         exclude["request"] = True
-    if manifest.cache.layout == DEFAULT_LAYOUT:
-        exclude["cache"] = {"layout"}
+    if manifest.format_version == 2:  # absent fields of format 2, as its builders wrote them
+        exclude["kind"] = True
+        exclude["builder"] = {"kernels"}
+        if manifest.parent is not None:
+            exclude["parent"] = {"manifest_sha256", "kernels"}
+        if manifest.cache.layout == DEFAULT_LAYOUT:
+            exclude["cache"] = {"layout"}
     data = manifest.model_dump(mode="json", exclude=exclude or None)
     return (json.dumps(data, sort_keys=True, indent=2) + "\n").encode()

@@ -12,11 +12,13 @@ from a second lookup of the path, and re-checks it after the read.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import stat
 import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 _lock = threading.Lock()
@@ -59,10 +61,38 @@ def load_table(memo: Path) -> dict[str, str]:
     return _load(memo)
 
 
-def save_table(memo: Path, table: dict[str, str]) -> None:
-    """Write a private table atomically (best effort: a read-only home only costs the entry)."""
-    with _lock:
-        _store(memo, table)
+def update_table(memo: Path, change: Callable[[dict[str, str]], dict[str, str]]) -> None:
+    """Read, change and write a private table under its file lock, so that processes updating it
+    at once keep each other's entries (best effort: a read-only home or a lock not granted
+    within LOCK_WAIT seconds only costs the entry)."""
+    with _lock, _file_lock(memo) as held:
+        if held:
+            _store(memo, change(_load(memo)))
+
+
+LOCK_WAIT = 10.0
+
+
+@contextlib.contextmanager
+def _file_lock(memo: Path) -> Iterator[bool]:
+    """flock on `<memo>.lock` in the private folder; yields whether it is held."""
+    from filelock import FileLock, Timeout
+
+    if not _private(memo.parent, want_dir=True):
+        try:
+            memo.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError:
+            pass
+    lock = FileLock(str(memo) + ".lock", timeout=LOCK_WAIT, mode=0o600)
+    try:
+        lock.acquire()
+    except (Timeout, OSError):
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        lock.release()
 
 
 def _load(memo: Path) -> dict[str, str]:
@@ -108,12 +138,13 @@ def lookup(key: str) -> str | None:
 def store(key: str, digest: str) -> None:
     """Record a file's sha256 under its stat key (forgetting that file's older states)."""
     real = key.split("|", 1)[0]
-    memo = memo_path()
-    with _lock:
-        table = {
+
+    def change(table: dict[str, str]) -> dict[str, str]:
+        kept = {
             k: v
-            for k, v in _load(memo).items()
+            for k, v in table.items()
             if not k.startswith(real + "|") and os.path.exists(k.split("|", 1)[0])
         }
-        table[key] = digest
-        _store(memo, table)
+        return {**kept, key: digest}
+
+    update_table(memo_path(), change)

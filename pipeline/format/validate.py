@@ -63,6 +63,7 @@ class Validated:
     manifest: Manifest
     tokens: list[int]
     cache: list[Any] | None
+    manifest_sha256: str = ""  # of the manifest bytes validated (they pin every other fact)
 
 
 def validate(
@@ -139,7 +140,7 @@ def _validate(
     check_scalars(scalar_values(header, data.small, expected), expected)
     c = manifest.cache
     cache = rebuild(data.arrays, header.metadata, c.layout, c.classes) if load else None
-    return Validated(bundle, manifest, tokens, cache)
+    return Validated(bundle, manifest, tokens, cache, sums[MANIFEST_FILE])
 
 
 def recorded_identity(manifest: Manifest) -> ModelIdentity:

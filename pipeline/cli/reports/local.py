@@ -87,7 +87,10 @@ class InspectReport(Report):
     schema_: Literal["inspect/1"] = Field("inspect/1", alias="schema")
     bundle: str
     files: dict[str, int] = Field(description="regular files in the bundle folder: bytes")
-    format_version: Literal[2] | None
+    format_version: Literal[2, 3] | None
+    kind: Literal["prefix"] | None = Field(
+        None, description='"prefix" (format 3); null: format 2, or the manifest cannot be read'
+    )
     prefix: PrefixInfo | None
     text: TextInfo | None
     tokens: TokenInfo | None
