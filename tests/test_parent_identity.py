@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_incremental import MORE, define, run_build
 
 from pipeline.builder.kernels import kernels
 from pipeline.format.bundle_folder import CACHE_FILE, MANIFEST_FILE, SUMS_FILE
@@ -21,7 +22,6 @@ from pipeline.format.validate import validate
 from pipeline.runtime import mount
 
 from conftest import SYSTEM
-from test_incremental import MORE, define, run_build
 
 ROOT = Path(__file__).resolve().parent.parent
 
