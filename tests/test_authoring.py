@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from pipeline.cli import main
 
 from conftest import SYSTEM, TOOLS, claude_code_request
@@ -155,3 +157,119 @@ def test_new_from_request_refuses_bad_requests_with_one_line(
             err,
         )
         assert list(prefixes.iterdir()) == [], case
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """Every path under root with its bytes (None for folders): to prove nothing changed."""
+    return {
+        str(p.relative_to(root)): (p.read_bytes() if p.is_file() and not p.is_symlink() else None)
+        for p in sorted(root.rglob("*"))
+    }
+
+
+HOSTILE_ROLES = [
+    "../../README",
+    "/etc/passwd",
+    "a/b",
+    "..",
+    "sys\x00tem",
+    "x" * 5000,
+    "ѕystem",  # Cyrillic dze: looks like "system"
+    "system ",
+    "SYSTEM",
+    None,
+    42,
+]
+
+
+@pytest.mark.parametrize("role", HOSTILE_ROLES, ids=[repr(r)[:20] for r in HOSTILE_ROLES])
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
+def test_new_from_request_never_writes_a_path_from_a_role(
+    tmp_path: Path, tiny_model: Path, capsys, role, api: str
+):
+    """A role is checked against the fixed set before anything is written: one error line, and
+    the whole project tree (README.md beside prefixes/ included) as it was."""
+    project = tmp_path / "project"
+    prefixes = project / "prefixes"
+    prefixes.mkdir(parents=True)
+    (project / "README.md").write_text("the project's own readme\n")
+    messages = [{"role": role, "content": "overwritten?"}]
+    if api == "anthropic":
+        request = {"system": "You help.", "messages": messages, "max_tokens": 8}
+    else:
+        request = {"messages": [{"role": "system", "content": "You help."}, *messages]}
+    body = tmp_path / "request.json"
+    body.write_text(json.dumps(request))
+    before = _tree(project)
+    argv = ["--prefixes", str(prefixes), "new", "x", "--model", str(tiny_model)]
+    code = main([*argv, "--from-request", str(body), "--prefix-messages", "1"])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 1 and len(err) == 1, err
+    assert (
+        err[0].startswith("error: --from-request") and "is not one of system, developer" in err[0]
+    )
+    assert _tree(project) == before
+
+
+@pytest.mark.parametrize(
+    "name", ["../x", "/abs", "a/b", "x\x00", "é", "x" * 65, ".hidden", "A", ""]
+)
+def test_new_refuses_a_definition_name_that_is_not_a_plain_name(
+    tmp_path: Path, tiny_model: Path, capsys, name: str
+):
+    prefixes = tmp_path / "prefixes"
+    prefixes.mkdir()
+    code = main(["--prefixes", str(prefixes), "new", name, "--model", str(tiny_model)])
+    err = capsys.readouterr().err.splitlines()
+    assert code != 0 and len(err) == 1 and err[0].startswith("error: "), err
+    assert _tree(tmp_path) == {"prefixes": None}
+
+
+def test_new_never_writes_through_a_dangling_link(tmp_path: Path, tiny_model: Path, capsys):
+    prefixes = tmp_path / "prefixes"
+    prefixes.mkdir()
+    (prefixes / "x.toml").symlink_to(tmp_path / "elsewhere.toml")
+    code = main(["--prefixes", str(prefixes), "new", "x", "--model", str(tiny_model)])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 1 and "already exists" in err[0]
+    assert not (tmp_path / "elsewhere.toml").exists()
+
+
+def test_a_failed_new_leaves_the_tree_as_it_was(tmp_path: Path, tiny_model: Path, capsys):
+    """A request whose tools fail the definition schema after the files were staged."""
+    prefixes = tmp_path / "prefixes"
+    prefixes.mkdir()
+    request = {
+        "messages": [{"role": "system", "content": "You help."}],
+        "tools": [{"type": "function", "function": {"name": "f", "parameters": "not a schema"}}],
+    }
+    body = tmp_path / "request.json"
+    body.write_text(json.dumps(request))
+    before = _tree(prefixes)
+    code = main(["--prefixes", str(prefixes), "new", "x", "--model", str(tiny_model), "--from-request", str(body)])  # fmt: skip
+    err = capsys.readouterr().err.splitlines()
+    assert code == 1 and len(err) == 1 and str(prefixes / "x.toml") in err[0], err
+    assert ".new-" not in err[0]
+    assert _tree(prefixes) == before
+
+
+def test_a_developer_message_is_kept_as_captured(tmp_path: Path, tiny_model: Path):
+    """OpenAI's developer role stays developer: the definition renders what mlx_lm.server (the
+    default server) hands its template for that request, not a system prompt it never sends."""
+    from pipeline.builder.definition import load_definition
+
+    request = {
+        "messages": [
+            {"role": "developer", "content": "Answer in French."},
+            {"role": "user", "content": "Where is my order 12345?"},
+        ]
+    }
+    body = tmp_path / "request.json"
+    body.write_text(json.dumps(request))
+    prefixes = tmp_path / "prefixes"
+    prefixes.mkdir()
+    argv = ["--prefixes", str(prefixes), "new", "dev", "--model", str(tiny_model)]
+    assert main([*argv, "--from-request", str(body)]) == 0
+    d = load_definition(prefixes / "dev.toml", tmp_path)
+    assert d.messages == request["messages"][:1]
+    assert (prefixes / "dev" / "developer.md").read_text() == "Answer in French."

@@ -383,6 +383,26 @@ def test_clean_staging_removes_only_dead_builds(tmp_path: Path):
     assert sorted(p.name for p in root.iterdir()) == sorted([f"{os.getpid()}-yyyy", "locks"])
 
 
+def test_clean_staging_never_sweeps_another_hosts_build(tmp_path: Path):
+    """A staging folder tagged with another host (or container: another pid namespace) is kept
+    even when its pid is not alive here: that build may be running there."""
+    from pipeline.builder.writer import host_tag, new_staging_folder
+
+    bundles = tmp_path / "bundles"
+    mine = new_staging_folder(bundles)
+    assert mine.name.endswith(f".{host_tag()}")
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], check=True,
+                          capture_output=True, text=True)  # fmt: skip
+    dead_pid = int(done.stdout)
+    root = staging_root(bundles)
+    (root / f"{dead_pid}-aaaa.0123456789ab").mkdir()  # another host's live build
+    (root / f"{dead_pid}-bbbb.{host_tag()}").mkdir()  # this host's dead build
+    assert clean_staging(bundles) == [root / f"{dead_pid}-bbbb.{host_tag()}"]
+    assert sorted(p.name for p in root.iterdir()) == sorted(
+        [f"{dead_pid}-aaaa.0123456789ab", mine.name]
+    )
+
+
 def test_build_refuses_while_another_build_holds_the_target(project: Path):
     bundle = build_bundle(project)
     before = snapshot(project / "bundles")

@@ -193,9 +193,9 @@ INVALID = [
     ),
     (
         "unknown role",
-        VALID.replace('role = "system"', 'role = "developer"'),
+        VALID.replace('role = "system"', 'role = "moderator"'),
         {},
-        "prefix.messages.0.role: Input should be 'system', 'user', 'assistant' or 'tool'",
+        "prefix.messages.0.role: Input should be 'system', 'developer', 'user', 'assistant' or 'tool'",
     ),
     (
         "included file missing",

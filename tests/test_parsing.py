@@ -352,7 +352,10 @@ BAD_MESSAGES = [
     ('[{"role": "user", "content": null}]', f"messages.0: 'content' is missing; {CONTENT}"),
     ('[{"role": "user", "content": [{"type": "image_url"}]}]', f"messages.0.content: {CONTENT}"),
     ('[{"role": "user", "content": [{"text": "hi"}]}]', f"messages.0.content: {CONTENT}"),
-    ('[{"role": "bot", "content": "x"}]', "messages.0.role: Input should be 'system', 'user', "),
+    (
+        '[{"role": "bot", "content": "x"}]',
+        "messages.0.role: Input should be 'system', 'developer', 'user', ",
+    ),
     ('[{"role": "user", "content": "x", "x": 1}]', "messages.0.x: unknown field; remove it"),
     ('[{"content": "x"}]', "messages.0.role: required field is missing; add it"),
     ("[5]", "messages.0: Input should be a valid dictionary"),

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pipeline.builder.definition import _parse_tools, load_definition
+from pipeline.builder.definition import ROLES, _parse_tools, load_definition
 from pipeline.builder.stability import common_prefix_length
 from pipeline.format.errors import DefinitionError, TemplateError
 from pipeline.format.fingerprint import model_chat_template, sha256_text
@@ -87,13 +89,11 @@ def definition_from_request(
         servers = servers or list(ANTHROPIC_SERVERS)
     else:
         messages, tools = [], body.get("tools")
-        while len(messages) < len(body["messages"]) and body["messages"][len(messages)].get(
-            "role"
+        while len(messages) < len(body["messages"]) and _role(
+            body["messages"][len(messages)], f"{where}: messages.{len(messages)}"
         ) in ("system", "developer"):
-            m = body["messages"][len(messages)]
-            messages.append(
-                ("system", _text(m.get("content"), f"{where}: messages.{len(messages)}"))
-            )
+            m, at = body["messages"][len(messages)], f"{where}: messages.{len(messages)}"
+            messages.append((m["role"], _text(m.get("content"), at)))  # as captured
     rest = body["messages"] if anthropic else body["messages"][len(messages) :]
     if prefix_messages > len(rest):
         raise DefinitionError(
@@ -101,7 +101,10 @@ def definition_from_request(
             "after its system part"
         )
     for i, m in enumerate(rest[:prefix_messages]):
-        messages.append((m.get("role"), _text(m.get("content"), f"{where}: messages.{i}")))
+        at = f"{where}: messages.{i}"
+        messages.append(
+            (_role(m, at), _text(m.get("content") if isinstance(m, dict) else None, at))
+        )
     if not messages:
         raise DefinitionError(
             f"{where}: the request has no system part; pass --prefix-messages N to make its first "
@@ -113,6 +116,15 @@ def definition_from_request(
     tools_text = None if tools is None else json.dumps(tools, indent=2, ensure_ascii=False) + "\n"
     path = _write_definition(prefix_dir, name, model_dir, messages, tools_text, extra)
     return FromRequest(path, "anthropic" if anthropic else "openai", notes)
+
+
+def _role(message: Any, where: str) -> str:
+    """A message's role from the fixed set a definition allows (it names a file: never a path)."""
+    role = message.get("role") if isinstance(message, dict) else None
+    if not isinstance(role, str) or role not in ROLES:
+        shown = json.dumps(role, ensure_ascii=True)[:60]
+        raise DefinitionError(f"{where}: role {shown} is not one of {', '.join(ROLES)}")
+    return role
 
 
 def _text(content: Any, where: str) -> str:
@@ -165,45 +177,76 @@ def _write_definition(
     """Write prefixes/<name>.toml (+ one file per message and tools.json in prefixes/<name>/)
     pinned to the model's template; `extra` holds top-level keys (api, servers).
 
-    Nothing is left behind when any step fails: the files are written, then loaded back through
-    the definition schema, and removed again if that fails.
+    All or nothing: every file is written into a hidden staging folder inside prefix_dir, loaded
+    back through the definition schema, then moved into place (the folder, then the .toml, which
+    makes the definition visible). On any error the tree is as it was. Every file name comes from
+    the validated name, a fixed role set and an index, so no input names a path.
     """
     prefix_dir = Path(prefix_dir)
     if not is_name(name):
-        raise DefinitionError(f"name {name!r}: use {NAME_HINT}")
+        raise DefinitionError(f"name {name[:80]!r}: use {NAME_HINT}")
+    bad = [role for role, _ in messages if role not in ROLES]
+    if bad:  # callers validate roles; a file name is never made from anything else
+        raise DefinitionError(f"role {json.dumps(bad[0])[:60]} is not one of {', '.join(ROLES)}")
     path, folder = prefix_dir / f"{name}.toml", prefix_dir / name
-    if path.exists() or folder.exists():
-        raise DefinitionError(
-            f"{path}: already exists; choose another name or edit it and bump version"
-        )
+    _refuse_existing(path, folder)
     template = model_chat_template(model_dir)
     if template is None:
         raise TemplateError(
             f'model {model_dir}: ships no chat template; write a definition with template.source = "file"'
         )
     repo_root = prefix_dir.resolve().parent
-    folder.mkdir(parents=True)
     try:
+        stage = Path(tempfile.mkdtemp(prefix=f".new-{name}-", dir=prefix_dir))
+    except OSError as exc:
+        raise DefinitionError(f"cannot write in {prefix_dir}: {exc.strerror}") from None
+    try:
+        (stage / name).mkdir()
         lines = [f'name = "{name}"', "version = 1"]
         lines += [f"{key} = {json.dumps(value)}" for key, value in extra.items()]
         lines += ["", "[template]", 'source = "model"']
         lines += [f'sha256 = "{sha256_text(template)}"', "", "[prefix]"]
         if tools is not None:
-            (folder / "tools.json").write_text(tools)
+            (stage / name / "tools.json").write_text(tools)
             lines.append(f'tools_file = "{name}/tools.json"')
         for i, (role, text) in enumerate(messages):
             file = f"{role}.md" if len(messages) == 1 else f"{i + 1}-{role}.md"
-            (folder / file).write_text(text)
+            (stage / name / file).write_text(text)
             lines += ["", "[[prefix.messages]]", f"role = {json.dumps(role)}"]
             lines.append(f'content_files = ["{name}/{file}"]')
         lines += ["", "[[models]]", f"path = {json.dumps(_model_ref(model_dir, repo_root))}", ""]
-        path.write_text("\n".join(lines))
-        load_definition(path, repo_root)
-    except BaseException:
-        path.unlink(missing_ok=True)
-        shutil.rmtree(folder, ignore_errors=True)
-        raise
+        (stage / path.name).write_text("\n".join(lines))
+        try:
+            load_definition(stage / path.name, repo_root)
+        except DefinitionError as exc:  # name the file as it would have been, not the staging
+            raise DefinitionError(str(exc).replace(str(stage / path.name), str(path))) from None
+        _move_into_place(stage, path, folder)
+    except OSError as exc:
+        raise DefinitionError(f"cannot write {path}: {exc.strerror}; nothing was written") from None
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
     return path
+
+
+def _refuse_existing(path: Path, folder: Path) -> None:
+    """DefinitionError when the definition or its folder exists, even as a (dangling) link."""
+    if os.path.lexists(path) or os.path.lexists(folder):
+        raise DefinitionError(
+            f"{path}: already exists; choose another name or edit it and bump version"
+        )
+
+
+def _move_into_place(stage: Path, path: Path, folder: Path) -> None:
+    """The staged folder to `folder`, then the staged .toml to `path` (a hard link: it never
+    replaces a file that appeared meanwhile); the folder is moved back if the .toml cannot be."""
+    _refuse_existing(path, folder)
+    os.rename(stage / folder.name, folder)
+    try:
+        os.link(stage / path.name, path, follow_symlinks=False)
+    except OSError:
+        os.rename(folder, stage / folder.name)
+        _refuse_existing(path, folder)
+        raise
 
 
 @dataclass(frozen=True)

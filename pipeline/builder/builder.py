@@ -260,7 +260,7 @@ def _signed_already(job: Job) -> bool:
     if signed_by(job.dest, [own]):
         return True
     if signed_by(job.dest, job.trusted_keys):
-        sign_bundle(job.dest, job.sign_key, replace=True)
+        sign_bundle(job.dest, job.sign_key, replace=True)  # under the bundle's build lock
         return True
     return False
 

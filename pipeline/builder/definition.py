@@ -9,7 +9,7 @@ import re
 import sys
 import unicodedata
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -39,7 +39,10 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-Role = Literal["system", "user", "assistant", "tool"]
+# the roles a prefix message may have (developer: OpenAI's; each server's own request code decides
+# what it becomes: vllm-mlx makes it system, mlx_lm.server hands it to the template as is)
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+ROLES: tuple[str, ...] = get_args(Role)
 
 
 class MessageSpec(Strict):

@@ -9,9 +9,10 @@ silently (one that does not verify means the bundle changed after it was signed)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,11 +96,34 @@ def sign_bundle(bundle: Path, key: SecretKey, *, replace: bool = False) -> Signe
     `replace`.
     """
     bundle = Path(bundle)
-    v = validate(bundle, recorded_identity(read_manifest(bundle, None)))
-    replaced = _existing_signature(bundle, key, replace)
-    if replaced == key.public_key().id:
-        return _signed(bundle, read_signature(bundle), v.manifest, already=True)
-    return _signed(bundle, sign_manifest(bundle, key), v.manifest, replaced=replaced)
+    with _build_lock(bundle):
+        v = validate(bundle, recorded_identity(read_manifest(bundle, None)))
+        replaced = _existing_signature(bundle, key, replace)
+        if replaced == key.public_key().id:
+            return _signed(bundle, read_signature(bundle), v.manifest, already=True)
+        return _signed(bundle, sign_manifest(bundle, key), v.manifest, replaced=replaced)
+
+
+@contextlib.contextmanager
+def _build_lock(bundle: Path) -> Iterator[None]:
+    """The lock a build of this bundle holds (pipeline.builder.writer.target_lock), so that a
+    build cannot swap the folder between the validation and the signature; a bundle outside a
+    bundles tree a builder wrote (no .staging beside it) has no build to wait for."""
+    from filelock import Timeout
+
+    from pipeline.builder.writer import staging_root, target_lock
+
+    root = bundle.absolute().parents[2] if len(bundle.absolute().parents) > 2 else None
+    if root is None or not staging_root(root).is_dir():
+        yield
+        return
+    try:
+        with target_lock(root, bundle.absolute()):
+            yield
+    except Timeout:
+        raise BuildError(
+            f"{bundle}: a build is writing this bundle right now; sign it when the build is done"
+        ) from None
 
 
 def _signed(bundle: Path, sig: Signature, manifest: Manifest, **kw) -> Signed:

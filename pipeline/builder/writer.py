@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -56,12 +57,24 @@ def target_lock(bundles_root: Path, dest: Path) -> Any:
     return FileLock(str(folder / ("__".join(rel) + ".lock")), timeout=0)
 
 
+def host_tag() -> str:
+    """This host (and pid namespace) in a staging name: a build sweeps only its own host's dead
+    builds, never those of another machine or container sharing the bundles folder, whose pids
+    it cannot see."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:  # not Linux: the host name alone
+        namespace = ""
+    return sha256_bytes(f"{socket.gethostname()}|{namespace}".encode())[:12]
+
+
 def new_staging_folder(bundles_root: Path) -> Path:
-    """A fresh folder to write a bundle into, named after this process so cleanup can tell."""
+    """A fresh folder to write a bundle into, named after this process and host so that cleanup
+    can tell ("<pid>-<random>.<host tag>")."""
     root = staging_root(bundles_root)
     with folder_fd(bundles_root, (STAGING_DIR,), create=True) as fd:
         while True:
-            name = f"{os.getpid()}-{secrets.token_hex(4)}"
+            name = f"{os.getpid()}-{secrets.token_hex(4)}.{host_tag()}"
             try:  # deployed bundles must be readable: the umask decides, as for any folder
                 os.mkdir(name, 0o777, dir_fd=fd)
                 return root / name
@@ -160,8 +173,13 @@ def abandoned_staging(bundles_root: Path) -> list[Path]:
 
 
 def is_abandoned(tmp: Path) -> bool:
-    pid = tmp.name.split("-", 1)[0]
-    return tmp.name != LOCKS_DIR and (number := parse_index(pid)) is not None and not _alive(number)
+    """A staging folder of a build on this host whose process is gone (a name without a host
+    tag is from a release before tags, on whatever host: judged by its pid, as then)."""
+    pid, _, rest = tmp.name.partition("-")
+    _, dot, host = rest.partition(".")
+    if tmp.name == LOCKS_DIR or (dot and host != host_tag()):
+        return False
+    return (number := parse_index(pid)) is not None and not _alive(number)
 
 
 def clean_staging(bundles_root: Path) -> list[Path]:
