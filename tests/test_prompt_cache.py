@@ -522,3 +522,53 @@ def test_an_exact_hit_on_a_cache_that_cannot_trim_leaves_a_token(model):
     trimmable, _ = prefill(model, a)
     cache, rest = at_least_one_left(lambda t: (copy.deepcopy(trimmable), []), a)
     assert rest == a[-1:] and cache[0].offset == 19
+
+
+def test_the_lossy_floor_outlives_a_remount_that_removes_the_lossy_bundle():
+    """An entry the server stored after reusing a 4-bit bundle stays held to that bundle's rule
+    when a remount replaces it by a full-precision version or removes it (the floor was computed
+    from what was pinned now: the unpin laundered the entry)."""
+    model = llama_model(hidden=128, heads=4)
+    prefix = ids(24)
+    manager = PromptCacheManager()
+    manager.pin("m", prefix, quantized_bundle(model, prefix), "v1")
+    request = prefix[:3] + [0] + ids(5)  # shares the template's opening only
+    assert manager.lossy_floor("m", request) == 12
+    manager.unpin("m", "v1")  # remount: v1 removed (or replaced by an exact v2)
+    manager.pin("m", prefix, prefill(model, prefix)[0], "v2")
+    assert manager.lossy_floor("m", request) == 12
+    assert manager.lossy_floor("m", [99, 98]) == 0  # an unrelated opening has no floor
+
+
+def test_an_own_entry_holding_quantized_kv_is_never_the_start_of_an_unrelated_prompt():
+    model = llama_model(hidden=128, heads=4)
+    prefix = ids(24)
+    manager = PromptCacheManager()
+    own = quantized_bundle(model, prefix)
+    assert manager.lossy_floor("m", [99, 98], own) == 1  # length unknown: at least a token
+    assert manager.lossy_floor("m", [99, 98], own, own_tokens=24) == 12
+    assert manager.lossy_floor("m", [99, 98], prefill(model, prefix)[0], own_tokens=24) == 0
+
+
+def test_omni_pool_entries_holding_4_bit_kv_serve_only_their_share():
+    """mlx-omni-server hands out its best pool entry trimmed even to 0 tokens, and the prompt is
+    then prefilled into its quantized layers: the hook hides such an entry from omni's own
+    checkout unless the prompt takes its share (pipeline.runtime.servers.mlx_omni.entry_usable)."""
+    from types import SimpleNamespace
+
+    from pipeline.runtime.servers.mlx_omni import entry_usable
+
+    model = llama_model(hidden=128, heads=4)
+    prefix = ids(24)
+    mounted = SimpleNamespace(manager=PromptCacheManager())
+    lossy = SimpleNamespace(tokens=prefix, cache=quantized_bundle(model, prefix))
+    exact = SimpleNamespace(tokens=prefix, cache=prefill(model, prefix)[0])
+    other_system = prefix[:3] + [0] + ids(5)
+    assert not entry_usable(mounted, lossy, other_system)
+    assert not entry_usable(mounted, lossy, [99, 98])  # user-only: omni would trim it to 0
+    assert entry_usable(mounted, lossy, prefix[:12] + [0])  # half of it: the rule allows
+    assert entry_usable(mounted, exact, other_system)
+    # an exact entry continued from a 4-bit bundle: held by that bundle's rule, also after it
+    mounted.manager.pin("bundles", prefix, quantized_bundle(model, prefix), "q")
+    mounted.manager.unpin("bundles", "q")
+    assert not entry_usable(mounted, exact, other_system)

@@ -543,7 +543,7 @@ def test_the_admin_endpoint_remounts_and_answers_with_a_json_report(
         define(root, tiny_model, version=2, system=SYSTEM + MORE)
         v2 = run_build(root)
         status, report = admin(admin_port, "POST", "/v1/bundles/remount", token)
-        assert status == 200 and report["schema"] == "remount/1"
+        assert status == 200 and report["schema"] == "remount/2"
         assert report["replaced"] == [{"old": "shop@1", "new": "shop@2"}]
         assert [m["name"] for m in report["mounted"]] == ["shop@2"]
         chat(port, "Where is my order 12345?", SYSTEM + MORE)
@@ -555,6 +555,14 @@ def test_the_admin_endpoint_remounts_and_answers_with_a_json_report(
         status, report = admin(admin_port, "POST", "/v1/bundles/remount", token)
         assert status == 200 and report["refused"][0]["path"] == str(v3.bundle)
         assert [m["name"] for m in report["mounted"]] == ["shop@2"]  # the old version stays
+        assert report["kept"] == ["shop@2"]
+        assert report["serving"] == [
+            {"name": "shop@2", "why": "its new version was refused or is not usable"}
+        ]
+        from pipeline.runtime.admin import RemountReport
+
+        RemountReport.model_validate(report)  # what `schema remount` documents
+        assert "WARNING" in log.read_text().split("remount: refused")[0].splitlines()[-1]
         assert proc.poll() is None
 
 

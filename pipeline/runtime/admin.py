@@ -4,7 +4,8 @@ A small HTTP server of its own on the loopback interface only (whatever server s
 whatever address that server listens on), in a daemon thread:
 
   POST /v1/bundles/remount   re-read --bundles as SIGHUP does; 200 with the JSON report
-  GET  /v1/bundles           what is mounted; 200 with {"schema": "bundles/1", "mounted": [...]}
+                             (RemountReport, "remount/2": `schema remount`)
+  GET  /v1/bundles           what is mounted; 200 with BundlesReport ("bundles/1": `schema bundles`)
 
 With --admin-token-file F every request must carry `Authorization: Bearer <the file's first
 line>` (401 otherwise). A failed remount answers 500 with its error; what was mounted stays.
@@ -18,7 +19,9 @@ import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.format.errors import PipelineError
 from pipeline.runtime.remount import Changes, Remounter
@@ -27,23 +30,73 @@ log = logging.getLogger("prefix-bundles")
 HOST = "127.0.0.1"
 
 
+class _Strict(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", strict=True, json_schema_serialization_defaults_required=True
+    )
+
+
+class MountedBundleInfo(_Strict):
+    name: str = Field(description="<prefix>@<version>/<model folder>")
+    tokens: int = Field(description="prefix tokens the bundle holds")
+    path: str
+
+
+class ServedPrefix(_Strict):
+    name: str = Field(description="the bundle now served for this prefix")
+    why: str = Field(description="added, replaced <old>, unchanged, or why the old one stays")
+
+
+class PathReason(_Strict):
+    path: str
+    reason: str
+
+
+class Replacement(_Strict):
+    old: str
+    new: str
+
+
+class BundlesReport(_Strict):
+    """GET /v1/bundles: what is mounted."""
+
+    schema_: Literal["bundles/1"] = Field("bundles/1", alias="schema")
+    mounted: list[MountedBundleInfo]
+
+
+class RemountReport(_Strict):
+    """POST /v1/bundles/remount: what the remount did, and every prefix it serves and why."""
+
+    schema_: Literal["remount/2"] = Field("remount/2", alias="schema")
+    added: list[str]
+    replaced: list[Replacement]
+    removed: list[str]
+    kept: list[str] = Field(description="still served: unchanged, or its new version not taken")
+    refused: list[PathReason] = Field(description="refused by the validator; the old one stays")
+    unused: list[PathReason] = Field(
+        description="valid, but the server's options cannot use it; the old one stays"
+    )
+    serving: list[ServedPrefix] = Field(description="every prefix served after the remount")
+    mounted: list[MountedBundleInfo]
+
+
 def report(changes: Changes, remounter: Remounter) -> dict[str, Any]:
-    """The remount's JSON report (schema remount/1)."""
-    return {
-        "schema": "remount/1",
-        "added": changes.added,
-        "replaced": [{"old": a, "new": b} for a, b in changes.replaced],
-        "removed": changes.removed,
-        "kept": changes.kept,
-        "refused": [{"path": str(r.path), "reason": r.reason} for r in changes.refused],
-        "unused": [{"path": str(p), "reason": why} for p, why in changes.unused],
-        "mounted": mounted(remounter),
-    }
+    """The remount's JSON report (RemountReport)."""
+    return RemountReport(
+        added=changes.added,
+        replaced=[Replacement(old=a, new=b) for a, b in changes.replaced],
+        removed=changes.removed,
+        kept=changes.kept,
+        refused=[PathReason(path=str(r.path), reason=r.reason) for r in changes.refused],
+        unused=[PathReason(path=str(p), reason=why) for p, why in changes.unused],
+        serving=[ServedPrefix(name=n, why=why) for n, why in sorted(changes.serving)],
+        mounted=mounted(remounter),
+    ).model_dump(by_alias=True)
 
 
-def mounted(remounter: Remounter) -> list[dict[str, Any]]:
+def mounted(remounter: Remounter) -> list[MountedBundleInfo]:
     return [
-        {"name": b.name, "tokens": len(b.tokens), "path": str(b.path)}
+        MountedBundleInfo(name=b.name, tokens=len(b.tokens), path=str(b.path))
         for b in sorted(remounter.current.values(), key=lambda b: b.name)
     ]
 
@@ -96,7 +149,7 @@ def start_admin(port: int, token: str | None, remounter: Remounter) -> Threading
             if self.path.rstrip("/") != "/v1/bundles":
                 self._answer(404, {"error": f"no {self.path}; GET /v1/bundles"})
                 return
-            self._answer(200, {"schema": "bundles/1", "mounted": mounted(remounter)})
+            self._answer(200, BundlesReport(mounted=mounted(remounter)).model_dump(by_alias=True))
 
         def do_POST(self) -> None:  # noqa: N802
             if not self._allowed():
@@ -110,8 +163,7 @@ def start_admin(port: int, token: str | None, remounter: Remounter) -> Threading
                 log.error("remount failed (%s); the mounted bundles stay", exc)
                 self._answer(500, {"error": f"remount failed: {exc}; the mounted bundles stay"})
                 return
-            for line in changes.lines():
-                log.info("%s", line)
+            changes.log(log)
             self._answer(200, report(changes, remounter))
 
     try:

@@ -45,8 +45,8 @@ def lookup_source(
     tokens = list(tokens)
     own, rest = at_least_one_left(own_fetch, tokens)
     covered = len(tokens) - len(rest)
-    if own is not None and covered < manager.lossy_floor(model_key, tokens):
-        own, rest, covered = None, tokens, 0  # may continue a lossy bundle: not this short
+    if own is not None and covered < manager.lossy_floor(model_key, tokens, own):
+        own, rest, covered = None, tokens, 0  # may continue lossy KV: not this short
     hit = manager.fetch(model_key, tokens)
     from_bundle = log_request(server, hit, len(tokens), covered, batched)
     if from_bundle:

@@ -222,6 +222,9 @@ class PromptCacheManager:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._pinned: dict[str, dict[str, _Entry]] = {}
+        # every lossy bundle ever pinned per model, kept after an unpin: the server's own entries
+        # continued from one stay held to its rule after a remount replaces or removes it
+        self._lossy_lineage: dict[str, dict[bytes, _Entry]] = {}
         self._entries: OrderedDict[tuple[str, bytes], _Entry] = OrderedDict()
         self._bytes = 0
         self._counts = dict(hits=0, misses=0, hit_tokens=0, evictions=0, rejected=0)
@@ -233,6 +236,8 @@ class PromptCacheManager:
             raise PipelineError(f"bundle {name}: its prompt cache covers no tokens; rebuild it")
         with self._lock:
             self._pinned.setdefault(model_key, {})[name] = entry
+            if entry.lossy:
+                self._lossy_lineage.setdefault(model_key, {})[entry.tokens.tobytes()] = entry
 
     def covered(self, model_key: str, tokens: Sequence[int]) -> int:
         """How many leading tokens `fetch` would serve from a pinned bundle (no copy made)."""
@@ -314,16 +319,24 @@ class PromptCacheManager:
                 self._drop(next(iter(self._entries)))
                 self._counts["evictions"] += 1
 
-    def lossy_floor(self, model_key: str, tokens: Sequence[int]) -> int:
-        """How many leading tokens of `tokens` a cache continued from a lossy bundle pinned for
-        `model_key` must cover to be reused (0: no lossy bundle starts like this request).
-
-        For the server's own entries, whose history serve cannot see: an entry that shares its
-        opening with a lossy bundle may descend from it, so it is held to that bundle's rule."""
+    def lossy_floor(
+        self, model_key: str, tokens: Sequence[int], own: Sequence[Any] | None = None,
+        own_tokens: int | None = None,
+    ) -> int:  # fmt: skip
+        """How many leading tokens of `tokens` the server's own entry must cover to be reused
+        (0: any number), for entries whose history serve cannot see:
+        - one that shares its opening with a lossy bundle pinned for `model_key` at any time
+          in this process (a remount that replaced or removed it included) may descend from
+          it, so it is held to that bundle's rule;
+        - `own` (the entry's cache, when given) holding quantized KV is itself lossy: held to
+          the rule for its own length `own_tokens` (when the server tells it), else to at
+          least one token (its KV never becomes the start of an unrelated prompt)."""
         request = np.asarray(tokens, dtype=np.int64).reshape(-1)
         with self._lock:
-            lossy = [e for e in self._pinned.get(model_key, {}).values() if e.lossy]
-        floors = [e.min_reuse() for e in lossy if _common_prefix(e.tokens, request) > 0]
+            lineage = list(self._lossy_lineage.get(model_key, {}).values())
+        floors = [e.min_reuse() for e in lineage if _common_prefix(e.tokens, request) > 0]
+        if own is not None and is_lossy(own):
+            floors.append(lossy_min_tokens(own_tokens) if own_tokens else 1)
         return max(floors, default=0)
 
     def stats(self) -> dict:

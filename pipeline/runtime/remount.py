@@ -3,14 +3,15 @@
 `remount` runs the same discovery, version rules and one validator as `mount` over the same
 bundles folder, then swaps the result into the manager one prefix at a time: a new or changed
 version is pinned in place of the old one (requests in flight keep the copy they were handed),
-a prefix whose new version is refused keeps its old version, a prefix whose bundle is gone is
-unpinned. Entries the server stored are keyed by exact token ids, so an entry continued from an
+a prefix whose new version is refused or cannot be used with the server's options keeps its old
+version (both are WARNING lines with the reason), a prefix whose bundle is gone is unpinned. Entries the server stored are keyed by exact token ids, so an entry continued from an
 old version is still exact for those ids (and a lossy one is held to the reuse rule): nothing
 derived from a replaced version can serve a request whose ids differ from it.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,25 +28,40 @@ class Changes:
     added: list[str] = field(default_factory=list)
     replaced: list[tuple[str, str]] = field(default_factory=list)  # (old name, new name)
     removed: list[str] = field(default_factory=list)
-    kept: list[str] = field(default_factory=list)  # unchanged
+    kept: list[str] = field(default_factory=list)  # still served: unchanged, or its new one refused
     refused: list[RefusedBundle] = field(default_factory=list)  # the old version, if any, stays
-    unused: list[tuple[Path, str]] = field(default_factory=list)
+    unused: list[tuple[Path, str]] = field(default_factory=list)  # the old version, if any, stays
+    # every prefix mounted after the remount: (bundle name, why it is served)
+    serving: list[tuple[str, str]] = field(default_factory=list)
 
-    def lines(self) -> list[str]:
-        """One log line per change, then the totals."""
-        out = [f"remount: added {n}" for n in self.added]
-        out += [f"remount: replaced {a} by {b}" for a, b in self.replaced]
-        out += [f"remount: removed {n} (its bundle is gone)" for n in self.removed]
+    def lines(self) -> list[tuple[int, str]]:
+        """(log level, line): one per change, refusals and unusable bundles as WARNING, then
+        the totals."""
+        info, warn = logging.INFO, logging.WARNING
+        out = [(info, f"remount: added {n}") for n in self.added]
+        out += [(info, f"remount: replaced {a} by {b}") for a, b in self.replaced]
+        out += [(info, f"remount: removed {n} (its bundle is gone)") for n in self.removed]
         out += [
-            f"remount: refused {r.path}: {r.reason} (the mounted version stays)"
+            (warn, f"remount: refused {r.path}: {r.reason} (the mounted version, if any, stays)")
             for r in self.refused
         ]
-        out += [f"remount: not used: {p}: {why}" for p, why in self.unused]
+        out += [
+            (warn, f"remount: not used: {p}: {why} (the mounted version, if any, stays)")
+            for p, why in self.unused
+        ]
         out.append(
-            f"remount: {len(self.added)} added, {len(self.replaced)} replaced, "
-            f"{len(self.removed)} removed, {len(self.kept)} unchanged, {len(self.refused)} refused"
+            (
+                info,
+                f"remount: {len(self.added)} added, {len(self.replaced)} replaced, "
+                f"{len(self.removed)} removed, {len(self.kept)} kept, {len(self.refused)} "
+                f"refused, {len(self.unused)} not usable",
+            )
         )
         return out
+
+    def log(self, logger: logging.Logger) -> None:
+        for level, line in self.lines():
+            logger.log(level, "%s", line)
 
 
 def _key(b: MountedBundle) -> tuple[str, str]:
@@ -74,26 +90,35 @@ class Remounter:
             found = self.load()
             changes = Changes(refused=list(found.refused))
             fresh = {}
+            held = {_refused_name(r) for r in found.refused}  # prefixes that keep their version
             for b in found.bundles:
                 why = self.unusable(b)
                 if why is None:
                     fresh[_key(b)] = b
                 else:
                     changes.unused.append((b.path, why))
-            refused_names = {_refused_name(r) for r in found.refused}
+                    held.add(b.manifest.prefix.name)
             for key, b in fresh.items():
                 self._swap(key, b, changes)
             for key, old in list(self.current.items()):
-                if key not in fresh and old.manifest.prefix.name not in refused_names:
-                    self.manager.unpin(self.model_key, old.name)
-                    del self.current[key]
-                    changes.removed.append(old.name)
+                if key in fresh:
+                    continue
+                if old.manifest.prefix.name in held:
+                    changes.kept.append(old.name)
+                    changes.serving.append(
+                        (old.name, "its new version was refused or is not usable")
+                    )
+                    continue
+                self.manager.unpin(self.model_key, old.name)
+                del self.current[key]
+                changes.removed.append(old.name)
             return changes
 
     def _swap(self, key: tuple[str, str], b: MountedBundle, changes: Changes) -> None:
         old = self.current.get(key)
         if old is not None and old.manifest.cache.file_sha256 == b.manifest.cache.file_sha256:
             changes.kept.append(old.name)  # the same bytes: the copy just loaded is dropped
+            changes.serving.append((old.name, "unchanged"))
             return
         self.manager.pin(self.model_key, b.tokens, b.cache, b.name)
         if old is not None and old.name != b.name:
@@ -101,8 +126,10 @@ class Remounter:
         self.current[key] = b
         if old is None:
             changes.added.append(b.name)
+            changes.serving.append((b.name, "added"))
         else:
             changes.replaced.append((old.name, b.name))
+            changes.serving.append((b.name, f"replaced {old.name}"))
 
 
 def _refused_name(refused: RefusedBundle) -> str | None:

@@ -354,8 +354,7 @@ def live_remount(
 
     def run() -> None:
         try:
-            for line in remounter.remount().lines():
-                log.info("%s", line)
+            remounter.remount().log(log)
         except Exception as exc:  # noqa: BLE001 - a failed remount leaves what was mounted
             log.error("remount failed (%s); the mounted bundles stay", _describe(exc))
 

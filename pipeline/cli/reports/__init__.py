@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 
+from pydantic import BaseModel
+
 from pipeline.cli.reports.base import Refusal, Report, refusal_of
 from pipeline.cli.reports.fleet import (
     PulledBundle,
@@ -40,6 +42,7 @@ from pipeline.cli.reports.local import (
     VerifyReport,
     VerifyTotals,
 )
+from pipeline.runtime.admin import BundlesReport, RemountReport
 
 __all__ = [
     "BuildReport",
@@ -77,7 +80,7 @@ __all__ = [
 
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
-DOCUMENTS: dict[str, type[Report]] = {
+DOCUMENTS: dict[str, type[BaseModel]] = {
     "build": BuildReport,
     "verify": VerifyReport,
     "inspect": InspectReport,
@@ -85,6 +88,9 @@ DOCUMENTS: dict[str, type[Report]] = {
     "prune": PruneReport,
     "push": PushReport,
     "pull": PullReport,
+    # serve --admin-port's answers (pipeline.runtime.admin)
+    "remount": RemountReport,
+    "bundles": BundlesReport,
 }
 
 

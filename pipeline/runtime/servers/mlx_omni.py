@@ -48,6 +48,19 @@ def model_folder(model_id: str) -> Path | None:
         return None
 
 
+def entry_usable(mounted: Mounted, entry: Any, prompt_tokens: list[int]) -> bool:
+    """The one rule for an entry of omni's own pool: an entry holding lossy KV (or sharing its
+    opening with a lossy bundle) only for its share (omni would hand it out trimmed, even to 0
+    tokens, and prefill the prompt into its quantized layers)."""
+    layers = entry.cache if isinstance(entry.cache, list) else []
+    covered = next(
+        (i for i, (a, b) in enumerate(zip(entry.tokens, prompt_tokens, strict=False)) if a != b),
+        min(len(entry.tokens), len(prompt_tokens)),
+    )
+    floor = mounted.manager.lossy_floor(BUNDLE_KEY, prompt_tokens, layers, len(entry.tokens))
+    return covered >= floor
+
+
 def pinned_pool_class(mounted: Mounted) -> type:
     """omni's PromptCachePool, answering from the pinned bundles when they cover more."""
     from mlx_omni_server.chat.mlx.prompt_cache import PromptCache, common_prefix_len
@@ -55,25 +68,32 @@ def pinned_pool_class(mounted: Mounted) -> type:
 
     folder = mounted.model.resolve()
 
+    def usable(entry: Any, prompt_tokens: list[int]) -> bool:
+        return entry_usable(mounted, entry, prompt_tokens)
+
     class PinnedPromptCachePool(PromptCachePool):
         def get_cache(self, prompt_tokens: list[int], model_key: str) -> Any:
             if model_folder(model_key) != folder:
                 return super().get_cache(prompt_tokens, model_key)
             self._evict_expired()
+            ours = [e for e in self._entries if e.cache.model_key == model_key]
+            held = [e for e in ours if not usable(e.cache, prompt_tokens)]
             own = max(
-                (
-                    common_prefix_len(e.cache.tokens, prompt_tokens)
-                    for e in self._entries
-                    if e.cache.model_key == model_key
-                ),
+                (common_prefix_len(e.cache.tokens, prompt_tokens) for e in ours if e not in held),
                 default=0,
             )
             hit = mounted.manager.fetch(BUNDLE_KEY, prompt_tokens)
-            if not log_request(SERVER, hit, len(prompt_tokens), own):
+            if log_request(SERVER, hit, len(prompt_tokens), own):
+                # a checkout omni extends by the rest of the prompt, then returns to the pool
+                kept = list(prompt_tokens[: hit.cache_hit_tokens])
+                return PromptCache(tokens=kept, cache=hit.cache, model_key=model_key)
+            # omni's own checkout over the entries the one rule allows for this prompt; the
+            # others stay in the pool for prompts that take enough of them
+            self._entries = [e for e in self._entries if e not in held]
+            try:
                 return super().get_cache(prompt_tokens, model_key)
-            # a checkout omni extends by the rest of the prompt, then returns to the pool
-            kept = list(prompt_tokens[: hit.cache_hit_tokens])
-            return PromptCache(tokens=kept, cache=hit.cache, model_key=model_key)
+            finally:
+                self._entries += [e for e in held if e not in self._entries]
 
         def put_cache(self, cache: Any) -> None:
             if not warm_up.WARMING.is_set():  # the warm-up request leaves no entry
