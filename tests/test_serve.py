@@ -578,3 +578,34 @@ def test_an_admin_port_that_is_taken_is_one_error_line(tiny_model: Path, tmp_pat
     assert proc.returncode == 1 and lines[-1].startswith(
         f"error: --admin-port {port}: cannot listen"
     )
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        (["--admin-port", "99999"], "error: --admin-port '99999' is not a port number"),
+        (["--admin-port", "0"], "error: --admin-port '0' is not a port number"),
+        (["--port", "99999"], "error: --port '99999' is not a port number"),
+        (["--port", "0"], "error: --port '0' is not a port number"),
+        (
+            ["--admin-token-file", "/nonexistent/token"],
+            "error: --admin-token-file needs --admin-port",
+        ),
+        (
+            ["--admin-port", "PORT", "--admin-token-file", "/nonexistent/token"],
+            "error: --admin-token-file /nonexistent/token: cannot read a token",
+        ),
+    ],
+)
+def test_options_that_cannot_be_honoured_are_one_error_line_before_mounting(
+    tiny_model: Path, tmp_path: Path, options: list[str], expected: str
+):
+    options = [str(free_port()) if o == "PORT" else o for o in options]
+    args = [sys.executable, str(ROOT / "build.py"), "serve", "--model", str(tiny_model)]
+    args += ["--bundles", str(tmp_path), *options]
+    if "--port" not in options:
+        args += ["--port", str(free_port())]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 1 and lines[-1].startswith(expected), proc.stderr
+    assert len(lines) == 1 and "Traceback" not in proc.stderr  # nothing mounted, nothing logged

@@ -243,6 +243,46 @@ DEFAULT_ADDRESS = {
 }
 
 
+def port_number(option: str, text: object) -> int:
+    """A TCP port a server can listen on and log as given: 1-65535 (0 would be a random port
+    nobody is told; larger numbers wrap around in some servers' bind)."""
+    try:
+        port = int(str(text))
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        raise PipelineError(
+            f"{option} {str(text)[:40]!r} is not a port number; pass {option} N with N in "
+            "1-65535 (nothing was loaded or mounted)"
+        )
+    return port
+
+
+def check_admin(args: argparse.Namespace) -> None:
+    """The admin endpoint's options, before anything is loaded: its port in range and free,
+    its token file readable."""
+    from pipeline.runtime.admin import HOST, read_token
+
+    if getattr(args, "admin_token_file", None) is not None:
+        if getattr(args, "admin_port", None) is None:
+            raise PipelineError("--admin-token-file needs --admin-port N (the endpoint it guards)")
+        read_token(args.admin_token_file)
+    if getattr(args, "admin_port", None) is None:
+        return
+    import socket
+
+    port = port_number("--admin-port", args.admin_port)
+    try:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind((HOST, port))
+    except OSError as exc:
+        raise PipelineError(
+            f"--admin-port {port}: cannot listen on {HOST}:{port} ({exc.strerror}); pass another "
+            "port (nothing was loaded or mounted)"
+        ) from None
+
+
 def check_port(server: str, rest: list[str]) -> None:
     """PipelineError when the server's address cannot be bound, before any model is loaded or
     bundle mounted: a taken port then costs nothing and never leaves a second process behind."""
@@ -251,10 +291,7 @@ def check_port(server: str, rest: list[str]) -> None:
     host, port = DEFAULT_ADDRESS[server]
     host = passed_option(rest, "--host") or host
     text = passed_option(rest, "--port")
-    try:
-        port = int(text) if text is not None else port
-    except ValueError:
-        raise PipelineError(f"--port {text!r} is not a port number; pass --port N") from None
+    port = port_number("--port", text) if text is not None else port
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         family, kind, proto, _, address = infos[0]
@@ -382,6 +419,7 @@ def serve(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
     command line (to re-execute it for huge pages).
     """
     check_port(getattr(args, "server", "mlx-lm"), rest)
+    check_admin(args)
     if getattr(args, "server", "mlx-lm") != "mlx-lm":
         from pipeline.runtime import servers
 
