@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -231,6 +232,10 @@ def test_a_claude_code_shaped_messages_request_is_warm_on_the_first_request(
         cold = messages(port, asked)
     assert warm["content"] == cold["content"]
     assert cold["usage"]["cache_read_input_tokens"] == 0
+    # Anthropic: input_tokens is the part not read from a cache; the client's sum is the prompt
+    warm_total = warm["usage"]["input_tokens"] + warm["usage"]["cache_read_input_tokens"]
+    assert warm_total == cold["usage"]["input_tokens"]
+    assert warm["usage"]["input_tokens"] == cold["usage"]["input_tokens"] - manifest.tokens.count
 
 
 @pytest.mark.slow
@@ -259,3 +264,39 @@ def test_the_warm_up_names_the_served_model_and_carries_the_api_key(
     assert "vllm-mlx: warmed up its generation path with shop@1's request" in log, log[-3000:]
     assert "warm-up failed" not in log
     assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == manifest.tokens.count
+
+
+@pytest.mark.slow
+def test_a_bundle_never_makes_vllm_mlx_colder_and_usage_reports_its_own_snapshot(
+    shop_bundle: Path, tiny_model: Path, tmp_path: Path
+):
+    """A system prompt no bundle holds (the bundle shares only the template's opening): vllm-mlx
+    keeps its own system-prompt snapshot as it does without bundles, the second request reuses
+    it, and `cached_tokens` says so (the trie lookup serve counts is skipped on a snapshot hit)."""
+    python = servers_python()
+    bundles = tmp_path / "bundles"
+    shutil.copytree(shop_bundle, bundles / "shop" / "1" / shop_bundle.name)
+    other = {
+        "model": str(tiny_model),
+        "messages": [
+            {"role": "system", "content": "You are a weather assistant. " * 30},
+            {"role": "user", "content": "Rain tomorrow?"},
+        ],
+        "max_tokens": 4,
+        "temperature": 0.0,
+    }
+    results = {}
+    for kind, folder in (("bundles", bundles), ("plain", tmp_path / "empty")):
+        folder.mkdir(exist_ok=True)
+        port = free_port()
+        log = tmp_path / f"{kind}.log"
+        with running(serve_args(python, tiny_model, folder, port), port, log):
+            first, _ = chat(port, other)
+            second, _ = chat(port, other)
+        results[kind] = (first, second, log.read_text())
+    (first, second, log), (plain_first, plain_second, _) = results["bundles"], results["plain"]
+    assert "System KV cache HIT" in log.split("warmed up its generation path")[-1]
+    reused = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert reused > 100  # the whole system prefix, from vllm-mlx's own snapshot
+    assert second["choices"][0]["message"] == plain_second["choices"][0]["message"]
+    assert first["choices"][0]["message"] == plain_first["choices"][0]["message"]

@@ -53,7 +53,8 @@ def test_a_body_gets_the_reused_tokens_in_its_usage():
     }
     anthropic = json.dumps({"usage": {"input_tokens": 9, "output_tokens": 1}}).encode()
     usage = json.loads(_with_usage(anthropic, Reuse(7, True), "anthropic"))["usage"]
-    assert usage["cache_read_input_tokens"] == 7
+    # input_tokens is what was not read from a cache: the client's sum is the prompt's length
+    assert (usage["cache_read_input_tokens"], usage["input_tokens"]) == (7, 2)
     assert _with_usage(b"not json", Reuse(7, True), "openai") == b"not json"
 
 
@@ -64,8 +65,9 @@ def test_message_start_waits_for_the_lookup_and_reports_it():
     out = run_stream(parts, Reuse(), "anthropic", lookup_before=2)
     types = [data_of(e)["type"] for e in out]
     assert types == ["message_start", "content_block_start", "ping", "content_block_delta", "message_delta"]  # fmt: skip
-    assert data_of(out[0])["message"]["usage"]["cache_read_input_tokens"] == 100
-    assert data_of(out[-1])["usage"]["cache_read_input_tokens"] == 100
+    for usage in (data_of(out[0])["message"]["usage"], data_of(out[-1])["usage"]):
+        assert (usage["cache_read_input_tokens"], usage["input_tokens"]) == (100, 20)
+        assert usage["input_tokens"] + usage["cache_read_input_tokens"] == 120  # the prompt
     assert out[0].startswith(b"event: message_start\ndata: ")
 
 

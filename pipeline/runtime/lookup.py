@@ -40,15 +40,17 @@ def lookup_source(
     tokens: Sequence[int],
     own_fetch: Fetch,
     batched: bool,
+    bundles: bool = True,
 ) -> tuple[Any, list[int], bool]:
-    """`lookup`, and whether the cache came from a bundle (False: the server's own or none)."""
+    """`lookup`, and whether the cache came from a bundle (False: the server's own or none);
+    `bundles=False`: the server's own entries only, under the same rule."""
     tokens = list(tokens)
     own, rest = at_least_one_left(own_fetch, tokens)
     covered = len(tokens) - len(rest)
     if own is not None and covered < manager.lossy_floor(model_key, tokens, own):
         own, rest, covered = None, tokens, 0  # may continue lossy KV: not this short
-    hit = manager.fetch(model_key, tokens)
-    from_bundle = log_request(server, hit, len(tokens), covered, batched)
+    hit = manager.fetch(model_key, tokens) if bundles else CacheHit(None, tokens, 0, "cold")
+    from_bundle = bundles and log_request(server, hit, len(tokens), covered, batched)
     if from_bundle:
         cache, rest = hit.cache, list(hit.remaining)
     else:

@@ -7,7 +7,9 @@ a context variable, the engine's serialized runner (called from the request's ow
 context is the request's) binds it to the worker thread for the run, and the lookup records
 into it. The middleware then writes the count into the response: `usage.prompt_tokens_details
 .cached_tokens` (chat completions) or `usage.cache_read_input_tokens` (Anthropic messages),
-never more than the lookup handed out, 0 when no lookup served the request. In a stream, the
+never more than the lookup handed out, 0 when no lookup served the request; an Anthropic
+`input_tokens` then counts only the prompt tokens not read from a cache (the server reports the
+whole prompt there), so a client's sum is the prompt's length. In a stream, the
 events a server sends before it generates (an Anthropic `message_start` carries usage) wait for
 the lookup, so they carry the count too.
 """
@@ -31,6 +33,8 @@ class Reuse:
 
     cached: int = 0
     looked_up: bool = False
+    # vllm-mlx SimpleEngine: the ids of the system prefix its snapshot cache keys (None: none)
+    system_ids: list[int] | None = None
 
 
 CURRENT: ContextVar[Reuse | None] = ContextVar("prefix_bundles_reuse", default=None)
@@ -42,6 +46,19 @@ def record(tokens: int) -> None:
     reuse = getattr(_worker, "reuse", None)
     if reuse is not None:
         reuse.cached, reuse.looked_up = tokens, True
+
+
+def note_system_ids(ids: list[int]) -> None:
+    """In the request's context: the system prefix the server's own snapshot cache would keep."""
+    reuse = CURRENT.get()
+    if reuse is not None:
+        reuse.system_ids = list(ids)
+
+
+def worker_system_ids() -> list[int] | None:
+    """On the generation worker: the running request's system prefix ids (note_system_ids)."""
+    reuse = getattr(_worker, "reuse", None)
+    return None if reuse is None else reuse.system_ids
 
 
 def bind_runs(engine_class: type, method: str) -> None:
@@ -136,8 +153,12 @@ def _set_usage(usage: Any, reuse: Reuse, api: str) -> None:
         details = usage.get("prompt_tokens_details")
         details = details if isinstance(details, dict) else {}
         usage["prompt_tokens_details"] = {**details, "cached_tokens": reuse.cached}
-    elif "input_tokens" in usage:  # the message's usage, not a delta of output tokens only
+    elif isinstance(usage.get("input_tokens"), int):  # the message's usage, not output only
+        # Anthropic: input_tokens counts what was NOT read from a cache; a client's total is
+        # input_tokens + cache_creation_input_tokens + cache_read_input_tokens
+        # (vllm-mlx's message_start, sent before it counts the prompt, says 0 there)
         usage["cache_read_input_tokens"] = reuse.cached
+        usage["input_tokens"] = max(0, usage["input_tokens"] - reuse.cached)
 
 
 def _with_usage(body: bytes, reuse: Reuse, api: str) -> bytes:

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pipeline.runtime.lookup import lookup, lookup_source
+from pipeline.runtime.lookup import lookup_source
 from pipeline.runtime.servers import usage, warm_up
 from pipeline.runtime.servers.startup import (
     BUNDLE_KEY,
@@ -35,6 +35,47 @@ UNSUPPORTED = {
     "--models-config": "serve mounts bundles for the one model folder given as --model",
     "--mllm": "bundles hold text-model caches; multimodal routing is not hooked",
 }
+
+
+def SNAPSHOT_SLACK(system: int) -> int:  # noqa: N802 - a rule, named as the constant it was
+    """How far short of the system prefix a bundle may end and still be used: a bundle of that
+    prefix ends a few tokens early (its stable cut drops the turn's closing tokens)."""
+    return max(16, system // 20)
+
+
+def snapshot_tokens(tokens: list[int]) -> int:
+    """How many leading tokens SimpleEngine's system-prompt snapshot would serve for this
+    request (0: it keeps none for it): its system prefix, when the prompt extends it."""
+    system = usage.worker_system_ids()
+    if not system or len(tokens) <= len(system) or tokens[: len(system)] != system:
+        return 0
+    return len(system)
+
+
+def follow_system_snapshots(engine_module: Any, engine_class: type) -> None:
+    """Tell the lookup and the usage fields about SimpleEngine's own system-prompt snapshots:
+    the prefix it would keep (encoded as it encodes it), and a hit on one (its restore)."""
+    build = engine_module.build_system_prompt_cache_prefix
+
+    def build_prefix(tokenizer: Any, *args: Any, **kwargs: Any) -> str | None:
+        text = build(tokenizer, *args, **kwargs)
+        if text:
+            bos = getattr(tokenizer, "bos_token", None)
+            add = bos is None or not text.startswith(bos)
+            usage.note_system_ids(tokenizer.encode(text, add_special_tokens=add))
+        return text
+
+    restore = engine_class._restore_prompt_cache.__func__
+
+    def restore_snapshot(cls: type, prompt_cache: list, snapshot: list) -> Any:
+        result = restore(cls, prompt_cache, snapshot)
+        system = usage.worker_system_ids()
+        if system:  # a snapshot hit serves the system prefix
+            usage.record(len(system))
+        return result
+
+    engine_module.build_system_prompt_cache_prefix = build_prefix
+    engine_class._restore_prompt_cache = classmethod(restore_snapshot)
 
 
 def pinned_trie_class(mounted: Mounted) -> type:
@@ -64,7 +105,18 @@ def pinned_trie_class(mounted: Mounted) -> type:
             own = super().fetch_nearest_cache
             fetch = lambda t: own(self.key(model), t)  # noqa: E731
             # SimpleEngine generates one request at a time (stream_generate): no merge needed
-            cache, rest = lookup(SERVER, mounted.manager, BUNDLE_KEY, tokens, fetch, batched=False)
+            cache, rest, from_bundle = lookup_source(
+                SERVER, mounted.manager, BUNDLE_KEY, tokens, fetch, batched=False
+            )
+            if from_bundle and len(tokens) - len(rest) < snapshot_tokens(tokens) - SNAPSHOT_SLACK(
+                snapshot_tokens(tokens)
+            ):
+                # a bundle well short of the system prefix (a template's opening, an older
+                # version's start): vllm-mlx's own snapshot of that prefix, taken only on a
+                # trie miss, serves the whole prefix from the next request on
+                cache, rest, _ = lookup_source(
+                    SERVER, mounted.manager, BUNDLE_KEY, tokens, fetch, batched=False, bundles=False
+                )
             usage.record(0 if cache is None else len(tokens) - len(rest))
             return cache, rest
 
@@ -176,6 +228,9 @@ def install(mounted: Mounted) -> None:
     SimpleEngine._ensure_prefix_trie_cache = _ensure_prefix_trie_cache
     SimpleEngine._peek_prefix_trie_tokens_saved = staticmethod(_peek)
     route_text_chat_through_the_cache(SimpleEngine)
+    from vllm_mlx.engine import simple
+
+    follow_system_snapshots(simple, SimpleEngine)
     # cached tokens in its responses: counted by the trie lookup on the generation worker
     usage.bind_runs(SimpleEngine, "_run_blocking_serialized")
     from vllm_mlx import server
