@@ -67,6 +67,7 @@ from pipeline.format.manifest import (
     BuilderInfo,
     CacheInfo,
     FidelityInfo,
+    InheritedCheck,
     Manifest,
     ModelInfo,
     ParentInfo,
@@ -187,9 +188,9 @@ def build(
 ) -> BuildResult:
     """Build one bundle (or report it up to date); the folder appears complete or not at all.
 
-    incremental: start from the bundle under bundles_root that shares the most whole prefill
-    chunks with these tokens, when one can give a byte-identical result (pipeline.builder.
-    incremental); parent: start from this bundle or fail; sign_key: add manifest.json.minisig
+    incremental: continue the bundle under bundles_root that shares the most tokens with these
+    at the exact shared token, when one is proven and made by this build's kernels (pipeline.
+    builder.incremental); parent: continue this bundle or fail; sign_key: add manifest.json.minisig
     before the bundle is published (an up-to-date bundle is signed in place); trusted_keys: a
     parent must carry a valid signature by one of them."""
     d = target.definition
@@ -217,6 +218,8 @@ def build(
     job = Job(target, identity, rendered, builder, key, dest, check, progress, reuse, sign_key)
     job = dataclasses.replace(job, trusted_keys=tuple(trusted_keys), parent_check=parent_check)
     up_to_date = current is not None and current.build_key == key
+    # --full asks for a bundle that owes no parent anything: a child is not that
+    up_to_date = up_to_date and not (reuse is False and current.parent is not None)
     if up_to_date and (sign_key is None or _signed_already(job)):
         return BuildResult(dest, current, {}, up_to_date=True)
     try:
@@ -266,33 +269,53 @@ def _signed_already(job: Job) -> bool:
 
 
 def _prove_and_sign(job: Job, bundles_root: Path, current: Manifest) -> BuildResult:
-    """Rebuild an up-to-date but unproven bundle from token 0 and sign it only when it is what
+    """Rebuild an up-to-date but unproven bundle as it was made (from token 0, or a child from
+    the parent it names, which must still be there and proven) and sign it only when it is what
     this build produces; BuildError when not (it was altered after it was built)."""
     tmp = new_staging_folder(bundles_root)
+    how = "from token 0" if current.parent is None else "from its parent"
     try:
-        proof = dataclasses.replace(job, reuse=False, check=current.fidelity.checked, sign_key=None)
+        proof = dataclasses.replace(
+            job, reuse=_recorded_parent(bundles_root, current), sign_key=None,
+            check=current.fidelity.checked,
+        )  # fmt: skip
         rebuilt, _ = _produce(proof, bundles_root, tmp)
         different = _first_difference(tmp, job.dest, rebuilt, current)
         if different is not None:
             raise BuildError(
-                f"{job.dest}: {different} differs from what this build produces from token 0, "
-                "so the bundle was altered after it was built and is not signed; rebuild it "
-                "with 'python build.py build --force --sign-key KEY'"
+                f"{job.dest}: {different} differs from what this build produces {how}, "
+                "so the bundle was altered after it was built (or its parent was) and is not "
+                "signed; rebuild it with 'python build.py build --force --sign-key KEY'"
             )
         validate(job.dest, job.identity)  # SHA256SUMS and every byte as the manifest pins them
         signature = sign_manifest(job.dest, job.sign_key)
     finally:
         discard(bundles_root, tmp)
-    report = {"signed": "rebuilt from token 0 and compared", "key": signature.key}
+    report = {"signed": f"rebuilt {how} and compared", "key": signature.key}
     return BuildResult(job.dest, current, report, up_to_date=True)
+
+
+def _recorded_parent(bundles_root: Path, current: Manifest) -> Path | bool:
+    """The parent folder a child names (its rebuild continues it: BuildError when it is gone),
+    or False for a bundle built from token 0."""
+    p = current.parent
+    if p is None:
+        return False
+    folder = bundles_root / p.prefix / str(p.version) / p.folder
+    if not folder.is_dir():
+        raise BuildError(
+            f"{folder}: the parent this bundle continued is gone, so its bytes cannot be "
+            "reproduced to sign them; rebuild it with 'python build.py build --force --sign-key KEY'"
+        )
+    return folder
 
 
 def _first_difference(
     rebuilt_dir: Path, dest: Path, rebuilt: Manifest, current: Manifest
 ) -> str | None:
     """What differs between a rebuild and a bundle: the cache file byte for byte, the manifest
-    field by field (a child's parent record and its reference note name how it was made, not
-    what it holds: the cache bytes equal a build from token 0, or it is refused)."""
+    field by field (but for how a child's parent was trusted: a signature may have replaced the
+    build record since, for the same parent manifest)."""
     import filecmp
 
     target = dest / CACHE_FILE
@@ -300,9 +323,7 @@ def _first_difference(
         return CACHE_FILE
     if not filecmp.cmp(rebuilt_dir / CACHE_FILE, target, shallow=False):
         return CACHE_FILE
-    exclude: dict[str, Any] = {"parent": True}
-    if current.parent is not None:
-        exclude["fidelity"] = {"reference"}
+    exclude: dict[str, Any] = {"parent": {"checked"}} if current.parent else {}
     if rebuilt.model_dump(exclude=exclude) != current.model_dump(exclude=exclude):
         return MANIFEST_FILE
     return None
@@ -338,6 +359,7 @@ def _produce(job: Job, bundles_root: Path, tmp: Path) -> tuple[Manifest, dict[st
     start = (resume.cache, resume.done) if resume else None
     cache, stats = prefill(loaded, cut.tokens, d.spec.cache.prefill_step_size, job.progress, start)
     parent = resume.parent if resume else None
+    inherited = resume.inherited if resume else None
     del resume, start  # the parent's arrays: the prefill's cache holds what it needs
     report_extra = {
         "reused_tokens": parent.reused_tokens if parent else 0,
@@ -346,7 +368,8 @@ def _produce(job: Job, bundles_root: Path, tmp: Path) -> tuple[Manifest, dict[st
     }
     if REFUSED_PARENT in reuse_note:  # a parent failed its spot check: the CLI warns
         report_extra["parent_warning"] = reuse_note
-    manifest, report = _write(job, loaded, cut, cache, stats, tmp, needed, parent, report_extra)
+    made = (parent, inherited)
+    manifest, report = _write(job, loaded, cut, cache, stats, tmp, needed, made, report_extra)
     validate(tmp, job.identity)  # the builder never ships what the one validator refuses
     return manifest, report
 
@@ -364,7 +387,8 @@ def _stable_cut(job: Job, tokenizer: Any) -> StableCut:
 
 
 def _resume(job: Job, loaded, tokens: list[int], bundles_root: Path) -> tuple[Resume | None, str]:
-    """Where the prefill starts: a parent's cache at a chunk boundary, or token 0 (and why)."""
+    """Where the prefill starts: a parent's stored cache at the shared token, or token 0 (and
+    why)."""
     if job.reuse is False:
         return None, "incremental builds off (--full)"
     wanted = Wanted(
@@ -372,6 +396,8 @@ def _resume(job: Job, loaded, tokens: list[int], bundles_root: Path) -> tuple[Re
         job.target.definition.spec.cache.prefill_step_size,
         layout=layout_for(job.builder.mlx_lm) or DEFAULT_LAYOUT, model=loaded.model,
         trusted_keys=job.trusted_keys, parent_check=job.parent_check,
+        stored_dtype=dtype_name(loaded.serving_dtype),
+        kv_bits=job.target.definition.spec.cache.kv_bits,
     )  # fmt: skip
     explicit = job.reuse if isinstance(job.reuse, Path) else None
     return find_parent(bundles_root, wanted, job.dest, explicit)
@@ -379,12 +405,13 @@ def _resume(job: Job, loaded, tokens: list[int], bundles_root: Path) -> tuple[Re
 
 def _write(
     job: Job, loaded, cut: StableCut, cache, stats, tmp: Path, needed: int,
-    parent: ParentInfo | None, report_extra: dict[str, Any],
+    made: tuple[ParentInfo | None, InheritedCheck | None], report_extra: dict[str, Any],
 ) -> tuple[Manifest, dict[str, Any]]:  # fmt: skip
     """The cache file, the fidelity record, then manifest and sums, holding as little as can be:
     the prefill's buffers go as the exact-size reference is made, the quantized copy once
     written, the reference once the checks have run from it."""
     d, opts = job.target.definition, job.target.definition.spec.cache
+    parent, inherited = made
     reference = finalize_cache(cache, loaded.serving_dtype)
     del cache
     final = (
@@ -408,10 +435,10 @@ def _write(
         if job.check:
             fidelity = run_checks(
                 loaded, job.target.model_dir, held, tmp / CACHE_FILE, cut.tokens,
-                cut.probe_tokens, d.spec,
+                cut.probe_tokens, d.spec, continued=parent is not None,
             )  # fmt: skip
             if parent is not None:  # its reference run started from the parent too: say so
-                fidelity = continued_reference(fidelity, parent)
+                fidelity = continued_reference(fidelity, parent, inherited)
         held.clear()
         facts = BuildFacts(
             job.identity, job.rendered, cut, layers, dtype_name(loaded.serving_dtype),

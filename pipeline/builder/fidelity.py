@@ -49,9 +49,14 @@ def run_checks(
     tokens: list[int],
     probe: list[int],
     spec: PrefixDefinition,
+    continued: bool = False,
 ) -> FidelityInfo:
     """The fidelity record: the bundle as written against the builder's in-memory cache (raises
     beyond the bound), and against the serving path (recorded, never a refusal).
+
+    continued: the in-memory cache continued a parent's stored KV, so it is no cold prefill; the
+    serving comparison then costs a cold prefill from token 0 and runs only when the definition
+    asks for it (check.serving = true); otherwise the child inherits its parent's (incremental).
 
     held: [the builder's reference cache], taken out and dropped once its runs are done, before
     the written file is loaded: at most one bundle-sized cache and one working copy coexist with
@@ -64,13 +69,13 @@ def run_checks(
     ref = continue_from(loaded, reference, probe, steps)
     short = shortest_reuse(reference, tokens, probe, spec)
     short_ref = continue_from(loaded, short.cut(reference), short.tail, steps) if short else None
-    plan = serving_plan(loaded, spec)
+    plan = serving_plan(loaded, spec, continued)
     # where the serving path is the builder's path, the reference is that cold prefill already
     cold = ref if plan.runs and plan.same_path else None
     del reference
     written = load_prompt_cache(str(written_path))
     got = continue_from(loaded, written, probe, steps)
-    info = fidelity_info(loaded, spec, probe, ref, got)
+    info = fidelity_info(loaded, spec, probe, ref, got, continued)
     if short is not None:
         short_got = continue_from(loaded, short.cut(written), short.tail, steps)
         info = info.model_copy(update={"shortest_reuse": short.record(short_ref, short_got)})
@@ -122,8 +127,9 @@ def shortest_reuse(
 
 
 def fidelity_info(
-    loaded: LoadedModel, spec: PrefixDefinition, probe: list[int], ref: Run, got: Run
-) -> FidelityInfo:
+    loaded: LoadedModel, spec: PrefixDefinition, probe: list[int], ref: Run, got: Run,
+    continued: bool = False,
+) -> FidelityInfo:  # fmt: skip
     """Compare the run from the written bundle with the builder's own; raise beyond the bound."""
     (ref_logits, ref_tokens), (got_logits, got_tokens) = ref, got
     diff = float(mx.max(mx.abs(ref_logits - got_logits)).item())
@@ -136,7 +142,7 @@ def fidelity_info(
         greedy_tokens=spec.check.greedy_tokens,
         greedy_match=ref_tokens == got_tokens,
         probe=f"{len(probe)} tokens",
-        reference=builder_reference(loaded, spec.cache.prefill_step_size),
+        reference=builder_reference(loaded, spec.cache.prefill_step_size, continued),
         top2_margin=margin,
         tie_within_tolerance=margin <= diff,
     )
@@ -153,10 +159,12 @@ def fidelity_info(
 SERVER_CHUNK = 2048  # mlx_lm.server's default --prefill-step-size
 
 
-def builder_reference(loaded: LoadedModel, step: int) -> str:
-    """The builder's path, as the manifest names it."""
+def builder_reference(loaded: LoadedModel, step: int, continued: bool = False) -> str:
+    """The builder's path, as the manifest names it (a child's continues a parent: the record's
+    note names which, at which token)."""
     return (
-        f"builder cold prefill: {dtype_name(loaded.compute_dtype)} compute on "
+        f"builder {'continuation' if continued else 'cold prefill'}: "
+        f"{dtype_name(loaded.compute_dtype)} compute on "
         f"{mx.default_device().type.name}, chunks of {step} tokens, KV stored as "
         f"{dtype_name(loaded.serving_dtype)}"
     )
@@ -172,12 +180,24 @@ class ServingPlan:
     same_path: bool  # ... and chunks as mlx_lm.server does: the builder's prefill is the cold one
 
 
-def serving_plan(loaded: LoadedModel, spec: PrefixDefinition) -> ServingPlan:
+CONTINUED_SKIP = (
+    "skipped: a child continues its parent's stored KV, so comparing it with a cold prefill "
+    "costs one from token 0; fidelity.inherited holds the comparison its parent's positions "
+    "carry; set check.serving = true to run it"
+)
+
+
+def serving_plan(
+    loaded: LoadedModel, spec: PrefixDefinition, continued: bool = False
+) -> ServingPlan:
     same = loaded.compute_dtype == loaded.serving_dtype
-    same_path = same and spec.cache.prefill_step_size == SERVER_CHUNK
+    # a continued child's prefill is not a cold one, whatever its chunks
+    same_path = same and spec.cache.prefill_step_size == SERVER_CHUNK and not continued
     on_cpu = mx.default_device().type == mx.DeviceType.cpu
     if spec.check.serving is False:
         return ServingPlan(False, "disabled by check.serving = false", same, same_path)
+    if spec.check.serving is None and continued:
+        return ServingPlan(False, CONTINUED_SKIP, same, same_path)
     if spec.check.serving is None and on_cpu and not same:
         why = (
             f"skipped: a {dtype_name(loaded.serving_dtype)} prefill on CPU is slow; "

@@ -1,24 +1,26 @@
-"""Incremental builds: start the prefill from a bundle that already holds the new tokens' prefix.
+"""Incremental builds: continue a bundle's stored KV at the exact shared token.
 
-The result must be byte-identical to a build from token 0, so a parent is used only where its
-stored state IS the state a full build has at a chunk boundary:
-- same weights, same MLX, mlx-lm and device (the same kernels), same prefill chunk size;
+A child continues its parent as a server continues a cached prefix: its first N positions (N: the
+whole shared token prefix) are the parent's stored K/V, unchanged, and only the new tokens are
+prefilled on top, in chunks starting at N. A child is a deterministic function of its definition,
+its model, the builder's kernels and its parent's bytes; `--full` builds from token 0 and is the
+reference (a child differs from it in the last bits). A parent is continued only where its stored
+state is what this build would hold there:
+- same weights, same MLX, mlx-lm and device (the same kernels), same compute dtype;
 - full-precision KVCache layers only (trimmable; no quantized, rotating or recurrent state),
-  stored in the dtype this build prefills in (the builder casts to the serving dtype at the end,
-  so a bfloat16 bundle prefilled in float32 does not hold the float32 state);
-- reuse stops at the last multiple of the chunk size at or below the shared token prefix, so the
-  remaining chunks are exactly the full build's chunks.
+  stored in the dtype this build stores (a bfloat16 parent on a float32 CPU builder is upcast
+  exactly and the new tokens attend to its stored values, as a server's would); a quantized
+  child (kv_bits) continues a full-precision parent and quantizes the whole cache at the end, as
+  a build from token 0 does; a quantized parent is never continued (its rounding error would
+  compound under every later version);
+- the parent's chunk size does not matter: a continuation never depends on it.
 The parent passes the one validator in full (both digests) before any of its bytes is used. Its
 pins only prove it unchanged since someone wrote them; what proves the someone (PARENT_CHECKS):
 - with trusted keys, its signature by one of them (required then): reused with no recompute;
 - a parent this builder wrote (pipeline.builder.build_record, a private record outside the
   bundles tree): reused with no recompute;
-- any other parent per `--parent-check`: `proven` (default) does not reuse it; `sample`
-  recomputes two 64-token windows (token 0 from nothing, and the start of the last reused chunk
-  from the parent's earlier chunks) and compares them within a float tolerance, which catches a
-  gross edit at a cost of ~2 x 64 tokens and is a spot check, not a proof; `chunks` recomputes
-  chunk 0 and the last reused chunk in full and compares every byte (about two chunks of prefill,
-  and still no proof: whoever can write a parent can recompute the later chunks from a forged one).
+- any other parent per `--parent-check`: `proven` (default) does not reuse it; `sample` and
+  `chunks` recompute part of it (pipeline.builder.parent_checks): spot checks, not proofs.
 """
 
 from __future__ import annotations
@@ -30,6 +32,14 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.builder.build_record import built_here, recorded_before_manifests
+from pipeline.builder.parent_checks import (
+    SPOT_CHECK,
+    WINDOW,
+    chunks_check,
+    replay,
+    sample_check,
+    sample_windows,
+)
 from pipeline.format.bundle_folder import (
     CACHE_FILE,
     MANIFEST_FILE,
@@ -40,7 +50,14 @@ from pipeline.format.bundle_folder import (
 from pipeline.format.cache_codec import detect_layout, user_metadata
 from pipeline.format.errors import BuildError, BundleError
 from pipeline.format.fingerprint import ModelIdentity
-from pipeline.format.manifest import DEFAULT_LAYOUT, BuilderInfo, FidelityInfo, Manifest, ParentInfo
+from pipeline.format.manifest import (
+    DEFAULT_LAYOUT,
+    BuilderInfo,
+    FidelityInfo,
+    InheritedCheck,
+    Manifest,
+    ParentInfo,
+)
 from pipeline.format.safetensors_read import FormatError, read_header
 from pipeline.format.validate import Validated, validate
 from pipeline.runtime.mount import find_bundles
@@ -54,11 +71,17 @@ class Wanted:
     identity: ModelIdentity
     builder: BuilderInfo
     compute_dtype: str  # the dtype the prefill holds its cache in
-    step: int  # prefill chunk size
+    step: int  # prefill chunk size (the minimum worth continuing; see MIN_SHARED)
     layout: str = DEFAULT_LAYOUT  # the cache-file layout this build writes
-    model: Any = None  # the loaded model, to recompute chunks of a parent with (spot_check)
+    model: Any = None  # the loaded model, to recompute parts of a parent with (parent_checks)
     trusted_keys: tuple = ()  # with keys, a parent must carry a valid signature by one of them
     parent_check: str = "proven"  # what to do with a parent neither signed nor built here
+    stored_dtype: str | None = None  # the dtype this build stores (None: compute_dtype)
+    kv_bits: int | None = None  # this build quantizes its cache (a "continued-quantized" child)
+
+    @property
+    def stores(self) -> str:
+        return self.stored_dtype or self.compute_dtype
 
 
 @dataclass(frozen=True)
@@ -70,6 +93,7 @@ class Resume:
     parent: ParentInfo
     path: Path
     refused: tuple[str, ...] = ()  # parents passed over after validation or the spot check, why
+    inherited: InheritedCheck | None = None  # the serving comparison its first positions carry
 
 
 def find_parent(
@@ -109,7 +133,7 @@ def find_parent(
             refused.append(f"{path}: {reason}")
     if refused:
         return None, f"prefilled from token 0; {REFUSED_PARENT}: {'; '.join(refused)}"
-    return None, "no earlier bundle shares a whole prefill chunk with these tokens"
+    return None, f"no earlier bundle shares {NOT_ENOUGH} with these tokens"
 
 
 def _same_model(why: str | None) -> bool:
@@ -120,14 +144,20 @@ def _same_model(why: str | None) -> bool:
 OTHER_WEIGHTS = "built for other weights"
 
 
+MIN_SHARED = 256  # tokens; a shared prefix shorter than this (or than a chunk) is not worth it
+NOT_ENOUGH = "a prefill chunk's worth of tokens (or 256)"
+
+
 def reusable_tokens(parent_tokens: list[int], wanted: Wanted) -> int:
-    """Tokens a parent can give: its common prefix with the new ids, down to a chunk boundary."""
+    """Tokens a parent can give: its whole common prefix with the new ids, or 0 when that is
+    shorter than a chunk or MIN_SHARED (a template's common opening is never worth validating
+    and owing another bundle for)."""
     shared = 0
     for a, b in zip(parent_tokens, wanted.tokens, strict=False):
         if a != b:
             break
         shared += 1
-    return shared - shared % wanted.step
+    return shared if shared >= min(wanted.step, MIN_SHARED) else 0
 
 
 def examine(bundle: Path, wanted: Wanted) -> tuple[Manifest | None, str | None]:
@@ -141,15 +171,15 @@ def examine(bundle: Path, wanted: Wanted) -> tuple[Manifest | None, str | None]:
     b = m.builder
     checks = (
         (m.model.fingerprint == wanted.identity.model, OTHER_WEIGHTS),
-        (m.cache.kv_bits is None, f"its cache is quantized ({m.cache.kv_bits}-bit)"),
+        (
+            m.cache.kv_bits is None,
+            f"its cache is quantized ({m.cache.kv_bits}-bit): continuing quantized KV would "
+            "compound its rounding error; a full-precision bundle of these tokens can be a parent",
+        ),
         (set(m.cache.classes) == {"KVCache"}, "its cache has non-trimmable layers"),
         (
-            m.cache.dtype == wanted.compute_dtype,
-            f"it stores {m.cache.dtype}, this prefill computes in {wanted.compute_dtype}",
-        ),
-        (
-            m.cache.prefill_step_size == wanted.step,
-            f"chunks of {m.cache.prefill_step_size}, this build uses {wanted.step}",
+            m.cache.dtype == wanted.stores,
+            f"it stores {m.cache.dtype}, this build stores {wanted.stores}",
         ),
         (
             m.cache.layout == wanted.layout,
@@ -164,6 +194,11 @@ def examine(bundle: Path, wanted: Wanted) -> tuple[Manifest | None, str | None]:
             (b.mlx, b.mlx_lm, b.device, b.kernels) == (wanted.builder.mlx, wanted.builder.mlx_lm, wanted.builder.device, wanted.builder.kernels),
             f"made by other kernels (mlx {b.mlx}, mlx-lm {b.mlx_lm} on {b.device}: {b.kernels}; "
             f"this build: {wanted.builder.kernels})",
+        ),
+        (
+            b.compute_dtype == wanted.builder.compute_dtype,
+            f"computed with compute_dtype {b.compute_dtype}, this build "
+            f"{wanted.builder.compute_dtype}",
         ),
     )  # fmt: skip
     reason = next((why for ok, why in checks if not ok), None)
@@ -184,15 +219,13 @@ def _token_ids(bundle: Path) -> list[int]:
 
 
 PARENT_CHECKS = ("proven", "sample", "chunks")
-SPOT_CHECK = "recomputed from token 0"
 REFUSED_PARENT = "refused as a parent"
 UNPROVEN = "neither signed by a --trusted-key nor built by this builder"
-WINDOW = 64  # tokens per window of the sample check
 
 
 def _load(bundle: Path, manifest: Manifest, wanted: Wanted) -> tuple[Resume | None, str | None]:
     """The parent validated in full, proven (signature, build record or the chosen check) and
-    loaded, its cache replayed up to the reusable tokens; or None and why not."""
+    loaded, its first reusable positions in fresh cache layers; or None and why not."""
     # the template changes the text, not the cache of given tokens: check the parent as built
     identity = dataclasses.replace(wanted.identity, template=manifest.model.template_sha256)
     keys = {"trusted_keys": wanted.trusted_keys} if wanted.trusted_keys else {}
@@ -202,14 +235,17 @@ def _load(bundle: Path, manifest: Manifest, wanted: Wanted) -> tuple[Resume | No
         return None, f"refused by the validator: {exc.reason}"
     done = reusable_tokens(checked.tokens, wanted)
     if done == 0 or checked.cache is None:
-        return None, "it shares no whole prefill chunk with these tokens"
+        return None, f"it shares less than {NOT_ENOUGH} with these tokens"
     start = time.perf_counter()
     how = _prove(checked, wanted, done)
     if how.startswith(SPOT_CHECK) or how.startswith(UNPROVEN_REFUSAL):
         return None, how
     how += f" ({time.perf_counter() - start:.2f} s)" if how.startswith("spot check") else ""
-    record = _record(checked, done, how)
-    return Resume(_replay(checked.cache, done, wanted.step), done, record, bundle), None
+    import mlx.core as mx
+
+    cache = replay(checked.cache, done, getattr(mx, wanted.compute_dtype))
+    record = _record(checked, done, how, wanted)
+    return Resume(cache, done, record, bundle, inherited=_inherited(checked, done)), None
 
 
 UNPROVEN_REFUSAL = f"not reused: {UNPROVEN}"
@@ -235,96 +271,44 @@ def _prove(checked: Validated, wanted: Wanted, done: int) -> str:
             "sample (spot check) or chunks to reuse it anyway"
         )
     if wanted.parent_check == "sample":
-        problem = sample_check(wanted.model, layers, wanted.tokens, done, wanted.step)
+        problem = sample_check(wanted.model, layers, checked.tokens, done)
         if problem:
             return problem
         return (
-            f"spot check: {UNPROVEN}; two {WINDOW}-token windows recomputed (token 0, and the "
-            f"start of chunk {done // wanted.step - 1}) matched within tolerance"
+            f"spot check: {UNPROVEN}; two {WINDOW}-token windows recomputed (tokens "
+            f"{sample_windows(done)}) matched within tolerance"
         )
-    chunks = spot_check(wanted.model, layers, wanted.tokens, done, wanted.step)
+    unavailable = _chunks_unavailable(manifest, wanted)
+    if unavailable:
+        return unavailable
+    step = manifest.cache.prefill_step_size
+    chunks = chunks_check(wanted.model, layers, checked.tokens, done, step)
     if isinstance(chunks, str):
         return chunks
     which = " and ".join(map(str, chunks))
     return (
-        f"spot check: {UNPROVEN}; chunk {which} of the {done // wanted.step} reused chunks of "
-        f"{wanted.step} tokens recomputed from token 0 and byte-identical"
+        f"spot check: {UNPROVEN}; its chunk {which} of {step} tokens (holding the first and the "
+        f"last of the {done:,} reused) recomputed from token 0 and byte-identical"
     )
 
 
-def sample_check(
-    model: Any, layers: list[Any], tokens: list[int], done: int, step: int
-) -> str | None:
-    """Recompute a short window at token 0 and at the start of the last reused chunk and compare
-    with the parent's K/V within a float tolerance (a shorter chunk than the build's differs in
-    the last bits); None when both match, else what differs. A spot check: it finds a gross edit
-    of what it looks at, nothing else."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import KVCache
-
-    for start in sorted({0, done - step}):
-        end = start + min(WINDOW, step)
-        cache = _replay(layers, start, step) if start else [KVCache() for _ in layers]
-        model(mx.array(tokens[start:end])[None], cache=cache)
-        mx.eval([c.state for c in cache])
-        for i, (fresh, old) in enumerate(zip(cache, layers, strict=True)):
-            for kind, got, want in (("keys", fresh.keys, old.keys), ("values", fresh.values, old.values)):  # fmt: skip
-                a, b = got[..., start:end, :], want[..., start:end, :]
-                if not mx.allclose(a, b, rtol=1e-3, atol=1e-4).item():
-                    return (
-                        f"{SPOT_CHECK}, tokens {start}-{end} differ from the parent's in layer "
-                        f"{i} {kind} beyond float tolerance: altered, or built differently"
-                    )
-    return None
+def _chunks_unavailable(manifest: Manifest, wanted: Wanted) -> str | None:
+    """Why the chunks check cannot recompute this parent byte for byte, if it cannot: only a
+    parent built from token 0 in the dtype it stores holds K/V its own chunks reproduce."""
+    if manifest.parent is not None:
+        why = f"this one continued {manifest.parent.prefix}@{manifest.parent.version}"
+    elif manifest.cache.dtype != wanted.compute_dtype:
+        why = f"this one stores {manifest.cache.dtype}, computed in {wanted.compute_dtype}"
+    else:
+        return None
+    return (
+        f"{UNPROVEN_REFUSAL}; --parent-check chunks recomputes a parent byte for byte, which "
+        f"needs one built from token 0 that stores its compute dtype ({why}); pass "
+        "--parent-check sample, or sign it and pass --trusted-key"
+    )
 
 
-def spot_check(
-    model: Any, layers: list[Any], tokens: list[int], done: int, step: int
-) -> list[int] | str:
-    """Recompute chunk 0 from token 0, and the last reused chunk from the parent's earlier ones;
-    the chunks checked when every K/V byte is the parent's, else what differs."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import KVCache
-
-    checked = sorted({0, done // step - 1})
-    for index in checked:
-        start, end = index * step, (index + 1) * step
-        cache = _replay(layers, start, step) if start else [KVCache() for _ in layers]
-        model(mx.array(tokens[start:end])[None], cache=cache)
-        mx.eval([c.state for c in cache])
-        for i, (fresh, old) in enumerate(zip(cache, layers, strict=True)):
-            for kind, got, want in (("keys", fresh.keys, old.keys), ("values", fresh.values, old.values)):  # fmt: skip
-                if not mx.array_equal(got[..., start:end, :], want[..., start:end, :]).item():
-                    return (
-                        f"{SPOT_CHECK}, chunk {index} (tokens {start}-{end}) differs from the "
-                        f"parent's in layer {i} {kind}: altered, or built differently"
-                    )
-    return checked
-
-
-def _replay(layers: list[Any], done: int, step: int) -> list[Any]:
-    """Fresh KVCache layers holding the parent's first `done` positions in the buffers a full
-    build has there: where each chunk grows mlx-lm's buffer by exactly `step` (a multiple of its
-    growth step), the buffer is `done` long and a view of the parent is it; otherwise the
-    positions are fed chunk by chunk through mlx-lm's own update."""
-    import mlx.core as mx
-    from mlx_lm.models.cache import KVCache
-
-    out = [KVCache() for _ in layers]
-    if step % KVCache.step == 0:
-        for fresh, layer in zip(out, layers, strict=True):
-            fresh.keys, fresh.values = layer.keys[..., :done, :], layer.values[..., :done, :]
-            fresh.offset = done
-        return out
-    for start in range(0, done, step):  # as the prefill does: every layer, then evaluate
-        for fresh, layer in zip(out, layers, strict=True):
-            end = start + step
-            fresh.update_and_fetch(layer.keys[..., start:end, :], layer.values[..., start:end, :])
-        mx.eval([c.state for c in out])
-    return out
-
-
-def _record(parent: Validated, done: int, how: str) -> ParentInfo:
+def _record(parent: Validated, done: int, how: str, wanted: Wanted) -> ParentInfo:
     p, m = parent.manifest.prefix, parent.manifest
     return ParentInfo(
         prefix=p.name,
@@ -335,7 +319,22 @@ def _record(parent: Validated, done: int, how: str) -> ParentInfo:
         checked=how,
         manifest_sha256=parent.manifest_sha256,
         kernels=m.builder.kernels,
+        kind="continued-quantized" if wanted.kv_bits else "continued",
+        stored_dtype=m.cache.dtype,
     )
+
+
+def _inherited(parent: Validated, done: int) -> InheritedCheck | None:
+    """The serving-path comparison that covers the child's first `done` positions: the parent's
+    own, or the one it inherited (for the positions it holds of that bundle)."""
+    m = parent.manifest
+    if m.fidelity.serving is not None:
+        where = f"{m.prefix.name}@{m.prefix.version}/{parent.path.name}"
+        return InheritedCheck(bundle=where, tokens=done, serving=m.fidelity.serving)
+    older = m.fidelity.inherited
+    if older is None:
+        return None
+    return older.model_copy(update={"tokens": min(done, older.tokens)})
 
 
 def _reused_line(resume: Resume) -> str:
@@ -344,11 +343,19 @@ def _reused_line(resume: Resume) -> str:
     return f"{line}; {REFUSED_PARENT}: {'; '.join(resume.refused)}" if resume.refused else line
 
 
-def continued_reference(fidelity: FidelityInfo, parent: ParentInfo) -> FidelityInfo:
-    """The fidelity record of a child: its reference prefill continued from the parent too."""
+def continued_reference(
+    fidelity: FidelityInfo, parent: ParentInfo, inherited: InheritedCheck | None
+) -> FidelityInfo:
+    """The fidelity record of a child: what its reference run was (the continuation), and the
+    serving comparison it inherits when it ran none of its own."""
     where = f"{parent.prefix}@{parent.version}/{parent.folder}"
+    held = "quantized with the rest" if parent.kind == "continued-quantized" else "as stored"
     note = (
         f"continued from parent {where} at token {parent.reused_tokens:,} (cache sha256 "
-        f"{parent.file_sha256[:16]}..): not an independent prefill from token 0"
+        f"{parent.file_sha256[:16]}..): its {parent.stored_dtype} K/V {held}, the new tokens "
+        "prefilled on top; not an independent prefill from token 0"
     )
-    return fidelity.model_copy(update={"reference": f"{fidelity.reference}; {note}"})
+    update: dict[str, Any] = {"reference": f"{fidelity.reference}; {note}"}
+    if fidelity.serving is None and fidelity.checked:
+        update["inherited"] = inherited
+    return fidelity.model_copy(update=update)

@@ -96,7 +96,8 @@ def prefill(
     resume: tuple[list[Any], int] | None = None,
 ) -> tuple[list[Any], PrefillStats]:
     """Run the tokens through the model in chunks of `step`, returning the filled cache; from
-    `resume` = (a cache holding the first n tokens, n), n a multiple of step, when given."""
+    `resume` = (a cache holding the first n tokens, n) when given: the chunks then start at n
+    (a continuation: the bytes depend on n, not only on the tokens)."""
     if not tokens:
         raise BuildError("nothing to prefill: the rendered prefix has no tokens")
     cache, first = resume if resume else (make_prompt_cache(loaded.model), 0)

@@ -8,6 +8,9 @@ Format 3 (this release) adds what tells two builders apart and what a parent was
 - `builder.kernels`: the device, mlx build and BLAS that made the bytes (required);
 - `parent.manifest_sha256` and `parent.kernels`: the exact parent manifest the child continued and
   the kernels that made the parent's part (required with a parent);
+- `parent.kind` and `parent.stored_dtype`: a child continues its parent's stored KV at the exact
+  shared token (required with a parent); `fidelity.inherited`: the parent's serving-path
+  comparison, for a child that did not run its own;
 - `kind`: "prefix" (the place for runtime snapshots' own kind);
 - rapid-mlx among the servers a request's ids follow, and the `developer` role.
 A format 2 manifest is still read and served; it is never continued as a parent (nothing in it says
@@ -120,6 +123,16 @@ class ReuseCheck(Record):
     greedy_match: bool
 
 
+class InheritedCheck(Record):
+    """The serving-path comparison a child did not run itself (it would cost a cold prefill from
+    token 0): that of the bundle that measured it, whose first `tokens` positions the child holds
+    as they were stored."""
+
+    bundle: Short  # prefix@version/folder of the bundle that measured it
+    tokens: Count  # the child's first positions that are that bundle's
+    serving: ServingCheck
+
+
 class FidelityInfo(Record):
     checked: bool
     max_abs_logit_diff: float | None = None  # against the builder's own cold prefill
@@ -133,6 +146,18 @@ class FidelityInfo(Record):
     serving: ServingCheck | None = None
     serving_skipped: Short | None = None  # why the serving-path comparison did not run
     shortest_reuse: ReuseCheck | None = None  # lossy bundles whose layers all trim
+    # a child whose serving-path comparison did not run: the one of the bundle whose positions
+    # it holds (its parent's, or what that parent inherited); format 3
+    inherited: InheritedCheck | None = None
+
+
+# how a child holds its parent's positions (format 3; absent in format 2, whose children reused a
+# parent up to a chunk boundary and equal a build from token 0 byte for byte):
+# "continued": its first reused_tokens positions are the parent's stored K/V bytes, unchanged, and
+#   the new tokens were prefilled on top of them (as a server continues a cached prefix);
+# "continued-quantized": the same continuation, then the whole cache quantized (kv_bits), as a
+#   build from token 0 quantizes its own: the shared positions are the parent's, quantized
+ParentKind = Literal["continued", "continued-quantized"]
 
 
 class ParentInfo(Record):
@@ -151,6 +176,10 @@ class ParentInfo(Record):
         None  # the parent manifest continued (pins all it was built for)
     )
     kernels: Short | None = None  # what made the parent's part (its builder.kernels)
+    kind: ParentKind | None = None  # format 3 (required there): how the child holds its positions
+    # format 3: the dtype of the parent's stored K/V that the new tokens attended to (upcast
+    # exactly to the compute dtype when that is wider: a bfloat16 parent on a float32 builder)
+    stored_dtype: KVDtype | None = None
 
 
 # every server serve wraps (the registry in pipeline.runtime.servers maps each name to its hook)
@@ -227,12 +256,19 @@ class Manifest(Record):
             "builder.kernels": self.builder.kernels is not None,
             "parent.manifest_sha256": parent is None or parent.manifest_sha256 is not None,
             "parent.kernels": parent is None or parent.kernels is not None,
+            "parent.kind": parent is None or parent.kind is not None,
+            "parent.stored_dtype": parent is None or parent.stored_dtype is not None,
         }
         if v3 and not all(facts.values()):
             missing = next(k for k, ok in facts.items() if not ok)
             raise ValueError(f"format_version 3 requires {missing}")
         if not v3 and (self.kind, self.builder.kernels) != (None, None):
             raise ValueError("kind and builder.kernels are format 3 fields")
+        continued = parent is not None and (parent.kind, parent.stored_dtype) != (None, None)
+        if not v3 and (continued or self.fidelity.inherited is not None):
+            raise ValueError(
+                "parent.kind, parent.stored_dtype and fidelity.inherited are format 3 fields"
+            )
         return self
 
 
@@ -249,7 +285,8 @@ def manifest_bytes(manifest: Manifest) -> bytes:
         exclude["kind"] = True
         exclude["builder"] = {"kernels"}
         if manifest.parent is not None:
-            exclude["parent"] = {"manifest_sha256", "kernels"}
+            exclude["parent"] = {"manifest_sha256", "kernels", "kind", "stored_dtype"}
+        exclude["fidelity"] = {"inherited"}
         if manifest.cache.layout == DEFAULT_LAYOUT:
             exclude["cache"] = {"layout"}
     data = manifest.model_dump(mode="json", exclude=exclude or None)
