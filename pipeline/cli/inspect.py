@@ -200,18 +200,31 @@ def _print_checks(manifest, args: argparse.Namespace, identity, refusal, keys: t
         print(
             f"  info fidelity               max |logit diff| {f.max_abs_logit_diff:.3g} <= {f.threshold:g}, greedy match {f.greedy_match} (at build, vs {f.reference})"
         )
-        s = f.serving
-        serving = (
-            f"max |logit diff| {s.max_abs_logit_diff:.3g} vs a cold {s.dtype} prefill on {s.device} "
-            f"(chunks of {s.chunk_tokens}), greedy match {s.greedy_match}"
-            + (", a tie within tolerance" if s.tie_within_tolerance else "")
-            if s is not None
-            else f.serving_skipped
-        )
-        print(f"  info serving path           {serving}")
+        print(f"  info serving path           {_serving(f)}")
         print(f"  info reuse rule             {_reuse_rule(manifest)}")
     print(
         f"valid{' for ' + str(args.model) if args.model else ''}: {'yes' if refusal is None else 'no'}"
+    )
+
+
+def _serving(f) -> str:
+    """The serving-path comparison: measured, inherited from a parent (a child), or why not."""
+    if f.serving is not None:
+        return _serving_check(f.serving)
+    if f.inherited is not None:
+        i = f.inherited
+        return (
+            f"inherited from {i.bundle} (its stored positions are this bundle's first "
+            f"{i.tokens:,}): {_serving_check(i.serving)}"
+        )
+    return f.serving_skipped
+
+
+def _serving_check(s) -> str:
+    return (
+        f"max |logit diff| {s.max_abs_logit_diff:.3g} vs a cold {s.dtype} prefill on {s.device} "
+        f"(chunks of {s.chunk_tokens}), greedy match {s.greedy_match}"
+        + (", a tie within tolerance" if s.tie_within_tolerance else "")
     )
 
 
@@ -240,11 +253,25 @@ def _print_manifest(bundle: Path, data: dict) -> None:
     print("  preview: " + json.dumps(data["text"]["preview"], ensure_ascii=False))
     print(f"  build_key: {data['build_key']}")
     if data.get("parent"):  # an incremental build: which bundle's cache it started from
-        p = data["parent"]
-        print(
-            f"  parent: continued from {p['prefix']}@{p['version']}/{p['folder']} (cache sha256 "
-            f"{p['file_sha256'][:16]}..), its first {p['reused_tokens']} tokens reused: as "
-            "trustworthy as that parent; 'build --full' owes no other bundle anything"
-        )
-        if p.get("checked"):
-            print(f"  parent checked: {p['checked']}")
+        print(f"  parent: {parent_line(data['parent'])}")
+        if data["parent"].get("checked"):
+            print(f"  parent checked: {data['parent']['checked']}")
+
+
+def parent_line(p: dict) -> str:
+    """Which kind of child a bundle is, from which parent, at which token."""
+    where = f"{p['prefix']}@{p['version']}/{p['folder']} (cache sha256 {p['file_sha256'][:16]}..)"
+    n = p["reused_tokens"]
+    held = {
+        "continued": f"its first {n:,} positions are that bundle's stored {p.get('stored_dtype')} "
+        "K/V, unchanged, the new tokens prefilled on top",
+        "continued-quantized": f"its first {n:,} positions are that bundle's stored "
+        f"{p.get('stored_dtype')} K/V, quantized with the rest",
+        None: f"its first {n:,} tokens reused at a prefill chunk boundary (format 2: the bytes "
+        "of a build from token 0)",
+    }[p.get("kind")]
+    how = "continued" if p.get("kind") else "started"
+    return (
+        f"{how} from {where} at token {n:,}: {held}; as trustworthy as that parent; "
+        "'build --full' builds from token 0 and owes no other bundle anything"
+    )

@@ -100,7 +100,8 @@ class InspectReport(Report):
     fidelity: FidelityInfo | None
     build_key: str | None
     parent: ParentInfo | None = Field(
-        description="the bundle an incremental build started from; null: built from token 0"
+        description="the bundle an incremental build continued at the exact shared token "
+        "(parent.kind, parent.reused_tokens); null: built from token 0"
     )
     request: RequestInfo | None = Field(
         None,
@@ -171,7 +172,9 @@ class BuiltTarget(Report):
         None, description="over the tokens this build prefilled (not those reused)"
     )
     reused_tokens: int | None = Field(
-        None, description="tokens taken from a parent bundle instead of prefilled (0: none)"
+        None,
+        description="tokens taken from a parent bundle instead of prefilled, the whole shared "
+        "token prefix (0: none)",
     )
     error: str | None = Field(None, description="the `error:` line's text (failed only)")
 
