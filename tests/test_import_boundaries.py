@@ -242,3 +242,38 @@ def test_the_example_gets_openblas_although_it_imports_mlx_first(
     assert os.path.realpath(preload) == os.path.realpath(
         __import__("pipeline.blas").blas.find_openblas()
     )
+
+
+SERVERS = PIPELINE / "runtime" / "servers"
+
+
+def test_no_server_module_imports_serve_and_no_hook_imports_another():
+    """serve.py only dispatches (issue 37): the shared start-up lives in servers/, so nothing
+    there imports runtime/serve.py (the cycle it used to be), and a hook is one module that
+    imports no other hook (a shared part is a module of its own, such as memory_cache.py)."""
+    from pipeline.runtime.servers import HOOKS
+
+    hooks = {module for module in HOOKS.values()}
+    problems = []
+    for path in sorted(SERVERS.glob("*.py")):
+        me = f"pipeline.runtime.servers.{path.stem}"
+        for module, name, line in imports(path):
+            target = f"{module}.{name}" if name else module
+            if module == "pipeline.runtime.serve" or target == "pipeline.runtime.serve":
+                problems.append(f"{path.name}:{line} imports pipeline.runtime.serve")
+            if me in hooks and target != me and (module in hooks or target in hooks):
+                problems.append(f"{path.name}:{line} (a hook) imports the hook {target}")
+    assert problems == []
+
+
+def test_every_server_the_format_names_has_one_hook_declaring_its_address():
+    import importlib
+
+    from pipeline.format.manifest import SERVER_NAMES
+    from pipeline.runtime.servers import HOOKS
+
+    assert tuple(HOOKS) == SERVER_NAMES
+    for module in HOOKS.values():
+        source = (ROOT / (module.replace(".", "/") + ".py")).read_text()
+        assert "\nADDRESS = (" in source and "\ndef run(" in source, module
+    assert importlib.import_module("pipeline.runtime.serve").__all__ == ["serve"]

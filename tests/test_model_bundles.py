@@ -93,8 +93,11 @@ def test_serve_mounts_the_bundles_next_to_the_model_by_default(
     monkeypatch.setattr(server, "ResponseGenerator", server.ResponseGenerator)  # serve replaces it
     monkeypatch.setattr(sys, "argv", sys.argv)
     caplog.set_level(logging.INFO, logger="prefix-bundles")
-    assert cli_main(["serve", "--model", str(model), "--strict", "--port", "0"]) == 0
-    assert started == [["mlx_lm.server", "--model", str(model), "--port", "0"]]
+    from servers_env import free_port
+
+    port = str(free_port())
+    assert cli_main(["serve", "--model", str(model), "--strict", "--port", port]) == 0
+    assert started == [["mlx_lm.server", "--model", str(model), "--port", port]]
     assert (
         "mounted shop@2" in caplog.text
         and f"not mounted: older version {deployed[0]}" in caplog.text

@@ -263,7 +263,7 @@ def test_serve_hard_exits_when_the_main_thread_does_not_stop(tmp_path: Path):
     # A SIGINT handler that swallows the interrupt: the grace period's timer ends the process.
     script = (
         "import signal, time\n"
-        "from pipeline.runtime.serve import GenerationDeath\n"
+        "from pipeline.runtime.servers.mlx_lm import GenerationDeath\n"
         "signal.signal(signal.SIGINT, lambda *_: None)\n"
         "GenerationDeath(grace_s=0.5).report('RuntimeError: test')\n"
         "time.sleep(30)\n"
@@ -314,8 +314,8 @@ def test_a_bind_failure_after_the_server_started_its_threads_still_exits_1(
     entry.write_text(
         "import sys\n"
         f"sys.path.insert(0, {str(ROOT)!r})\n"
-        "import pipeline.runtime.serve as serve\n"
-        "serve.check_port = lambda *a: None\n"
+        "import pipeline.runtime.servers as servers\n"
+        "servers.check_port = lambda *a: None\n"
         "from pipeline.cli import main\n"
         "sys.exit(main(sys.argv[1:]))\n"
     )
@@ -335,7 +335,8 @@ def test_a_bundle_the_options_would_never_use_is_not_counted_and_strict_refuses(
     shop_bundle: Path, tiny_model: Path, tmp_path: Path, option
 ):
     from pipeline.runtime import PromptCacheManager, mount
-    from pipeline.runtime.serve import BUNDLE_KEY, drop_unusable, unusable_reason
+    from pipeline.runtime.servers.mlx_lm import unusable_reason
+    from pipeline.runtime.servers.startup import BUNDLE_KEY, drop_unusable
 
     manager = PromptCacheManager()
     result = mount(tiny_model, shop_bundle, manager=manager, model_key=BUNDLE_KEY)
@@ -360,7 +361,7 @@ def test_kv_bits_other_than_the_bundles_is_not_used_and_the_log_says_each_precis
     shop_bundle: Path, tiny_model: Path
 ):
     from pipeline.runtime import mount
-    from pipeline.runtime.serve import unusable_reason
+    from pipeline.runtime.servers.mlx_lm import unusable_reason
 
     (b,) = mount(tiny_model, shop_bundle).bundles
     assert b.precision == f"full precision ({b.manifest.cache.dtype})"
@@ -494,7 +495,7 @@ def test_sighup_remounts_new_refused_and_removed_versions_while_serving(
         start = rss(proc.pid)
         for i in range(20):  # remounts that change nothing leave memory where it was
             proc.send_signal(signal.SIGHUP)
-            wait_for(log, " unchanged, ", count=3 + i, timeout=60)  # one summary per remount
+            wait_for(log, " kept, ", count=3 + i, timeout=60)  # one summary per remount
         assert rss(proc.pid) <= start * 1.10
 
         shutil.rmtree(root / "bundles" / "shop")  # removed: no longer used

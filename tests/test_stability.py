@@ -85,7 +85,7 @@ def test_date_dependent_template_is_refused_unless_pinned(tmp_path: Path, tiny_m
     warning = mounted.date_warning(datetime.date(2026, 12, 3))
     assert "date pinned to 2026-01-15" in warning and "will not reuse it" in warning
 
-    from pipeline.runtime.serve import log_mounts
+    from pipeline.runtime.servers.startup import log_mounts
 
     log_mounts(mount(tiny_model, bundle, chat_template=DATED))  # serve warns at startup
     assert any("date pinned to 2026-01-15" in r.message for r in caplog.records)

@@ -75,10 +75,10 @@ def test_fingerprint_pin_refuses_other_weights(tmp_path: Path, tiny_model_other_
 
 
 def test_serve_refuses_an_unsupported_mlx_lm(monkeypatch):
-    from pipeline.runtime import serve
-    from pipeline.runtime.serve import check_mlx_lm
+    from pipeline.runtime.servers import startup
+    from pipeline.runtime.servers.startup import check_mlx_lm
 
-    monkeypatch.setattr(serve, "installed_mlx_lm", lambda: "0.40.1")
+    monkeypatch.setattr(startup, "installed_mlx_lm", lambda: "0.40.1")
     with pytest.raises(PipelineError) as info:
         check_mlx_lm()
     assert str(info.value) == (

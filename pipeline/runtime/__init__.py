@@ -24,7 +24,8 @@ from pipeline.runtime.prompt_cache import (
 )
 
 __all__ = [
-    # modules the CLI imports from (serve and its options)
+    # modules the CLI imports from (serve and its options, the admin endpoint's documents)
+    "admin",
     "discovery",
     "hugepages",
     "serve",

@@ -24,6 +24,7 @@ from pipeline.runtime.servers.startup import (
     BUNDLE_KEY,
     Mounted,
     check_tokenization,
+    hub_cache_or_none,
     log_request,
     passed_option,
     require,
@@ -32,6 +33,7 @@ from pipeline.runtime.servers.startup import (
 
 log = logging.getLogger("prefix-bundles")
 SERVER = "mlx-omni-server"
+ADDRESS = ("0.0.0.0", 10240)  # where it binds when its options do not say
 
 
 @cache
@@ -108,8 +110,6 @@ def install(mounted: Mounted) -> None:
 
     prompt_cache_pool.PromptCachePool = pinned_pool_class(mounted)
     from mlx_omni_server.chat.openai.models import models_service
-
-    from pipeline.runtime.serve import hub_cache_or_none
 
     # its /v1/models lists the hub cache, and fails on a host that has none
     models_service.scan_cache_dir = hub_cache_or_none(models_service.scan_cache_dir)

@@ -36,6 +36,7 @@ from pipeline.runtime.servers.startup import (
 
 log = logging.getLogger("prefix-bundles")
 SERVER = "mlx-openai-server"
+ADDRESS = ("0.0.0.0", 8000)  # where it binds when its options do not say
 ENV = "PREFIX_BUNDLES_OPENAI_MOUNT"  # serve's mount options, JSON, for the spawned child
 UNSUPPORTED = {
     "--config": "serve mounts bundles for the one model folder given as --model",

@@ -19,6 +19,7 @@ import sys
 from typing import Any
 
 from pipeline.runtime.servers import warm_up
+from pipeline.runtime.servers.memory_cache import pinned_memory_cache_class
 from pipeline.runtime.servers.startup import (
     Mounted,
     check_tokenization,
@@ -27,10 +28,10 @@ from pipeline.runtime.servers.startup import (
     require,
     start,
 )
-from pipeline.runtime.servers.vllm_mlx import pinned_memory_cache_class
 
 log = logging.getLogger("prefix-bundles")
 SERVER = "rapid-mlx"
+ADDRESS = ("127.0.0.1", 8000)  # where it binds when its options do not say
 UNSUPPORTED = {
     "--models-config": "serve mounts bundles for the one model folder given as --model",
     "--mllm": "bundles hold text-model caches; multimodal routing is not hooked",

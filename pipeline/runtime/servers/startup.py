@@ -1,38 +1,54 @@
-"""What every `serve --server NAME` does before its server runs: mount, pin, check tokenization.
+"""The start-up every wrapped server shares: logging, huge pages, mount and validate, drop what the
+server's options cannot use, log it, live remount (SIGHUP, --admin-port), the tokenization check.
 
 The bundles are validated by the one validator (pipeline.runtime.mount) and pinned into a
 PromptCacheManager; each server's hook module then hands that manager's caches to the server's
-own prompt cache.
+own prompt cache. Nothing here imports a server or a hook.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import datetime
 import logging
+import os
+import signal
+import sys
+import threading
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+from pipeline.format.compat import SUPPORTED_RANGE, installed_mlx_lm, mlx_lm_supported
 from pipeline.format.errors import PipelineError
+from pipeline.format.lockfile import locked_versions
+from pipeline.format.signature import read_trusted_keys
 from pipeline.runtime.hugepages import ensure_huge_pages
 from pipeline.runtime.lookup import log_request
 from pipeline.runtime.mount import MountedBundle, MountResult, model_bundles_dir, mount
 from pipeline.runtime.prompt_cache import PromptCacheManager
-from pipeline.runtime.serve import (
-    check_mlx_lm,
-    drop_unusable,
-    live_remount,
-    log_mounts,
-    mount_options,
-    passed_option,
-)
+from pipeline.runtime.remount import Remounter
+from pipeline.runtime.servers.options import passed_option, refuse_options, require
 from pipeline.runtime.servers.tokens import model_type, request_parity
 
 log = logging.getLogger("prefix-bundles")
 BUNDLE_KEY = "bundles"
-__all__ = ["BUNDLE_KEY", "Mounted", "log_request", "mount_for", "start"]
+__all__ = [
+    "BUNDLE_KEY",
+    "Mounted",
+    "describe",
+    "hard_exit",
+    "hub_cache_or_none",
+    "log_request",
+    "mount_for",
+    "passed_option",
+    "refuse_options",
+    "require",
+    "start",
+]
 
 
 @dataclass
@@ -50,23 +66,6 @@ class Mounted:
     def covered(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of a request the best pinned bundle can serve (no copy)."""
         return self.manager.covered(BUNDLE_KEY, tokens)
-
-
-def require(module: str, server: str) -> None:
-    """PipelineError unless the server's package is importable here."""
-    if importlib.util.find_spec(module) is None:
-        raise PipelineError(
-            f"serve --server {server}: {server} is not installed in this Python environment "
-            f"({module} cannot be imported); install it with "
-            f"\"pip install 'mlx-prefix-bundles[{server}]'\" (docs/servers.md)"
-        )
-
-
-def refuse_options(rest: list[str], server: str, options: dict[str, str]) -> None:
-    """PipelineError for a passed-through server option this hook cannot honour."""
-    for option, why in options.items():
-        if any(a == option or a.startswith(option + "=") for a in rest):
-            raise PipelineError(f"serve --server {server}: {option} is not supported: {why}")
 
 
 def setup_logging(level: str | None) -> None:
@@ -159,3 +158,138 @@ def server_tokenizer(mounted: Mounted) -> Any:
 
     extra = {"chat_template": mounted.chat_template} if mounted.chat_template else None
     return load_tokenizer(mounted.model, tokenizer_config_extra=extra)
+
+
+def check_mlx_lm() -> str:
+    """The installed mlx-lm version, or a PipelineError when serve does not support it."""
+    version = installed_mlx_lm()
+    if not mlx_lm_supported(version):
+        raise PipelineError(
+            f"serve supports mlx-lm {SUPPORTED_RANGE}; found {version}: "
+            f"install one with \"pip install 'mlx-lm{SUPPORTED_RANGE}'\""
+        )
+    return version
+
+
+def mount_options(args: argparse.Namespace, chat_template: str | None) -> Callable[[], dict]:
+    """mount's options from serve's own, read afresh on each call (a remount re-reads the
+    lockfile a deploy may have updated)."""
+
+    def options() -> dict:
+        return {
+            "chat_template": chat_template,
+            "verify_full": args.verify_full,
+            "versions": locked_versions(args.lockfile) if args.lockfile else None,
+            "trusted_keys": read_trusted_keys(getattr(args, "trusted_key", None) or []),
+        }
+
+    return options
+
+
+def drop_unusable(
+    result: MountResult, manager: PromptCacheManager, why: Callable[[MountedBundle], str | None]
+) -> None:
+    """Move every bundle the server would not use (`why` says why, else None) from
+    `result.bundles` to `result.unused` (unpinned): the startup report counts only usable ones."""
+    for b in list(result.bundles):
+        reason = why(b)
+        if reason is not None:
+            result.bundles.remove(b)
+            result.unused.append((b.path, reason))
+            manager.unpin(BUNDLE_KEY, b.name)
+
+
+def log_mounts(result: MountResult) -> None:
+    """One line per bundle mounted or refused, and the total."""
+    today = datetime.date.today()
+    for warning in filter(None, (b.date_warning(today) for b in result.bundles)):
+        log.warning("%s", warning)
+    for b in result.bundles:
+        log.info(
+            "mounted %s (%d tokens, %.1f MiB, continues at %s) from %s in %.1f ms",
+            b.name,
+            len(b.tokens),
+            b.manifest.cache.nbytes / 2**20,
+            b.precision,
+            b.path,
+            b.seconds * 1000,
+        )
+    for r in result.refused:
+        log.warning("refused %s: %s", r.path, r.reason)
+    for path, reason in result.unused:
+        log.warning("not used: %s: %s", path, reason)
+    for path in result.older:
+        log.info("not mounted: older version %s", path)
+    log.info(
+        "%d bundle(s) mounted, %d refused, %d not usable with the server's options, %d older "
+        "version(s) not mounted, in %.1f ms",
+        len(result.bundles),
+        len(result.refused),
+        len(result.unused),
+        len(result.older),
+        result.seconds * 1000,
+    )
+
+
+def live_remount(
+    args: argparse.Namespace,
+    result: MountResult,
+    manager: PromptCacheManager,
+    options: Callable[[], dict],
+    unusable: Callable[[MountedBundle], str | None],
+) -> None:
+    """A new bundle version goes live without a restart: SIGHUP re-reads the bundles (`kill
+    -HUP <pid>` after a deploy) with startup's rules and options, in a thread of its own so the
+    server goes on answering, one log line per change, a failure logged and never fatal (only
+    the main thread can install the handler); with --admin-port, POST /v1/bundles/remount on
+    the loopback interface does the same and answers with a JSON report (pipeline.runtime.admin)."""
+    from pipeline.runtime.admin import read_token, start_admin
+
+    def reload() -> MountResult:
+        return mount(args.model, args.bundles, skip_refused=True, **options())
+
+    remounter = Remounter(result, manager, BUNDLE_KEY, reload, unusable)
+    if getattr(args, "admin_port", None) is not None:
+        start_admin(args.admin_port, read_token(getattr(args, "admin_token_file", None)), remounter)
+
+    def run() -> None:
+        try:
+            remounter.remount().log(log)
+        except Exception as exc:  # noqa: BLE001 - a failed remount leaves what was mounted
+            log.error("remount failed (%s); the mounted bundles stay", describe(exc))
+
+    def on_hangup(signum: int, frame: Any) -> None:
+        threading.Thread(target=run, name="prefix-bundles-remount", daemon=True).start()
+
+    if hasattr(signal, "SIGHUP") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGHUP, on_hangup)
+
+
+def hub_cache_or_none(scan: Callable[[], Any]) -> Callable[[], Any]:
+    """mlx_lm.server's /v1/models scans the hub cache before listing the served model; on a host
+    with no hub cache folder the scan raises CacheNotFound after the status line went out (an empty
+    200 body). With this, a missing cache is an empty one and the served model is listed."""
+    from huggingface_hub.errors import CacheNotFound
+
+    def scan_cache_dir() -> Any:
+        try:
+            return scan()
+        except CacheNotFound:
+            return SimpleNamespace(repos=[])
+
+    return scan_cache_dir
+
+
+def hard_exit() -> None:
+    """Exit with status 1 now, from any thread, output flushed."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(1)
+
+
+def describe(exc: BaseException) -> str:
+    """`Type: message at file:line` of the innermost frame, on one line."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    message = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {message}{where}" if message else f"{type(exc).__name__}{where}"

@@ -26,12 +26,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, get_args
+from typing import Any
 
 from pipeline.format.errors import PipelineError
-from pipeline.format.manifest import ServerName
 
-SERVER_NAMES: tuple[str, ...] = get_args(ServerName)
 ANTHROPIC_SERVERS = ("vllm-mlx",)  # servers whose /v1/messages route request_ids follows
 ANTHROPIC_ROUTES = ("vllm-mlx", "rapid-mlx")  # servers that serve /v1/messages at all
 PACKAGES = {
@@ -40,6 +38,9 @@ PACKAGES = {
     "mlx-omni-server": "mlx_omni_server.chat.openai.openai_adapter",
     "mlx-openai-server": "app.handler.mlx_lm",
 }
+# the servers whose request code can be called (rapid-mlx renders inline in its route: its ids are
+# checked through its own app at serve startup, pipeline.runtime.servers.warm_up)
+SERVER_NAMES: tuple[str, ...] = tuple(PACKAGES)
 
 
 def encode_text(server: str, tokenizer: Any, text: str) -> list[int]:

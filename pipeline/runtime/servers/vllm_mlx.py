@@ -19,6 +19,7 @@ from typing import Any
 
 from pipeline.runtime.lookup import lookup_source
 from pipeline.runtime.servers import usage, warm_up
+from pipeline.runtime.servers.memory_cache import pinned_memory_cache_class
 from pipeline.runtime.servers.startup import (
     BUNDLE_KEY,
     Mounted,
@@ -31,6 +32,7 @@ from pipeline.runtime.servers.startup import (
 
 log = logging.getLogger("prefix-bundles")
 SERVER = "vllm-mlx"
+ADDRESS = ("127.0.0.1", 8000)  # where it binds when its options do not say
 UNSUPPORTED = {
     "--models-config": "serve mounts bundles for the one model folder given as --model",
     "--mllm": "bundles hold text-model caches; multimodal routing is not hooked",
@@ -132,38 +134,13 @@ BATCHED_UNSUPPORTED = {  # with --continuous-batching: prefix caches other than 
 }
 
 
-def pinned_memory_cache_class(mounted: Mounted, base: type, server: str = SERVER) -> type:
-    """`base`, vllm-mlx's MemoryAwarePrefixCache (BatchedEngine's scheduler; rapid-mlx's has the
-    same interface), also answering from the pinned bundles: they live outside its entries, so
-    its LRU, memory limit and prefix-subset eviction never see them, and a request gets a copy
-    (mlx-lm's BatchGenerator merges it)."""
-
-    class PinnedMemoryCache(base):
-        def fetch(self, tokens: list[int]) -> tuple[Any, list[int]]:
-            own = super().fetch
-            cache, rest, from_bundle = lookup_source(
-                server, mounted.manager, BUNDLE_KEY, tokens, own, batched=True
-            )
-            if from_bundle:  # the scheduler records the match; a bundle is no entry of its own
-                self._last_match_type, self._last_matched_key = "prefix", None
-            usage.record(0 if cache is None else len(tokens) - len(rest))
-            return cache, rest
-
-        def store(self, *args: Any, **kwargs: Any) -> Any:
-            if warm_up.WARMING.is_set():  # the warm-up request leaves no entry
-                return False
-            return super().store(*args, **kwargs)
-
-    return PinnedMemoryCache
-
-
 def install_batched(mounted: Mounted) -> None:
     """Patch vllm-mlx's continuous-batching scheduler so its prefix cache answers from bundles."""
     from vllm_mlx import scheduler
     from vllm_mlx.engine_core import EngineCore
 
     scheduler.MemoryAwarePrefixCache = pinned_memory_cache_class(
-        mounted, scheduler.MemoryAwarePrefixCache
+        mounted, scheduler.MemoryAwarePrefixCache, SERVER
     )
     usage.bind_requests(EngineCore, scheduler.Scheduler)
     from vllm_mlx import server

@@ -148,7 +148,7 @@ def through_app(
                 try:
                     check_seen(server, mounted, bundles, seen)
                 except PipelineError as exc:  # --strict: no port opens; the supervisor sees why
-                    from pipeline.runtime.serve import hard_exit
+                    from pipeline.runtime.servers.startup import hard_exit
 
                     print(f"error: {exc}", file=sys.stderr)
                     hard_exit()

@@ -1,0 +1,219 @@
+"""`serve` (the default server): mlx_lm.server with bundles mounted before the first request is
+accepted.
+
+Errors are raised (PipelineError); the CLI (pipeline.cli.serve) parses options and prints.
+
+The hook replaces three names in mlx_lm.server before its main() runs: `LRUPromptCache` (a
+subclass that answers from the mounted bundles when they cover more of the prompt than the
+server's own entries, and hands the batched path only caches it can merge), `ModelProvider`
+(optional warm-up) and `ResponseGenerator` (a dead generation thread ends the process; the prompt
+cache is told which path fetches). Everything else (options, HTTP, generation) is mlx_lm.server's.
+"""
+
+from __future__ import annotations
+
+import _thread
+import argparse
+import logging
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+from pipeline.format.errors import PipelineError
+from pipeline.runtime.lookup import lookup
+from pipeline.runtime.mount import MountedBundle
+from pipeline.runtime.prompt_cache import PromptCacheManager, at_least_one_left
+from pipeline.runtime.servers.startup import (
+    BUNDLE_KEY,
+    check_tokenization,
+    describe,
+    hard_exit,
+    hub_cache_or_none,
+    passed_option,
+    start,
+)
+
+log = logging.getLogger("prefix-bundles")
+SERVER = "mlx_lm.server"
+ADDRESS = ("127.0.0.1", 8080)  # where it binds when its options do not say
+
+
+def bundled_prompt_cache_class(manager: PromptCacheManager, model_path: str) -> type:
+    """A LRUPromptCache subclass that also answers from the bundles pinned in `manager`, and hands
+    the batched path only caches it can merge (see pipeline.runtime.batching)."""
+    from mlx_lm.server import LRUPromptCache
+
+    class BundledPromptCache(LRUPromptCache):
+        single_path = False  # True while the ResponseGenerator serves a request on its own
+
+        def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
+            own = super().fetch_nearest_cache
+            if model != (model_path, None, None) or not tokens:
+                return at_least_one_left(lambda t: own(model, t), tokens)
+            return lookup(
+                SERVER, manager, BUNDLE_KEY, tokens, lambda t: own(model, t), not self.single_path
+            )
+
+    return BundledPromptCache
+
+
+class GenerationDeath:
+    """Ends the process when mlx_lm.server's generation thread dies, so a service manager restarts
+    it: the server would otherwise stay up answering every request with an error."""
+
+    def __init__(self, grace_s: float = 10.0) -> None:
+        """`grace_s`: how long the main thread may take to shut down before a hard exit."""
+        self.cause: str | None = None
+        self.grace_s = grace_s
+
+    def report(self, cause: str) -> None:
+        """Log the cause, then interrupt the main thread (mlx_lm.server stops its HTTP server and
+        serve raises), with a hard exit after the grace period should it not get there; at once
+        when SIGINT is ignored (a background job of a script), which interrupt_main cannot pass."""
+        if self.cause is not None:
+            return
+        self.cause = cause
+        log.error("generation thread died (%s); serve exits with status 1", cause)
+        if not callable(signal.getsignal(signal.SIGINT)):
+            hard_exit()
+        timer = threading.Timer(self.grace_s, hard_exit)
+        timer.daemon = True
+        timer.start()
+        _thread.interrupt_main()
+
+    def error(self) -> PipelineError:
+        """The error serve raises once the HTTP server has stopped."""
+        return PipelineError(
+            f"mlx_lm.server's generation thread died ({self.cause}); serve stopped so that a "
+            "service manager restarts it"
+        )
+
+
+def guarded_response_generator_class(death: GenerationDeath) -> type:
+    """mlx_lm.server's ResponseGenerator, reporting its generation thread's end to `death` and
+    telling the prompt cache which path (single or batched) is fetching."""
+    from mlx_lm.server import ResponseGenerator
+
+    class GuardedResponseGenerator(ResponseGenerator):
+        def _generate(self) -> None:  # the thread's target (0.30, 0.31) or what it calls (0.32)
+            try:
+                super()._generate()
+            except BaseException as exc:  # noqa: BLE001 - any end of this thread ends serve
+                log.debug("generation thread traceback", exc_info=True)
+                self._generation_failed = True
+                death.report(describe(exc))
+                return
+            if not self._stop:
+                self._generation_failed = True
+                death.report("it returned while serving")
+
+        def generate(self, request: Any, generation_args: Any, *args: Any, **kwargs: Any) -> Any:
+            # mlx_lm checks these only inside the generation thread, where one bad request would
+            # end the thread (and so serve) for everyone: refuse it here, for this request only.
+            problem = sampling_problem(generation_args, self.model_provider)
+            if problem is not None:
+                log.warning("request refused: %s", problem)
+                raise ValueError(problem)
+            return super().generate(request, generation_args, *args, **kwargs)
+
+        def _serve_single(self, *args: Any, **kwargs: Any) -> Any:
+            self.prompt_cache.single_path = True
+            try:
+                return super()._serve_single(*args, **kwargs)
+            finally:
+                self.prompt_cache.single_path = False
+
+    return GuardedResponseGenerator
+
+
+def sampling_problem(generation_args: Any, provider: Any) -> str | None:
+    """Why mlx_lm's sampler would raise on a request's settings (it only checks them while
+    sampling, in the generation thread), or None. Greedy requests build no sampler."""
+    sampling = getattr(generation_args, "sampling", None)
+    if sampling is None or not sampling.temperature > 0:
+        return None
+    model_args = getattr(getattr(provider, "model", None), "args", None)
+    vocab = getattr(model_args, "vocab_size", None)
+    top_k = sampling.top_k
+    if top_k > 0 and isinstance(vocab, int) and top_k >= vocab:
+        return f"top_k must be below the model's vocabulary size {vocab}, got {top_k}"
+    threshold = sampling.xtc_threshold
+    if sampling.xtc_probability > 0 and not 0 <= threshold <= 0.5:
+        return f"xtc_threshold must be in [0, 0.5] when xtc_probability > 0, got {threshold}"
+    return None
+
+
+def warming_model_provider_class(manager: PromptCacheManager, enabled: bool) -> type:
+    """mlx_lm.server's ModelProvider, warming up from the longest mounted bundle once the default model
+    is loaded (in the generation thread, before it takes the first request)."""
+    from mlx_lm.server import ModelProvider
+
+    class WarmingModelProvider(ModelProvider):
+        warmed = False
+
+        def load_default(self) -> None:
+            super().load_default()
+            if not enabled or self.warmed or self.model is None:
+                return
+            self.warmed = True
+            start = time.perf_counter()
+            try:
+                source = manager.warm_up(BUNDLE_KEY, self.model)
+            except Exception as exc:  # optional: a failed warm-up must not stop the server
+                log.warning("warm-up failed (%s); serving without it", describe(exc))
+                return
+            if source is not None:
+                log.info(
+                    "warmed up from %s in %.1f ms (the first request now costs what an "
+                    "in-memory hit costs; --no-warm-up skips it)",
+                    source.removeprefix("bundle:"),
+                    (time.perf_counter() - start) * 1000,
+                )
+
+    return WarmingModelProvider
+
+
+def unusable_reason(bundle: MountedBundle, rest: list[str]) -> str | None:
+    """Why mlx_lm.server, run with these options, would never use (or would misuse) a valid
+    bundle; None when it will use it as built."""
+    for option, what in (("--adapter-path", "an adapter"), ("--draft-model", "a draft model")):
+        if passed_option(rest, option):
+            return (
+                f"{option} serves the model with {what}, whose prompt cache differs from the "
+                "bundle's (mlx_lm.server keys its cache by model, adapter and draft model)"
+            )
+    bits, built = passed_option(rest, "--kv-bits"), bundle.manifest.cache.kv_bits
+    if bits is not None and built is not None and str(built) != bits:
+        return (
+            f"--kv-bits {bits} asks for {bits}-bit KV but the bundle holds {built}-bit KV, which "
+            "mlx_lm would continue as it is (it never re-quantizes a quantized cache); build it "
+            f"with kv_bits = {bits}, or without kv_bits so the server quantizes it"
+        )
+    return None
+
+
+def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
+    """Mount, install the hook, then hand over to mlx_lm.server's own main."""
+    mounted = start(args, rest, argv, unusable=lambda b: unusable_reason(b, rest))
+    check_tokenization("mlx-lm", mounted)
+    manager = mounted.manager
+
+    import mlx_lm.server as server
+
+    death = GenerationDeath()
+    server.LRUPromptCache = bundled_prompt_cache_class(manager, args.model)
+    # default on (bench case servers: first request / hit 1.35x without, 0.92x with)
+    server.ModelProvider = warming_model_provider_class(manager, args.warm_up is not False)
+    server.ResponseGenerator = guarded_response_generator_class(death)
+    server.scan_cache_dir = hub_cache_or_none(server.scan_cache_dir)
+    sys.argv = ["mlx_lm.server", "--model", args.model, *rest]
+    try:
+        server.main()
+    except KeyboardInterrupt:
+        if death.cause is None:
+            raise
+    if death.cause is not None:
+        raise death.error()
+    return 0
