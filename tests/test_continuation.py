@@ -161,3 +161,34 @@ def test_inspect_says_which_kind_of_child_a_bundle_is(tmp_path: Path, tiny_model
         f"positions are this bundle's first {n:,}): max |logit diff| "
     ) in out
     assert "vs a cold float32 prefill on cpu (chunks of 2048), greedy match True" in out
+
+
+def test_a_parent_built_here_is_read_once_and_not_hashed_again(
+    tmp_path: Path, tiny_model: Path, monkeypatch
+):
+    """Its build hashed the cache file and carried the memo entry to where it was published: the
+    child's validation of it loads it without hashing; an in-place edit since (a new ctime) is
+    hashed again."""
+    import pipeline.format.validate as validate_module
+
+    root = tmp_path / "project"
+    monkeypatch.setenv("PREFIX_BUNDLES_CACHE_DIR", str(tmp_path / "memo"))
+    define(root, tiny_model)
+    old = run_build(root)
+    define(root, tiny_model, version=2, system=SYSTEM + MORE)
+    reads: list[tuple[str, tuple]] = []
+    real = validate_module.read_data
+
+    def spy(source, header, *, digests, load):
+        reads.append((str(source.real_path()), digests))
+        return real(source, header, digests=digests, load=load)
+
+    monkeypatch.setattr(validate_module, "read_data", spy)
+    run_build(root)
+    parent_reads = [d for path, d in reads if path.startswith(str(old.bundle.resolve()))]
+    assert parent_reads == [()]
+    (old.bundle / CACHE_FILE).write_bytes((old.bundle / CACHE_FILE).read_bytes())  # new ctime
+    reads.clear()
+    run_build(root, force=True)
+    parent_reads = [d for path, d in reads if path.startswith(str(old.bundle.resolve()))]
+    assert parent_reads == [("blake3",)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
 import time
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ from pipeline.builder.writer import (
     write_cache,
     write_manifest,
 )
+from pipeline.format import memo
 from pipeline.format.bundle_folder import CACHE_FILE, MANIFEST_FILE, bundle_path
 from pipeline.format.compat import layout_for, unsupported
 from pipeline.format.errors import BuildError, BundleError, ModelError
@@ -333,14 +335,33 @@ def _build_locked(job: Job, bundles_root: Path) -> BuildResult:
     tmp = new_staging_folder(bundles_root)  # proves the bundles folder is writable, before prefill
     try:
         manifest, report = _produce(job, bundles_root, tmp)
+        hashed = _hashed_key(tmp / CACHE_FILE, manifest)
         if job.sign_key is not None:
             sign_manifest(tmp, job.sign_key)
         publish(bundles_root, tmp, job.dest)
-        # a later incremental build may reuse it with no recompute
+        # a later incremental build may reuse it with no recompute, and with no second hash
         record_built(sha256_bytes(manifest_bytes(manifest)), manifest)
+        _carry_hash(hashed, job.dest / CACHE_FILE, manifest)
         return BuildResult(job.dest, manifest, report, up_to_date=False)
     finally:
         discard(bundles_root, tmp)
+
+
+def _hashed_key(cache_file: Path, manifest: Manifest) -> str | None:
+    """The memo key under which the self-check hashed the staged cache file (from the file it
+    read), when the file's stat is still that one; else None."""
+    key = memo.stat_key(cache_file)
+    return key if memo.lookup(key) == manifest.cache.file_blake3 else None
+
+
+def _carry_hash(key: str | None, published: Path, manifest: Manifest) -> None:
+    """Vouch for the published cache file as hashed: publishing renames its folder, which leaves
+    the file's size, times, inode and device as they were hashed, so only the path changes (an
+    edit since changes its ctime and misses). A child continuing it then reads it once, to load."""
+    if key is not None:
+        memo.store(
+            f"{os.path.realpath(published)}|{key.split('|', 1)[1]}", manifest.cache.file_blake3
+        )
 
 
 def _produce(job: Job, bundles_root: Path, tmp: Path) -> tuple[Manifest, dict[str, Any]]:
