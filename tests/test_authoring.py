@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -59,8 +60,10 @@ def test_match_reports_the_reuse_and_where_a_request_parts(
     same = request_file(tmp_path, SYSTEM)
     assert main([*bundles, "match", "--model", str(tiny_model), "--prompt-file", str(same)]) == 0
     count = json.loads((shop_bundle / "manifest.json").read_text())["tokens"]["count"]
-    assert (
-        f"shop@1                   reuses {count} of its {count} tokens" in capsys.readouterr().out
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == (
+        f"* shop@1                   {count:>6} of {count:<6} serve would use it: {count} of the "
+        "request's tokens from it"
     )
 
     edited = request_file(tmp_path, SYSTEM.replace("bookshop", "book shop"))
@@ -70,7 +73,53 @@ def test_match_reports_the_reuse_and_where_a_request_parts(
 
     bad = ["match", "--model", str(tiny_model), "--messages", "{not json"]
     assert main([*bundles, *bad]) == 1
-    assert capsys.readouterr().err.startswith("error: the request is not valid JSON")
+    err = capsys.readouterr().err
+    assert err.startswith("error: --messages: not valid JSON") and "use --prompt-file" in err
+
+
+def test_match_decides_as_serve_does_and_exits_1_when_serve_runs_cold(
+    tmp_path: Path, tiny_model: Path, capsys
+):
+    """An 8-bit bundle shares only the template's opening with a user-only request: serve's
+    rule never serves lossy KV for that (the old `match` said it reused 1 token)."""
+    from conftest import build_bundle, write_definition
+
+    write_definition(tmp_path, tiny_model, "q8", kv_bits=8, kv_group_size=32)
+    bundle = build_bundle(tmp_path, "q8")
+    argv = ["--bundles", str(tmp_path / "bundles"), "match", "--model", str(tiny_model)]
+    code = main([*argv, "--messages", '[{"role": "user", "content": "hello"}]'])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 1
+    assert "lossy KV is served only for at least" in out[1] and out[1].startswith("  q8@1 ")
+    assert out[-1] == "serve would run this request cold: no bundle is reused"
+    code = main([*argv, "--json", "--messages", '[{"role": "user", "content": "hello"}]'])
+    from pipeline.cli.reports import MatchReport
+
+    report = MatchReport.model_validate_json(capsys.readouterr().out)
+    assert code == 1 and report.chosen is None and report.bundles[0].path == str(bundle)
+    assert report.bundles[0].reused_tokens == 0 and report.bundles[0].lossy
+
+
+def test_match_reads_an_anthropic_body_like_new_from_request(
+    shop_bundle: Path, tiny_model: Path, tmp_path: Path, capsys
+):
+    from conftest import claude_code_request
+
+    body = tmp_path / "anthropic.json"
+    body.write_text(json.dumps(claude_code_request(str(tiny_model))))
+    argv = ["--bundles", str(shop_bundle.parents[2]), "match", "--model", str(tiny_model)]
+    code = main([*argv, "--prompt-file", str(body), "--server", "mlx-lm"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1
+    assert err[0].startswith(
+        "error: --server mlx-lm: an Anthropic messages body is checked through"
+    )
+    code = main([*argv, "--prompt-file", str(body)])  # auto: vllm-mlx's /v1/messages route
+    err = capsys.readouterr().err.strip().splitlines()
+    if importlib.util.find_spec("vllm_mlx") is None:  # not in the main environment
+        assert code == 1 and len(err) == 1 and "vllm-mlx is not installed" in err[0]
+    else:
+        assert code in (0, 1) and not err
 
 
 def test_new_from_an_anthropic_request_keeps_its_blocks_and_tools(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -251,46 +252,87 @@ def _move_into_place(stage: Path, path: Path, folder: Path) -> None:
 
 @dataclass(frozen=True)
 class Match:
-    """How much of a request a bundle covers, and where they part when it is not all."""
+    """How much of a request a bundle covers, what serve's rule lets it serve, and why not."""
 
     bundle: Path
     name: str
     bundle_tokens: int
     common_tokens: int  # leading tokens the request shares with the bundle
-    reused_tokens: int  # what a server reuses: the common part, leaving >= 1 token to process
+    reused_tokens: int  # what serve's rule lets it serve (pipeline.runtime.reusable_tokens)
     divergence: str | None  # where and how the request and the bundle differ
+    lossy: bool  # quantized KV: served only for its share
+    chosen: bool = False  # the bundle serve would use for this request
+    why: str = ""  # why serve uses it, or why it loses
 
 
 TRIMMABLE = {"KVCache", "QuantizedKVCache"}  # others are reused only when extended whole
 
 
 def match_request(
-    model_dir: Path,
-    bundles: list[Validated],
-    messages: list[dict],
-    tools: list[dict] | None,
-    server: str = "mlx-lm",
+    model_dir: Path, bundles: list[Validated], body: dict, server: str = "mlx-lm"
 ) -> tuple[list[int], list[Match]]:
     """The request's tokens as `server`'s own request code computes them
-    (pipeline.runtime.servers.tokens), and each bundle's match, best first."""
+    (pipeline.runtime.servers.tokens), and each bundle's match under serve's reuse rule, the
+    one serve would use first (none marked chosen: serve runs the request cold)."""
     from mlx_lm.utils import load_tokenizer
 
-    from pipeline.runtime.servers.tokens import model_type, request_body, request_ids
+    from pipeline.runtime import lossy_min_tokens, preference, reusable_tokens
+    from pipeline.runtime.servers.tokens import model_type, request_ids
 
     tokenizer = load_tokenizer(Path(model_dir))
-    body = request_body(messages, tools, {})
-    ids = request_ids(server, tokenizer, body, model_type(model_dir))
-    request = list(ids)
+    request = list(request_ids(server, tokenizer, body, model_type(model_dir)))
     out = []
     for b in bundles:
         common = common_prefix_length(b.tokens, request)
-        whole = common == len(b.tokens)
         trimmable = set(b.manifest.cache.classes) <= TRIMMABLE
-        reused = min(common, len(request) - 1) if whole or trimmable else 0
+        lossy = b.manifest.cache.kv_bits is not None
+        reused = reusable_tokens(b.tokens, request, trimmable, lossy)
+        whole = common == len(b.tokens)
         part = None if whole else _divergence(tokenizer, b.tokens, request, common)
         name = f"{b.manifest.prefix.name}@{b.manifest.prefix.version}"
-        out.append(Match(b.path, name, len(b.tokens), common, reused, part))
-    return request, sorted(out, key=lambda m: -m.reused_tokens)
+        why = _why_not(common, reused, len(b.tokens), len(request), trimmable, lossy)
+        if lossy and why is None:
+            why = f"{b.manifest.cache.kv_bits}-bit KV, at least {lossy_min_tokens(len(b.tokens))}"
+        out.append(Match(b.path, name, len(b.tokens), common, reused, part, lossy, why=why or ""))
+    ranked = sorted(
+        out, key=lambda m: preference(m.reused_tokens, m.lossy, m.bundle_tokens), reverse=True
+    )
+    if ranked and ranked[0].reused_tokens > 0:
+        best = ranked[0]
+        ranked[0] = dataclasses.replace(best, chosen=True, why=_chosen_why(best))
+        for i, m in enumerate(ranked[1:], 1):
+            if m.reused_tokens > 0:
+                ranked[i] = dataclasses.replace(
+                    m, why=f"serves {m.reused_tokens}, {best.name} more"
+                )
+    return request, ranked
+
+
+def _why_not(
+    common: int, reused: int, whole: int, total: int, trimmable: bool, lossy: bool
+) -> str | None:
+    """Why serve's rule gives a bundle no tokens of this request (None: it gives some)."""
+    from pipeline.runtime import lossy_min_tokens
+
+    if reused > 0:
+        return None
+    if common == 0:
+        return "shares no token with the request"
+    if not trimmable and common < whole:
+        return f"its cache cannot be cut, and the request leaves it at token {common}"
+    if not trimmable and whole >= total:
+        return "its cache cannot be cut, and the request is no longer than it"
+    if lossy:
+        return (
+            f"lossy KV is served only for at least {lossy_min_tokens(whole)} of its tokens "
+            f"(the request shares {common})"
+        )
+    return "the request is one token long"
+
+
+def _chosen_why(m: Match) -> str:
+    left = "" if not m.lossy else f" ({m.why})"
+    return f"serve would use it: {m.reused_tokens} of the request's tokens from it{left}"
 
 
 def _divergence(tokenizer: Any, bundle: list[int], request: list[int], at: int) -> str:

@@ -1,4 +1,4 @@
-"""`match`: which bundle a request would reuse, how many tokens, and why not when none."""
+"""`match`: which bundle serve would use for a chat request, how many tokens, and why the others lose."""
 
 from __future__ import annotations
 
@@ -6,43 +6,59 @@ import argparse
 import json
 from pathlib import Path
 
-from pipeline.cli.common import err
+from pipeline.cli.common import add_json_option, emit_json, err
 from pipeline.format.errors import PipelineError
-from pipeline.runtime.servers.tokens import SERVER_NAMES
+from pipeline.runtime.servers.tokens import ANTHROPIC_SERVERS, SERVER_NAMES
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
     m = sub.add_parser(
-        "match", parents=parents, help="which bundle a chat request would reuse, and why not"
+        "match",
+        parents=parents,
+        help="which bundle serve would use for a chat request, and why the others lose",
+        description="Decides as serve does (the one reuse rule: at least one token left, lossy "
+        "bundles only for their share). Exit 0 when serve would reuse a bundle, 1 when it would "
+        "run the request cold.",
     )
     m.add_argument("--model", type=Path, required=True, help="the served model folder")
     source = m.add_mutually_exclusive_group(required=True)
     source.add_argument(
-        "--prompt-file", type=Path, help="a chat request body (JSON with messages, optional tools)"
+        "--prompt-file",
+        type=Path,
+        help="a request body as a client sends it: OpenAI chat completions or Anthropic "
+        "messages (told apart as `new --from-request` does)",
     )
-    source.add_argument("--messages", help="the request's messages as a JSON list")
+    source.add_argument("--messages", help="the request's messages as a JSON list (OpenAI form)")
     m.add_argument(
         "--server",
         choices=SERVER_NAMES,
-        default="mlx-lm",
-        help="tokenize the request as this server does (default: mlx-lm, i.e. mlx_lm.server)",
+        default=None,
+        help="tokenize the request as this server's own request code does (default: mlx-lm, "
+        f"i.e. mlx_lm.server; an Anthropic body: {ANTHROPIC_SERVERS[0]})",
     )
+    add_json_option(m, "match")
     m.set_defaults(func=run)
 
 
-def _request(args: argparse.Namespace) -> tuple[list[dict], list[dict] | None]:
+def _body(args: argparse.Namespace) -> tuple[dict, str]:
+    """The request body as a server receives it, and where it came from (for errors)."""
     from pipeline.builder.request import parse_request
     from pipeline.format.regular_files import FileProblem, read_text
+    from pipeline.runtime.servers.tokens import is_anthropic, request_body
 
+    where = f"--prompt-file {args.prompt_file}" if args.prompt_file else "--messages"
     try:
         raw = read_text(args.prompt_file, 64 << 20) if args.prompt_file else args.messages
         body = json.loads(raw)
     except FileProblem as exc:
-        raise PipelineError(f"--prompt-file {args.prompt_file}: {exc}") from None
+        raise PipelineError(f"{where}: {exc}") from None
     except (ValueError, RecursionError) as exc:
-        raise PipelineError(f"the request is not valid JSON ({exc})") from None
-    where = f"--prompt-file {args.prompt_file}" if args.prompt_file else "--messages"
-    return parse_request(body, where)
+        hint = "" if args.prompt_file else "; to pass a request body from a file use --prompt-file"
+        raise PipelineError(f"{where}: not valid JSON ({exc}){hint}") from None
+    if isinstance(body, dict) and is_anthropic(body):
+        return body, "anthropic"
+    messages, tools = parse_request(body, where)
+    return request_body(messages, tools, {}), "openai"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,28 +67,61 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.format.validate import validate
     from pipeline.runtime.mount import choose_versions, find_bundles, identity_for
 
-    messages, tools = _request(args)
+    body, api = _body(args)
+    server = args.server or (ANTHROPIC_SERVERS[0] if api == "anthropic" else "mlx-lm")
+    if api == "anthropic" and server not in ANTHROPIC_SERVERS:
+        raise PipelineError(
+            f"--server {server}: an Anthropic messages body is checked through "
+            f"{', '.join(ANTHROPIC_SERVERS)}'s /v1/messages route; pass --server "
+            f"{ANTHROPIC_SERVERS[0]} or an OpenAI chat-completions body"
+        )
     identity = identity_for(args.model)
     paths, problems = find_bundles(args.bundles)
-    for problem in problems:  # what serve would not mount either
-        err(f"bundle {problem.path}: {problem.reason} (not considered)")
+    skipped = [f"{p.path}: {p.reason}" for p in problems]  # what serve would not mount either
     valid = []
     for path in choose_versions(args.bundles, paths)[0]:
         try:
             valid.append(validate(path, identity))
         except BundleError as exc:
-            err(f"{exc} (not considered)")
-    request, matches = match_request(args.model, valid, messages, tools, args.server)
-    as_server = "" if args.server == "mlx-lm" else f" ({args.server})"
+            skipped.append(str(exc))
+    request, matches = match_request(args.model, valid, body, server)
+    chosen = next((m for m in matches if m.chosen), None)
+    if args.json:
+        _emit(server, api, request, matches, chosen, skipped)
+    else:
+        _print(server, request, matches, chosen, skipped, args.bundles)
+    return 0 if chosen else 1
+
+
+def _print(server, request, matches, chosen, skipped, bundles) -> None:
+    for line in skipped:
+        err(f"bundle {line} (not considered)")
+    as_server = "" if server == "mlx-lm" else f" ({server})"
     print(f"request: {len(request)} tokens{as_server}")
     for m in matches:
-        verdict = f"reuses {m.reused_tokens} of its {m.bundle_tokens} tokens"
-        why = f"; parts {m.divergence}" if m.divergence else ""
-        print(f"  {m.name:<24} {verdict}{why}  {m.bundle}")
-    if not matches or matches[0].reused_tokens == 0:
-        print(
-            "no bundle would be reused"
-            + ("" if matches else f" (no valid bundle in {args.bundles})")
+        mark = "*" if m.chosen else " "
+        part = f"; parts {m.divergence}" if m.divergence else ""
+        print(f"{mark} {m.name:<24} {m.reused_tokens:>6} of {m.bundle_tokens:<6} {m.why}{part}")
+        print(f"  {'':<24} {m.bundle}")
+    if chosen is None:
+        where = "" if matches else f" (no valid bundle in {bundles})"
+        print(f"serve would run this request cold: no bundle is reused{where}")
+
+
+def _emit(server, api, request, matches, chosen, skipped) -> None:
+    from pipeline.cli.reports import MatchedBundle, MatchReport
+
+    rows = [
+        MatchedBundle(
+            name=m.name, path=str(m.bundle), bundle_tokens=m.bundle_tokens,
+            common_tokens=m.common_tokens, reused_tokens=m.reused_tokens, lossy=m.lossy,
+            chosen=m.chosen, why=m.why, divergence=m.divergence,
         )
-        return 1
-    return 0
+        for m in matches
+    ]  # fmt: skip
+    emit_json(
+        MatchReport(
+            server=server, api=api, request_tokens=len(request),
+            chosen=chosen.name if chosen else None, bundles=rows, not_considered=skipped,
+        )
+    )  # fmt: skip

@@ -21,6 +21,8 @@ from pipeline.runtime.prompt_cache import (
     PromptCacheManager,
     fork_cache,
     lossy_min_tokens,
+    preference,
+    reusable_tokens,
 )
 
 __all__ = [
@@ -43,6 +45,8 @@ __all__ = [
     "fork_cache",
     "identity_for",
     "lossy_min_tokens",
+    "preference",
+    "reusable_tokens",
     "model_bundles",
     "model_bundles_dir",
     "mount",

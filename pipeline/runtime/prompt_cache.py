@@ -166,25 +166,41 @@ def _make_entry(tokens: Sequence[int], cache: list, source: str, label: str) -> 
     return _Entry(ids.copy(), owned, trimmable, nbytes, source, is_lossy(owned))
 
 
-def _usable(entry: _Entry, request: np.ndarray) -> int:
-    """How many leading request tokens this entry can serve (0: it cannot serve the request):
-    always at least one token left to process, and a lossy entry only for its stated share."""
-    common = _common_prefix(entry.tokens, request)
-    whole = len(entry.tokens)
-    if entry.trimmable:
-        keep = min(common, len(request) - 1)
+def reusable_tokens(
+    entry_tokens: Sequence[int], request: Sequence[int], trimmable: bool, lossy: bool
+) -> int:
+    """THE reuse rule: how many leading request tokens an entry covering `entry_tokens` can
+    serve (0: it cannot serve the request). Always at least one token left to process; an entry
+    whose layers cannot all be trimmed only when the request extends it whole; a lossy entry
+    only for its stated share (lossy_min_tokens). serve and `match` both decide with it."""
+    ids = np.asarray(entry_tokens, dtype=np.int64).reshape(-1)
+    req = np.asarray(request, dtype=np.int64).reshape(-1)
+    common, whole = _common_prefix(ids, req), len(ids)
+    if trimmable:
+        keep = min(common, len(req) - 1)
     else:
-        keep = whole if common == whole and whole < len(request) else 0
-    return keep if keep >= entry.min_reuse() else 0
+        keep = whole if common == whole and whole < len(req) else 0
+    floor = lossy_min_tokens(whole) if lossy else 1
+    return keep if keep >= floor else 0
+
+
+def preference(keep: int, lossy: bool, entry_tokens: int) -> tuple[int, bool, int]:
+    """How entries rank for a request: most tokens served, then an exact (full-precision) entry,
+    then less trimming."""
+    return (keep, not lossy, keep - entry_tokens)
+
+
+def _usable(entry: _Entry, request: np.ndarray) -> int:
+    return reusable_tokens(entry.tokens, request, entry.trimmable, entry.lossy)
 
 
 def _best(candidates: list[_Entry], request: np.ndarray) -> tuple[_Entry | None, int]:
-    """The candidate serving the most tokens; ties go to an exact (full-precision) entry, then to
-    less trimming, then to bundles."""
-    best, best_rank = None, (0, 0, 0)
+    """The candidate serving the most tokens by `preference`; a tie goes to the first (bundles
+    come before the server's entries)."""
+    best, best_rank = None, (0, False, 0)
     for entry in candidates:
         keep = _usable(entry, request)
-        rank = (keep, not entry.lossy, keep - len(entry.tokens))
+        rank = preference(keep, entry.lossy, len(entry.tokens))
         if keep > 0 and rank > best_rank:
             best, best_rank = entry, rank
     return best, best_rank[0]

@@ -12,6 +12,7 @@ import json
 
 from pydantic import BaseModel
 
+from pipeline.cli.reports.authoring import MatchedBundle, MatchReport
 from pipeline.cli.reports.base import Refusal, Report, refusal_of
 from pipeline.cli.reports.fleet import (
     PulledBundle,
@@ -56,6 +57,8 @@ __all__ = [
     "ListTotals",
     "ListedBundle",
     "ListedDefinition",
+    "MatchReport",
+    "MatchedBundle",
     "PruneReport",
     "PruneTotals",
     "PrunedFolder",
@@ -88,6 +91,7 @@ DOCUMENTS: dict[str, type[BaseModel]] = {
     "prune": PruneReport,
     "push": PushReport,
     "pull": PullReport,
+    "match": MatchReport,
     # serve --admin-port's answers (pipeline.runtime.admin)
     "remount": RemountReport,
     "bundles": BundlesReport,

@@ -1,0 +1,33 @@
+"""The `--json` document of `match`: which bundle serve would use for a request, and why."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from pipeline.cli.reports.base import Report
+
+
+class MatchedBundle(Report):
+    name: str = Field(description="<prefix>@<version>")
+    path: str
+    bundle_tokens: int
+    common_tokens: int = Field(description="leading tokens the request shares with the bundle")
+    reused_tokens: int = Field(description="what serve's reuse rule lets this bundle serve")
+    lossy: bool = Field(description="quantized KV: served only for its share of the bundle")
+    chosen: bool = Field(description="the bundle serve would use for this request")
+    why: str = Field(description="why serve uses it, or why it loses")
+    divergence: str | None = Field(description="where the request and the bundle part; null: never")
+
+
+class MatchReport(Report):
+    """`match --json`. Exit 1 when serve would run the request cold."""
+
+    schema_: Literal["match/1"] = Field("match/1", alias="schema")
+    server: str = Field(description="whose request code tokenized the request")
+    api: Literal["openai", "anthropic"]
+    request_tokens: int
+    chosen: str | None = Field(description="the bundle serve would use; null: none (cold)")
+    bundles: list[MatchedBundle] = Field(description="every valid bundle, best first")
+    not_considered: list[str] = Field(description="bundles refused by the validator, and why")
