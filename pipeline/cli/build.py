@@ -9,8 +9,8 @@ from pathlib import Path
 from pipeline.cli.common import (
     add_json_option,
     emit_json,
+    err,
     error_text,
-    load_definitions,
     progress,
     warn,
 )
@@ -28,6 +28,15 @@ SHARD_HELP = (
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
     b = sub.add_parser("build", parents=parents, help="build bundles for prefix definitions")
     b.add_argument("prefix", nargs="*", help="definition names (default: all)")
+    b.add_argument(
+        "--fail-fast",
+        action="store_true",
+        help="stop at the first definition that fails (default: build every other one, then "
+        "exit 1 naming the failures)",
+    )
+    b.add_argument(
+        "-v", "--verbose", action="store_true", help="also print the BLAS line when it is fast"
+    )
     b.add_argument(
         "--model", type=Path, help="build for this model folder instead of the definition's models"
     )
@@ -48,14 +57,15 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
     b.add_argument(
         "--full",
         action="store_true",
-        help="prefill from token 0; by default a build starts from the bundle under --bundles "
-        "sharing the most whole prefill chunks with its tokens, when that gives the same bytes",
+        help="prefill from token 0 (the reference); by default a build continues the stored KV "
+        "of the proven bundle under --bundles sharing the most tokens with it, at the exact "
+        "shared token",
     )
     b.add_argument(
         "--parent",
         type=Path,
         metavar="BUNDLE",
-        help="start from this bundle's cache, or fail saying why it cannot give the same bytes",
+        help="continue this bundle's cache, or fail saying why it cannot be continued",
     )
     b.add_argument(
         "--trusted-key",
@@ -118,14 +128,31 @@ def _shard(text: str):
         raise argparse.ArgumentTypeError(str(exc).removeprefix("--shard ")) from None
 
 
+def load_each_definition(prefix_dir: Path, names: list[str], fail_fast: bool) -> tuple[list, list]:
+    """The definitions that load, and (name, error) for those that do not (each reported
+    now; with fail_fast the first is raised)."""
+    from pipeline.builder.batch import load_each
+    from pipeline.builder.definition import stray_definitions
+
+    for stray in stray_definitions(prefix_dir):
+        warn(f"{stray}: definitions in subfolders are not loaded; move it to {prefix_dir}/")
+    loaded, failed = load_each(prefix_dir, names)
+    if failed and fail_fast:
+        raise failed[0][1]
+    for _, exc in failed:
+        err(str(exc))
+    return loaded, [(path.stem, exc) for path, exc in failed]
+
+
 def run(args: argparse.Namespace) -> int:
-    """Build in order, stopping at the first error (with --json, still one document)."""
+    """Build each definition on its own (a failure stops no other, unless --fail-fast); exit 1
+    when any failed (with --json, still one document)."""
     from pipeline.blas import blas_status
     from pipeline.builder.batch import BuildPlan, build_all
 
     done: list[BuiltTarget] = []
     try:
-        definitions = load_definitions(args.prefixes, args.prefix)
+        definitions, broken = load_each_definition(args.prefixes, args.prefix, args.fail_fast)
         options = {
             "force": args.force,
             "check": args.check,
@@ -136,8 +163,12 @@ def run(args: argparse.Namespace) -> int:
             "parent_check": args.parent_check,
         }
         plan = BuildPlan(args.prefixes, args.bundles, args.model, args.shard, args.locked)
-        print(blas_status().notice, file=sys.stderr)
-        build_all(definitions, plan, lambda o: done.append(_record(args, o)), progress, **options)
+        if args.verbose:
+            print(blas_status().notice, file=sys.stderr)
+        elif not blas_status().active:  # slow: worth a line without -v
+            warn(blas_status().notice)
+        record = lambda o: done.append(_record(args, o))  # noqa: E731
+        build_all(definitions, plan, record, progress, args.fail_fast, broken, **options)
     except (PipelineError, OSError) as exc:
         if args.json:
             emit_json(_report(args, done, error_text(exc)))
@@ -152,6 +183,8 @@ def _record(args: argparse.Namespace, outcome) -> BuiltTarget:
     d, result = outcome.definition, outcome.result
     if result is None:
         error = error_text(outcome.error)
+        if not args.fail_fast:  # each failure as it comes; the summary ends the run
+            err(error)
         return BuiltTarget(
             prefix=d.name, version=d.version, model=outcome.ref, status="failed", error=error
         )
