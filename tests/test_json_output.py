@@ -159,22 +159,47 @@ def test_build_json_built_then_up_to_date(project: Path, capsys):
     assert (doc.totals.built, doc.totals.up_to_date, doc.error, doc.shard) == (0, 1, None, None)
 
 
-def test_build_json_stops_at_the_first_error_and_lists_what_was_done(
+def test_build_json_reports_every_failure_and_builds_the_others(
     project: Path, tiny_model: Path, capsys
 ):
-    write_definition(project, tiny_model, name="zzz")
-    build_bundle(project, "zzz")
-    changed = project / "prefixes" / "zzz.toml"
+    """A definition that fails (here: content changed without a version bump) stops no other:
+    `aaa` before it and `zzz`... every other definition is built, each failure is one line as it
+    comes, and a summary line ends the run (exit 1); --fail-fast stops at the first."""
+    for name in ("aaa", "mmm"):
+        write_definition(project, tiny_model, name=name)
+    build_bundle(project, "mmm")
+    changed = project / "prefixes" / "mmm.toml"
     changed.write_text(changed.read_text().replace("bookshop", "book shop"))  # no version bump
     assert cli(project, "build", "--json", "--no-check") == 1
     out = capsys.readouterr()
     doc = document(BuildReport, out.out)
-    assert [(t.prefix, t.status) for t in doc.targets] == [("shop", "built"), ("zzz", "failed")]
+    states = [(t.prefix, t.status) for t in doc.targets]
+    assert states == [("aaa", "built"), ("mmm", "failed"), ("shop", "built")]
     assert "content changed since version 1" in doc.error and doc.targets[1].error == doc.error
+    errors = [line for line in out.err.splitlines() if line.startswith("error:")]
+    assert errors[0].startswith("error: mmm@1 -> tiny: ") and doc.error in errors[0]
+    assert errors[1] == (
+        "error: 1 of 3 definitions failed (mmm); the others were built: fix the errors above and "
+        "build again"
+    )
+    assert (doc.totals.built, doc.totals.failed) == (2, 1)
+
+    assert cli(project, "build", "--json", "--no-check", "--fail-fast", "--force") == 1
+    out = capsys.readouterr()
+    doc = document(BuildReport, out.out)
+    assert [(t.prefix, t.status) for t in doc.targets] == [("aaa", "built"), ("mmm", "failed")]
     assert [line for line in out.err.splitlines() if line.startswith("error:")] == [
         f"error: {doc.error}"
     ]
-    assert (doc.totals.built, doc.totals.failed) == (1, 1)
+
+
+def test_a_definition_that_does_not_load_stops_no_other(project: Path, capsys):
+    (project / "prefixes" / "broken.toml").write_text('name = "broken"\nversion = "one"\n')
+    assert cli(project, "build", "--no-check") == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert err[0].startswith(f"error: {project / 'prefixes' / 'broken.toml'}: ")
+    assert err[-1].startswith("error: 1 of 2 definitions failed (broken)")
+    assert list((project / "bundles" / "shop").iterdir())  # shop was built
 
 
 def test_build_json_error_before_any_target_is_still_a_document(project: Path, capsys):

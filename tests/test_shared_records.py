@@ -32,7 +32,8 @@ def run(root: Path, names: list[str], during=None) -> None:
         if during is not None and outcome.error is None:
             during(outcome)
 
-    build_all(select_definitions(root / "prefixes", names), plan(root), report, check=False)
+    definitions = select_definitions(root / "prefixes", names)
+    build_all(definitions, plan(root), report, fail_fast=True, check=False)
 
 
 def bump(root: Path, name: str, version: int, text: str) -> None:

@@ -51,6 +51,17 @@ class Outcome:
 
 def select_definitions(prefix_dir: Path, names: Sequence[str]) -> list[LoadedDefinition]:
     """The named definitions in prefix_dir, in the order named (all, sorted, when none are)."""
+    loaded, failed = load_each(prefix_dir, names)
+    if failed:
+        raise failed[0][1]
+    return loaded
+
+
+def load_each(
+    prefix_dir: Path, names: Sequence[str]
+) -> tuple[list[LoadedDefinition], list[tuple[Path, PipelineError]]]:
+    """The named definitions (all, sorted, when none are), each loaded on its own: the ones that
+    load, and (file, error) for each that does not (a bad definition stops no other)."""
     paths = find_definitions(prefix_dir)
     if names:
         by_name = {p.stem: p for p in paths}
@@ -64,7 +75,25 @@ def select_definitions(prefix_dir: Path, names: Sequence[str]) -> list[LoadedDef
     if not paths:
         raise PipelineError(f"no prefix definitions (*.toml) in {prefix_dir}/")
     root = Path(prefix_dir).resolve().parent
-    return [load_definition(p, root) for p in paths]
+    loaded, failed = [], []
+    for path in paths:
+        try:
+            loaded.append(load_definition(path, root))
+        except PipelineError as exc:
+            failed.append((path, exc))
+    return loaded, failed
+
+
+class BuildFailures(PipelineError):
+    """Some definitions failed; the others were built (each failure was reported as it came)."""
+
+    def __init__(self, failures: list[tuple[str, Exception]], total: int) -> None:
+        names = ", ".join(name for name, _ in failures)
+        super().__init__(
+            f"{len(failures)} of {total} definition{'s' if total != 1 else ''} failed ({names}); "
+            "the others were built: fix the errors above and build again"
+        )
+        self.failures = failures
 
 
 def build_all(
@@ -72,20 +101,39 @@ def build_all(
     plan: BuildPlan,
     report: Callable[[Outcome], None],
     progress: Callable[[str], Progress | None] = lambda label: None,
+    fail_fast: bool = False,
+    failed: Sequence[tuple[str, Exception]] = (),
     **options: Any,
 ) -> None:
-    """Build in order, stopping at the first error; `options` go to builder.build.
+    """Build each definition in order, on its own; `options` go to builder.build.
 
-    Every target is reported, a failed one too (then its error is raised). prefixes.lock is
-    updated after each definition (that entry only, merged under its file lock), so a later
-    failure keeps what was built and a build running beside this one keeps its entries.
+    Every target is reported, a failed one too. A failed definition stops no other: the rest are
+    built (and signed) and BuildFailures names every failure at the end (`failed`: definitions
+    that did not even load, already reported). `fail_fast`: the first error is raised at once.
+    prefixes.lock is updated after each definition (that entry only, merged under its file
+    lock), so a later failure keeps what was built and a build beside this one keeps its entries.
     """
     refs = shard_refs(list(definitions), plan.model, plan.shard)
     read_lock(lock_path(plan.prefixes))  # a malformed lockfile stops the build before any prefill
     clean_staging(plan.bundles)
+    failures = list(failed)
     for definition in definitions:
-        if refs[definition.name]:  # else another shard's
+        if not refs[definition.name]:  # another shard's
+            continue
+        try:
             _build_definition(definition, refs[definition.name], plan, report, progress, options)
+        except (PipelineError, OSError) as exc:
+            if not getattr(exc, "reported", False):  # before any target: model, lockfile
+                ref = ", ".join(refs[definition.name])
+                report(Outcome(definition, ref, "-", None, exc))
+            if fail_fast:
+                raise exc from None
+            failures.append((definition.name, exc))
+    total = len(definitions) + len(failed)
+    if failures and total == 1:
+        raise failures[0][1]  # one definition: its own error is the whole story
+    if failures:
+        raise BuildFailures(failures, total)
 
 
 def _build_definition(
@@ -125,6 +173,7 @@ def _build_one(
         result = build(target, plan.bundles, progress=progress(outcome.label), lock=lock, **options)
     except (PipelineError, OSError) as exc:
         report(Outcome(target.definition, ref, target.slug, None, exc))
-        raise
+        exc.reported = True  # type: ignore[union-attr]
+        raise exc from None
     report(Outcome(target.definition, ref, target.slug, result))
     return result

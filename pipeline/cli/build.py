@@ -137,7 +137,7 @@ def load_each_definition(prefix_dir: Path, names: list[str], fail_fast: bool) ->
     for stray in stray_definitions(prefix_dir):
         warn(f"{stray}: definitions in subfolders are not loaded; move it to {prefix_dir}/")
     loaded, failed = load_each(prefix_dir, names)
-    if failed and fail_fast:
+    if failed and (fail_fast or len(loaded) + len(failed) == 1):
         raise failed[0][1]
     for _, exc in failed:
         err(str(exc))
@@ -153,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
     done: list[BuiltTarget] = []
     try:
         definitions, broken = load_each_definition(args.prefixes, args.prefix, args.fail_fast)
+        args.several = not args.fail_fast and len(definitions) + len(broken) > 1
         options = {
             "force": args.force,
             "check": args.check,
@@ -171,7 +172,9 @@ def run(args: argparse.Namespace) -> int:
         build_all(definitions, plan, record, progress, args.fail_fast, broken, **options)
     except (PipelineError, OSError) as exc:
         if args.json:
-            emit_json(_report(args, done, error_text(exc)))
+            failures = getattr(exc, "failures", None)  # every definition's error, not the summary
+            text = "; ".join(error_text(e) for _, e in failures) if failures else error_text(exc)
+            emit_json(_report(args, done, text))
         raise  # main prints the one `error:` line and exits 1
     if args.json:
         emit_json(_report(args, done, None))
@@ -183,8 +186,8 @@ def _record(args: argparse.Namespace, outcome) -> BuiltTarget:
     d, result = outcome.definition, outcome.result
     if result is None:
         error = error_text(outcome.error)
-        if not args.fail_fast:  # each failure as it comes; the summary ends the run
-            err(error)
+        if getattr(args, "several", False):  # each failure as it comes; a summary ends the run
+            err(f"{outcome.label}: {error}")
         return BuiltTarget(
             prefix=d.name, version=d.version, model=outcome.ref, status="failed", error=error
         )
