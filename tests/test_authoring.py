@@ -21,7 +21,7 @@ def test_new_writes_a_pinned_definition_that_builds(tmp_path: Path, tiny_model: 
     prefixes = tmp_path / "prefixes"
     prefixes.mkdir()
     argv = ["--prefixes", str(prefixes), "--bundles", str(tmp_path / "bundles")]
-    code = main([*argv, "new", "shop", "--model", str(tiny_model), "--system-file", str(system), "--tools", str(tools)])  # fmt: skip
+    code = main([*argv[:2], "new", "shop", "--model", str(tiny_model), "--system-file", str(system), "--tools", str(tools)])  # fmt: skip
     out = capsys.readouterr().out
     assert (
         code == 0 and out.startswith(f"wrote {prefixes / 'shop.toml'} (") and " tokens for " in out
@@ -170,13 +170,14 @@ def test_new_from_an_openai_request_takes_the_leading_system_part(
     prefixes.mkdir()
     argv = ["--prefixes", str(prefixes), "--bundles", str(tmp_path / "b")]
     assert (
-        main([*argv, "new", "shop", "--model", str(tiny_model), "--from-request", str(body)]) == 0
+        main([*argv[:2], "new", "shop", "--model", str(tiny_model), "--from-request", str(body)])
+        == 0
     )
     d = load_definition(prefixes / "shop.toml", tmp_path)
     assert d.spec.api == "openai" and d.spec.servers == []
     assert d.messages == request["messages"][:1] and d.tools == TOOLS
     assert main([*argv, "build", "--no-check"]) == 0  # the builder's own rendering
-    assert main([*argv, "new", "two", "--model", str(tiny_model), "--from-request", str(body), "--prefix-messages", "1"]) == 0  # fmt: skip
+    assert main([*argv[:2], "new", "two", "--model", str(tiny_model), "--from-request", str(body), "--prefix-messages", "1"]) == 0  # fmt: skip
     assert load_definition(prefixes / "two.toml", tmp_path).messages == request["messages"]
 
 

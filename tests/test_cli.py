@@ -219,3 +219,27 @@ def test_the_console_script_names_itself():
         timeout=60,
     )
     assert done.returncode == 0 and done.stdout.startswith("usage: build.py verify ")
+
+
+def test_verify_honours_bundles_and_a_global_option_that_does_not_apply_is_refused(
+    shop_bundle: Path, tiny_model: Path, capsys
+):
+    """verify --bundles DIR checks the bundles there (it was ignored: the folder next to the
+    model was searched); --bundles on a command that reads no bundles folder is a usage error,
+    not silently dropped."""
+    from pipeline.cli import main
+
+    root = shop_bundle.parents[2]
+    assert main(["verify", "--model", str(tiny_model), "--bundles", str(root)]) == 0
+    assert f"ok {shop_bundle} (shop@1" in capsys.readouterr().out
+    assert main(["--bundles", str(root), "verify", "--model", str(tiny_model)]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(["--bundles", str(root), "keygen", "--help-not-an-option"])
+    assert info.value.code == 2
+    with pytest.raises(SystemExit):
+        main(["--prefixes", "p", "schema"])
+    assert "--prefixes does not apply to schema; leave it out" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["schema", "--help"])
+    assert "--bundles" not in capsys.readouterr().out  # help shows only what applies

@@ -406,7 +406,8 @@ def missing_model_commands(model: str, bundle: str) -> list[list[str]]:
 def test_a_missing_model_folder_is_named(command: int, shop_v1: Path, tmp_path: Path, capsys):
     missing = tmp_path / "nonexistent"
     argv = missing_model_commands(str(missing), str(shop_v1))[command]
-    rc = main(["--prefixes", str(tmp_path / "prefixes"), *argv])
+    prefixes = ["--prefixes", str(tmp_path / "prefixes")] if argv[0] == "new" else []
+    rc = main([*prefixes, *argv])
     assert one_error(capsys, rc) == (
         f"error: model folder {missing} does not exist; point --model at an MLX model folder "
         "(config.json, *.safetensors, tokenizer files)"
@@ -544,6 +545,11 @@ def test_an_incremental_build_prints_reused_tokens_and_a_prefill_rate(
 def test_a_newline_in_what_the_user_typed_stays_on_the_error_line(
     argv: list[str], project: Path, capsys
 ):
-    rc = main(["--prefixes", str(project / "prefixes"), "--bundles", str(project / "b"), *argv])
+    from pipeline.cli import USES_GLOBALS
+
+    uses = USES_GLOBALS[argv[0]]
+    glob = [f"--{o}" for o in ("prefixes", "bundles") if o in uses]
+    glob = [x for o in glob for x in (o, str(project / ("prefixes" if o == "--prefixes" else "b")))]
+    rc = main([*glob, *argv])
     line = one_error(capsys, rc)
     assert "\x1b" not in line and ("\\n" in line or "\\r" in line)

@@ -39,20 +39,33 @@ DEFAULT_PREFIXES = Path("prefixes")
 DEFAULT_BUNDLES = Path("bundles")
 
 
-def global_options(suppress: bool) -> argparse.ArgumentParser:
+BOTH, BUNDLES, PREFIXES, NONE = {"prefixes", "bundles"}, {"bundles"}, {"prefixes"}, set()
+# which global options each command reads: any other given is refused, and its help omits them
+USES_GLOBALS = {
+    "build": BOTH, "verify": BUNDLES, "inspect": NONE, "list": BOTH, "prune": BOTH,
+    "new": PREFIXES, "match": BUNDLES, "push": NONE, "pull": BUNDLES, "schema": NONE,
+    "demo": BOTH, "demo-model": NONE, "serve": BUNDLES, "keygen": NONE, "sign": NONE,
+}  # fmt: skip
+MODULE_COMMANDS = {"listing": ("list",), "demo": ("demo", "demo-model")}
+
+
+def global_options(suppress: bool, only: set[str] = BOTH) -> argparse.ArgumentParser:
     """--prefixes/--bundles, accepted before and after the command (defaults set once, up front)."""
     p = argparse.ArgumentParser(add_help=False)
     # Subcommands must not reset a value given before the command: their copy has no default.
     default = argparse.SUPPRESS if suppress else None
-    p.add_argument(
-        "--prefixes", type=Path, default=default, help="definitions folder (default: prefixes)"
-    )
-    p.add_argument(
-        "--bundles",
-        type=Path,
-        default=default,
-        help="bundles folder (default: bundles; for pull and serve: <model>/prefix-bundles)",
-    )
+    if "prefixes" in only:
+        p.add_argument(
+            "--prefixes", type=Path, default=default, help="definitions folder (default: prefixes)"
+        )
+    if "bundles" in only:
+        p.add_argument(
+            "--bundles",
+            type=Path,
+            default=default,
+            help="bundles folder (default: bundles; for verify, pull and serve: "
+            "<model>/prefix-bundles)",
+        )
     return p
 
 
@@ -65,7 +78,8 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
         command = importlib.import_module(f"pipeline.cli.{name}")
-        command.add_parser(sub, [global_options(suppress=True)])
+        uses = set().union(*(USES_GLOBALS[c] for c in MODULE_COMMANDS.get(name, (name,))))
+        command.add_parser(sub, [global_options(suppress=True, only=uses)])
     return p
 
 
@@ -75,13 +89,27 @@ def _parser(argv0: str) -> argparse.ArgumentParser:
     return setup_arg_parser()
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """Parse argv; only a command that passes options through (serve) may leave some unparsed."""
     parser = _parser(sys.argv[0])
     args, rest = parser.parse_known_args(argv)
     if rest and not getattr(args, "passes_through", False):
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+        command = _subparser(parser, args.command)
+        for option in ("--prefixes", "--bundles"):
+            if any(r == option or r.startswith(option + "=") for r in rest):
+                command.error(f"{option} does not apply to {args.command}; leave it out")
+        command.error(f"unrecognized arguments: {' '.join(rest)}")
     args.passthrough, args.argv = rest, argv
+    for option in ("prefixes", "bundles"):
+        if getattr(args, option, None) is not None and option not in USES_GLOBALS[args.command]:
+            _subparser(parser, args.command).error(
+                f"--{option} does not apply to {args.command}; leave it out"
+            )
     args.prefixes = args.prefixes or DEFAULT_PREFIXES
     if args.bundles is None and not getattr(args, "bundles_near_model", False):
         args.bundles = DEFAULT_BUNDLES

@@ -21,7 +21,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         "bundle",
         nargs="*",
         type=Path,
-        help="bundle folders (default: every bundle in <model>/prefix-bundles)",
+        help="bundle folders (default: every bundle in --bundles, or in <model>/prefix-bundles)",
     )
     v.add_argument("--model", type=Path, required=True, help="the model folder they are for")
     v.add_argument(
@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
     )
     add_json_option(v, "verify")
     add_trusted_key_option(v)
-    v.set_defaults(func=run)
+    v.set_defaults(func=run, bundles_near_model=True)  # --bundles: default <model>/prefix-bundles
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     identity = _served_identity(args.model, template)
     keys = trusted_keys(args)
     results = []
-    for bundle in args.bundle or _next_to_model(args.model, results):
+    for bundle in args.bundle or _in_folder(args.model, args.bundles, results):
         r = _verify_one(bundle, identity, keys)
         if r.status == "ok" and not args.json:
             print(f"ok {bundle} ({r.prefix}@{r.version}, {r.tokens} tokens)")
@@ -87,8 +87,9 @@ def _verify_one(bundle: Path, identity, keys: tuple = ()) -> VerifiedBundle:
     )
 
 
-def _next_to_model(model: Path, results: list[VerifiedBundle]) -> list[Path]:
-    """No bundle arguments: every bundle in <model>/prefix-bundles, newest and older versions.
+def _in_folder(model: Path, bundles: Path | None, results: list[VerifiedBundle]) -> list[Path]:
+    """No bundle arguments: every bundle in --bundles (default <model>/prefix-bundles), newest
+    and older versions.
 
     stderr says which are the newest (what serve mounts); a symlink serve would not follow is
     refused in results. None found is an error.
@@ -96,14 +97,16 @@ def _next_to_model(model: Path, results: list[VerifiedBundle]) -> list[Path]:
     import sys
 
     from pipeline.format.fingerprint import check_model_folder
-    from pipeline.runtime import model_bundles, model_bundles_dir
+    from pipeline.runtime import find_bundles, model_bundles_dir
+    from pipeline.runtime.mount import choose_versions
 
     check_model_folder(model)  # named first: the bundles folder inside it is missing too
-    folder = model_bundles_dir(model)
+    folder = bundles or model_bundles_dir(model)
     fix = f"pass bundle folders, or copy bundles there (python build.py pull --model {model} ...)"
     if not folder.is_dir():
         raise PipelineError(f"no bundle arguments and no {folder}; {fix}")
-    newest, older, problems = model_bundles(model)
+    paths, problems = find_bundles(folder)
+    newest, older = choose_versions(folder, paths)
     for problem in problems:
         err(f"bundle {problem.path}: {problem.reason}")
         refusal = Refusal(field=None, check=None, reason=problem.reason)
