@@ -610,3 +610,15 @@ def test_options_that_cannot_be_honoured_are_one_error_line_before_mounting(
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 1 and lines[-1].startswith(expected), proc.stderr
     assert len(lines) == 1 and "Traceback" not in proc.stderr  # nothing mounted, nothing logged
+
+
+def test_mlx_lm_server_opens_its_port_only_after_the_warm_up(
+    shop_bundle: Path, tiny_model: Path, tmp_path: Path
+):
+    """The first /health answer comes after the warm-up line (mlx_lm.server opened its port at
+    once while its generation thread loaded the model: a load balancer sent traffic first)."""
+    log = tmp_path / "serve.log"
+    with server_process(tiny_model, shop_bundle.parents[2], log) as (proc, port):
+        text = log.read_text()
+    warmed = text.index("warmed up from shop@1")
+    assert warmed < text.index("Starting httpd") < text.index("GET /health")

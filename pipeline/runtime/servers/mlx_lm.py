@@ -145,16 +145,25 @@ def sampling_problem(generation_args: Any, provider: Any) -> str | None:
     return None
 
 
-def warming_model_provider_class(manager: PromptCacheManager, enabled: bool) -> type:
+def warming_model_provider_class(
+    manager: PromptCacheManager, enabled: bool, ready: threading.Event
+) -> type:
     """mlx_lm.server's ModelProvider, warming up from the longest mounted bundle once the default model
-    is loaded (in the generation thread, before it takes the first request)."""
+    is loaded (in the generation thread, before it takes the first request); `ready` is set
+    after, warm-up or not (the port opens then: open_port_when_ready)."""
     from mlx_lm.server import ModelProvider
 
     class WarmingModelProvider(ModelProvider):
         warmed = False
 
         def load_default(self) -> None:
-            super().load_default()
+            try:
+                super().load_default()
+                self._warm_up()
+            finally:
+                ready.set()
+
+        def _warm_up(self) -> None:
             if not enabled or self.warmed or self.model is None:
                 return
             self.warmed = True
@@ -173,6 +182,21 @@ def warming_model_provider_class(manager: PromptCacheManager, enabled: bool) -> 
                 )
 
     return WarmingModelProvider
+
+
+def open_port_when_ready(server: Any, ready: threading.Event, death: GenerationDeath) -> None:
+    """mlx_lm.server opens its port at once while its generation thread loads the model: a
+    load balancer probing /health would send traffic before the warm-up. The port opens once the
+    model is loaded and warmed up (`ready`), or not at all when the thread died first."""
+    original = server._run_http_server
+
+    def run_http_server(*args: Any, **kwargs: Any) -> Any:
+        while not ready.wait(0.1):
+            if death.cause is not None:
+                return None  # run() raises death.error()
+        return original(*args, **kwargs)
+
+    server._run_http_server = run_http_server
 
 
 def unusable_reason(bundle: MountedBundle, rest: list[str]) -> str | None:
@@ -202,10 +226,11 @@ def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
 
     import mlx_lm.server as server
 
-    death = GenerationDeath()
+    death, ready = GenerationDeath(), threading.Event()
     server.LRUPromptCache = bundled_prompt_cache_class(manager, args.model)
     # default on (bench case servers: first request / hit 1.35x without, 0.92x with)
-    server.ModelProvider = warming_model_provider_class(manager, args.warm_up is not False)
+    server.ModelProvider = warming_model_provider_class(manager, args.warm_up is not False, ready)
+    open_port_when_ready(server, ready, death)
     server.ResponseGenerator = guarded_response_generator_class(death)
     server.scan_cache_dir = hub_cache_or_none(server.scan_cache_dir)
     sys.argv = ["mlx_lm.server", "--model", args.model, *rest]
