@@ -19,7 +19,7 @@ from pipeline.builder.definition import (
     slugify,
 )
 from pipeline.cli import main
-from pipeline.format.errors import DefinitionError
+from pipeline.format.errors import DefinitionError, PipelineError
 from pipeline.format.fingerprint import model_chat_template
 
 REPO = Path(__file__).resolve().parent.parent
@@ -447,3 +447,17 @@ def test_cli_bad_argv_exits_2(argv: list[str], capsys, monkeypatch) -> None:
     assert out == ""
     assert err.startswith("usage: build.py")
     assert re.match(r"build\.py( [a-z-]+)?: error: ", err.splitlines()[-1])
+
+
+def test_a_typo_in_a_field_or_a_prefix_name_says_what_was_meant(tmp_path: Path) -> None:
+    from pipeline.builder.batch import select_definitions
+
+    path = write_definition(
+        tmp_path, VALID.replace('role = "system"', 'role = "system"\ncontnt = "x"'), {}
+    )
+    with pytest.raises(DefinitionError) as caught:
+        load_definition(path, tmp_path)
+    assert "unknown field (did you mean 'content'?)" in str(caught.value)
+    with pytest.raises(PipelineError) as caught:
+        select_definitions(path.parent, [path.stem + "x"])
+    assert str(caught.value).endswith(f"did you mean '{path.stem}'?")

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,9 +68,11 @@ def load_each(
         by_name = {p.stem: p for p in paths}
         missing = [n for n in names if n not in by_name]
         if missing:
+            close = difflib.get_close_matches(missing[0], list(by_name), n=1)
+            guess = f"; did you mean '{close[0]}'?" if close else ""
             raise PipelineError(
                 f"no definition named {', '.join(missing)} in {prefix_dir}/ "
-                f"(have: {', '.join(sorted(by_name)) or 'none'})"
+                f"(have: {', '.join(sorted(by_name)) or 'none'}){guess}"
             )
         paths = [by_name[n] for n in names]
     if not paths:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import difflib
 import hashlib
 import json
 import re
@@ -232,13 +233,35 @@ def _first_error(exc: ValidationError) -> str:
     field = ".".join(str(p) for p in err["loc"]) or "(top level)"
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
-        return f"{field}: unknown field; remove it or check its spelling"
+        known = _fields_at(PrefixDefinition, err["loc"][:-1])
+        close = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
+        guess = f" (did you mean '{close[0]}'?)" if close else ""
+        return f"{field}: unknown field{guess}; remove it or check its spelling"
     if err["type"] == "missing":
         return f"{field}: required field is missing; add it"
     hint = FIELD_HINTS.get(re.sub(r"\.\d+\.", ".", field))
     if hint:
         return f"{field}: {msg} (got {err['input']!r}); {hint}"
     return f"{field}: {msg}"
+
+
+def _fields_at(model: Any, loc: tuple) -> list[str]:
+    """The field names of the (nested) model at `loc` in a definition ([] when unknown)."""
+    for part in loc:
+        if isinstance(part, int):
+            continue  # a list index: the item's model is already found
+        field = getattr(model, "model_fields", {}).get(part)
+        model = _model_in(field.annotation) if field is not None else None
+        if model is None:
+            return []
+    return list(getattr(model, "model_fields", {}))
+
+
+def _model_in(annotation: Any) -> Any:
+    """The pydantic model inside an annotation (X, list[X], X | None), or None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next(filter(None, (_model_in(a) for a in get_args(annotation))), None)
 
 
 def _resolve(spec: PrefixDefinition, path: Path, root: Path) -> LoadedDefinition:

@@ -159,3 +159,8 @@ def integrity_identity(bundle: Path):
         return recorded_identity(read_manifest(bundle, None))
     except BundleError:
         return ModelIdentity("", "", None, ModelShape(0, None, None, None, None, None))
+
+
+def plural(count: int, noun: str) -> str:
+    """'1 folder', '2 folders'."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pipeline.cli.common import add_json_option, emit, err, error_text
+from pipeline.cli.common import add_json_option, emit, err, error_text, plural
 from pipeline.cli.reports import KeptFolder, PrunedFolder, PruneReport, PruneTotals
 from pipeline.format.errors import PipelineError
 from pipeline.format.names import parse_version
@@ -111,9 +111,12 @@ def _print(report: PruneReport) -> None:
     t = report.totals
     if not report.applied:
         more = "; run with --apply to delete them" if t.folders else ""
-        print(f"{t.folders} folders, {_mb(t.bytes)} to reclaim{more}")
+        print(f"{plural(t.folders, 'folder')}, {_mb(t.bytes)} to reclaim{more}")
     else:
-        print(f"{t.deleted} folders deleted, {_mb(t.deleted_bytes)} reclaimed, {t.failed} failed")
+        print(
+            f"{plural(t.deleted, 'folder')} deleted, {_mb(t.deleted_bytes)} reclaimed, "
+            f"{t.failed} failed"
+        )
 
 
 def _mb(n: int) -> str:

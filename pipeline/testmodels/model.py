@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline.format.errors import ModelError
+from pipeline.format.errors import ModelError, PipelineError
 from pipeline.testmodels.tokenizer import (
     EOS,
     MARKUP,
@@ -243,11 +243,16 @@ def generate_model(
     params, out_dir = _parameters(size, seed, dtype), Path(out_dir)
     if out_dir.exists() and not (out_dir.is_dir() and not any(out_dir.iterdir())):
         return _existing(out_dir, params)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
+    except OSError as exc:  # name the folder asked for, not the temporary one
+        raise PipelineError(
+            f"cannot create the model folder {out_dir}: {exc.strerror}; choose a writable folder"
+        ) from None
+    try:
         _write_folder(tmp, params)
         try:
             os.rename(tmp, out_dir)
