@@ -622,3 +622,5 @@ def test_mlx_lm_server_opens_its_port_only_after_the_warm_up(
         text = log.read_text()
     warmed = text.index("warmed up from shop@1")
     assert warmed < text.index("Starting httpd") < text.index("GET /health")
+    assert f"ready: POST http://127.0.0.1:{port}/v1/chat/completions" in text
+    assert f"try: curl -s http://127.0.0.1:{port}/v1/chat/completions" in text

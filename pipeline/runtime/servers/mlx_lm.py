@@ -190,13 +190,26 @@ def open_port_when_ready(server: Any, ready: threading.Event, death: GenerationD
     model is loaded and warmed up (`ready`), or not at all when the thread died first."""
     original = server._run_http_server
 
-    def run_http_server(*args: Any, **kwargs: Any) -> Any:
+    def run_http_server(host: str, port: int, *args: Any, **kwargs: Any) -> Any:
         while not ready.wait(0.1):
             if death.cause is not None:
                 return None  # run() raises death.error()
-        return original(*args, **kwargs)
+        log.info("%s", try_it(host, port))
+        return original(host, port, *args, **kwargs)
 
     server._run_http_server = run_http_server
+
+
+def try_it(host: str, port: int) -> str:
+    """The line that says where clients go and how to try it (the model field may be left out:
+    mlx_lm.server answers with the model given to serve)."""
+    where = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    body = '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}'
+    return (
+        f'ready: POST http://{where}:{port}/v1/chat/completions ("model" may be left out); '
+        f"try: curl -s http://{where}:{port}/v1/chat/completions -H 'Content-Type: "
+        f"application/json' -d '{body}'"
+    )
 
 
 def unusable_reason(bundle: MountedBundle, rest: list[str]) -> str | None:
