@@ -624,3 +624,35 @@ def test_mlx_lm_server_opens_its_port_only_after_the_warm_up(
     assert warmed < text.index("Starting httpd") < text.index("GET /health")
     assert f"ready: POST http://127.0.0.1:{port}/v1/chat/completions" in text
     assert f"try: curl -s http://127.0.0.1:{port}/v1/chat/completions" in text
+
+
+@pytest.mark.slow
+def test_a_remount_that_replaces_a_4_bit_bundle_does_not_bring_lossy_reuse_back(
+    tiny_model: Path, tmp_path: Path
+):
+    """mlx_lm.server's LRU keeps the entry continued from the 4-bit bundle; after a remount
+    replaces that bundle by a full-precision version, a request that shares only the template's
+    opening with it must not be served from that entry (the floor was computed from what was
+    pinned now: the remount laundered it): cached 0, the answer of a cold server."""
+    from test_incremental import MORE, define, run_build
+
+    root = tmp_path / "project"
+    define(root, tiny_model, kv_bits=4, kv_group_size=32)
+    run_build(root)
+    log = tmp_path / "serve.log"
+    unrelated = {"question": "Say hi.", "system": None, "tools": []}
+    with server_process(tiny_model, root / "bundles", log) as (proc, port):
+        assert cached(chat(port, "Where is my order 12345?")) > 0  # from the 4-bit bundle
+        define(root, tiny_model, version=2, system=SYSTEM + MORE)  # full precision now
+        run_build(root, incremental=False)
+        proc.send_signal(signal.SIGHUP)
+        wait_for(log, "remount: 0 added, 1 replaced")
+        warm = chat(port, **unrelated)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with server_process(tiny_model, empty, tmp_path / "cold.log") as (_, port):
+        cold = chat(port, **unrelated)
+    last = [ln for ln in log.read_text().splitlines() if "mlx_lm.server request:" in ln][-1]
+    assert "server's own cache" not in last or "is used" not in last, last
+    assert cached(warm) <= 1 and ("bundle shop@2 covers" in last or cached(warm) == 0), last
+    assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
