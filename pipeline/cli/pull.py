@@ -1,4 +1,5 @@
-"""`pull`: the bundles of a hub repo that fit a local model, validated and published next to it."""
+"""`pull`: the bundles of a hub repo or an OCI registry that fit a local model, validated and
+published next to it."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.cli.common import add_json_option, emit_json, err
 from pipeline.cli.keys import add_trusted_key_option, trusted_keys
+from pipeline.cli.push import add_registry_options, set_schema_help, transfer_of
 from pipeline.cli.reports import PulledBundle, PullReport, PullTotals, refusal_of
 
 if TYPE_CHECKING:
@@ -18,10 +20,13 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
     p = sub.add_parser(
         "pull",
         parents=parents,
-        help="download the bundles for a model from a hub repo, validate, publish atomically",
+        help="download the bundles for a model from a hub repo or an OCI registry, validate, "
+        "publish atomically",
     )
-    p.add_argument("--repo", required=True, help="hub model repo ORG/NAME")
-    p.add_argument("--revision", help="branch, tag or commit (default: main)")
+    p.add_argument(
+        "--repo", required=True, help="hub model repo ORG/NAME, or oci://HOST[:PORT]/NAMESPACE/NAME"
+    )
+    p.add_argument("--revision", help="hub: branch, tag or commit (default: main)")
     p.add_argument(
         "--model",
         type=Path,
@@ -35,18 +40,23 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         metavar="NAME[@VERSION]",
         help="only this prefix (repeatable; default: every prefix, highest version)",
     )
+    add_registry_options(p)
     add_json_option(p, "pull")
+    set_schema_help(p, "pull/2")
     add_trusted_key_option(p)
     p.set_defaults(func=run, bundles_near_model=True)  # default: <model>/prefix-bundles
 
 
 def run(args: argparse.Namespace) -> int:
-    from pipeline.distribute.pull import pull
-
     # --bundles not given (None): pull() puts them next to the model, in <model>/prefix-bundles
-    result = pull(
-        args.repo, args.model, args.bundles, args.revision, args.prefix, trusted_keys(args)
-    )
+    if args.repo.startswith("oci://"):
+        result = _pull_oci(args)
+    else:
+        from pipeline.distribute.pull import pull
+
+        result = pull(
+            args.repo, args.model, args.bundles, args.revision, args.prefix, trusted_keys(args)
+        )
     for refused in result.refused:
         err(f"{refused.error} (nothing was published)")
     for failed in result.failed:
@@ -54,12 +64,42 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(_report(result))
     else:
-        at = f"{result.repo}@{result.commit[:12]}"
-        for b in result.pulled:
-            print(f"pulled {b.name}@{b.version} ({b.tokens} tokens) from {at} -> {b.path}")
-        for s in result.skipped:
-            print(f"skipped {s.repo_path}: {s.reason}")
+        _print(result)
     return 1 if result.refused or result.failed else 0
+
+
+def _pull_oci(args: argparse.Namespace) -> PullResult:
+    from pipeline.distribute.oci_pull import pull_oci
+    from pipeline.format.errors import PipelineError
+
+    if args.revision:
+        raise PipelineError(
+            f"--revision is for a hub repo; {args.repo} is an OCI registry: pick bundles with "
+            "--prefix NAME@VERSION"
+        )
+    return pull_oci(
+        args.repo,
+        args.model,
+        args.bundles,
+        args.prefix,
+        trusted_keys(args),
+        plain_http=args.plain_http,
+        ca_bundle=str(args.ca_bundle) if args.ca_bundle else None,
+    )
+
+
+def _print(result: PullResult) -> None:
+    at = result.repo if result.commit is None else f"{result.repo}@{result.commit[:12]}"
+    for b in result.pulled:
+        digest = result.digests.get(b.repo_path)
+        where = f"{at}@{digest}" if digest else at
+        print(f"pulled {b.name}@{b.version} ({b.tokens} tokens) from {where} -> {b.path}")
+    for s in result.skipped:
+        print(f"skipped {s.repo_path}: {s.reason}")
+    t = result.transfer
+    if t is not None:
+        print(f"{t.moved_bytes:,} bytes downloaded in {t.moved_blobs} blobs, {t.reused_bytes:,} "
+              f"bytes in {t.reused_blobs} blocks reused from bundles already here")  # fmt: skip
 
 
 def _report(result: PullResult) -> PullReport:
@@ -70,8 +110,12 @@ def _report(result: PullResult) -> PullReport:
             repo_path=x.repo_path, prefix=x.name, version=x.version, status=status, **fields
         )
 
+    digests = result.digests
     entries = (
-        [entry(b, "pulled", path=str(b.path), tokens=b.tokens) for b in result.pulled]
+        [
+            entry(b, "pulled", path=str(b.path), tokens=b.tokens, digest=digests.get(b.repo_path))
+            for b in result.pulled
+        ]
         + [
             entry(s, "skipped", path=s.path and str(s.path), tokens=s.tokens, reason=s.reason)
             for s in result.skipped
@@ -99,4 +143,5 @@ def _report(result: PullResult) -> PullReport:
             refused=len(result.refused),
             failed=len(result.failed),
         ),
+        transfer=transfer_of(result.transfer) if result.transfer is not None else None,
     )

@@ -1,4 +1,5 @@
-"""`push`: validate bundles and upload them to a hub repo, one commit per push."""
+"""`push`: validate bundles and upload them to a hub repo (one commit) or an OCI registry (one
+artifact and tag per bundle, only the blobs it lacks)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.cli.common import add_json_option, emit_json, err
 from pipeline.cli.reports import PushedBundle, PushReport, PushTotals, refusal_of
+from pipeline.cli.reports.fleet import Transfer
 from pipeline.format.errors import PipelineError
 
 if TYPE_CHECKING:
@@ -18,13 +20,48 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
     p = sub.add_parser(
         "push",
         parents=parents,
-        help="validate bundles and upload them to a hub model repo (one commit)",
+        help="validate bundles and upload them to a hub model repo (one commit) or an OCI "
+        "registry (oci://HOST/NAMESPACE/NAME: only new blocks move)",
     )
     p.add_argument("bundle", nargs="+", type=Path, help="bundle folders")
-    p.add_argument("--repo", required=True, help="hub model repo ORG/NAME (create it, private)")
-    p.add_argument("--revision", help="branch to commit to (default: main; created if missing)")
+    p.add_argument(
+        "--repo",
+        required=True,
+        help="hub model repo ORG/NAME (create it, private), or oci://HOST[:PORT]/NAMESPACE/NAME",
+    )
+    p.add_argument(
+        "--revision", help="hub: branch to commit to (default: main; created if missing)"
+    )
+    add_registry_options(p)
+    p.add_argument(
+        "--mount-from",
+        action="append",
+        default=[],
+        metavar="oci://HOST/REPO",
+        help="OCI: another repository of the same registry to mount blobs from (repeatable)",
+    )
     add_json_option(p, "push")
+    set_schema_help(p, "push/2")
     p.set_defaults(func=run)
+
+
+def add_registry_options(p: argparse.ArgumentParser) -> None:
+    """--plain-http and --ca-bundle, for an oci:// --repo (push and pull)."""
+    p.add_argument(
+        "--plain-http",
+        action="store_true",
+        help="OCI: talk plain HTTP to a registry that is not on loopback (loopback always is)",
+    )
+    p.add_argument(
+        "--ca-bundle", type=Path, metavar="FILE", help="OCI: a PEM file of CAs to verify TLS with"
+    )
+
+
+def set_schema_help(p: argparse.ArgumentParser, schema: str) -> None:
+    """The --json help names the document's current version."""
+    for action in p._actions:
+        if action.dest == "json":
+            action.help = action.help.replace(schema.split("/")[0] + "/1", schema)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -49,14 +86,18 @@ def run(args: argparse.Namespace) -> int:
                     refusal=refusal,
                 )
             )
+    oci = args.repo.startswith("oci://")
     if any(isinstance(c, PushedBundle) for c in checked):
         if args.json:
             entries = [
                 c if isinstance(c, PushedBundle) else _entry(c, "skipped", HELD_BACK)
                 for c in checked
             ]
-            emit_json(_report(args.repo, args.revision or "main", None, None, entries, []))
+            revision = None if oci else args.revision or "main"
+            emit_json(_report(args.repo, revision, None, None, entries, []))
         return 1
+    if oci:
+        return _run_oci(args, checked)
     result = push(checked, args.repo, args.revision)
     if args.json:
         entries = [_entry(b, "pushed") for b in result.bundles]
@@ -72,6 +113,54 @@ def run(args: argparse.Namespace) -> int:
         print(f"removed stale {result.repo}@{result.revision}:{path}")
     print(f"commit {result.commit or '?'} {result.url or ''}".rstrip())
     return 0
+
+
+def _run_oci(args: argparse.Namespace, checked: list[CheckedBundle]) -> int:
+    from pipeline.distribute.oci_push import push_oci
+
+    if args.revision:
+        raise PipelineError(
+            f"--revision is for a hub repo; {args.repo} is an OCI registry (each bundle has its "
+            "own tag): drop --revision"
+        )
+    ca = str(args.ca_bundle) if args.ca_bundle else None
+    result = push_oci(
+        checked, args.repo, mount_from=args.mount_from, plain_http=args.plain_http, ca_bundle=ca
+    )
+    if args.json:
+        entries = [
+            _entry(a.bundle, "pushed").model_copy(
+                update={
+                    "tag": a.tag,
+                    "digest": a.digest,
+                    "bytes": a.total_bytes,
+                    "transfer": transfer_of(a.transfer),
+                }
+            )
+            for a in result.artifacts
+        ]
+        report = _report(result.repo, None, None, None, entries, [])
+        emit_json(report.model_copy(update={"transfer": transfer_of(result.transfer)}))
+        return 0
+    for a in result.artifacts:
+        t = a.transfer
+        print(
+            f"pushed {a.bundle.label} -> {result.repo}:{a.tag}@{a.digest} "
+            f"({t.moved_bytes:,} bytes uploaded, {t.reused_bytes:,} already there)"
+        )
+    t = result.transfer
+    print(f"{t.moved_bytes:,} bytes uploaded in {t.moved_blobs} blobs, {t.reused_bytes:,} bytes in "
+          f"{t.reused_blobs} blobs already in the registry")  # fmt: skip
+    return 0
+
+
+def transfer_of(t) -> Transfer:
+    return Transfer(
+        moved_bytes=t.moved_bytes,
+        moved_blobs=t.moved_blobs,
+        reused_bytes=t.reused_bytes,
+        reused_blobs=t.reused_blobs,
+    )
 
 
 def _entry(b: CheckedBundle, status: str, reason: str | None = None) -> PushedBundle:
@@ -90,7 +179,7 @@ def _entry(b: CheckedBundle, status: str, reason: str | None = None) -> PushedBu
 
 def _report(
     repo: str,
-    revision: str,
+    revision: str | None,
     commit: str | None,
     url: str | None,
     entries: list[PushedBundle],

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from filelock import Timeout as LockTimeout
 
@@ -91,7 +92,9 @@ class Failed:
 class PullResult:
     repo: str
     revision: str  # as asked (default main)
-    commit: str  # the commit it resolved to; listing and download both read this one
+    commit: (
+        str | None
+    )  # the commit it resolved to (hub; None for OCI): listing and download read it
     url: str | None  # the repo's files at that commit on the hub, when the client names its host
     model: Path
     bundles_dir: Path
@@ -99,6 +102,15 @@ class PullResult:
     skipped: list[Skipped] = field(default_factory=list)
     refused: list[Refused] = field(default_factory=list)  # non-empty: nothing was published
     failed: list[Failed] = field(default_factory=list)  # non-empty: nothing was published
+    digests: dict[str, str] = field(default_factory=dict)  # OCI: repo_path -> artifact digest
+    transfer: Any = None  # OCI: the bytes moved and reused (oci_push.Transfer)
+
+    @property
+    def source(self) -> str:
+        """Where the bundles came from, as a refusal names it."""
+        if self.commit is None:
+            return f"registry repo {self.repo}"
+        return f"hub repo {self.repo}@{self.commit[:12]}"
 
 
 def parse_wanted(prefixes: list[str] | None) -> dict[str, int | None] | None:
@@ -165,7 +177,7 @@ def pull(
     url = f"{endpoint.rstrip('/')}/{repo}/tree/{commit}" if endpoint else None
     result = PullResult(repo, revision or "main", commit, url, model_dir, root)
     chosen, result.skipped = select(remote_bundles(files), identity.model, wanted)
-    _check_found(result, chosen, wanted, identity.model[:FINGERPRINT_CHARS])
+    check_found(result, chosen, wanted, identity.model[:FINGERPRINT_CHARS])
     clean_staging(root)
     staging = new_staging_folder(root)
     try:
@@ -177,16 +189,24 @@ def pull(
                 allow_patterns=[f"{b.path}/*" for b in chosen],
                 local_dir=str(staging),
             )
-        with ExitStack() as held:  # every target locked before anything is checked or moved
-            busy = {b.path for b in chosen if not _lock(root / b.path, root, held)}
-            validated = _validate_all(result, chosen, staging, identity, tuple(trusted_keys))
-            if not (result.refused or busy):
-                _publish_all(result, staging, validated)
-            else:
-                _hold_back(result, validated, busy)
+        publish_staged(result, chosen, staging, identity, tuple(trusted_keys))
     finally:
         discard(root, staging)
     return result
+
+
+def publish_staged(
+    result: PullResult, chosen: list[RemoteBundle], staging: Path, identity, keys: tuple = ()
+) -> None:
+    """Lock every target, validate every staged bundle, then publish all or none."""
+    root = result.bundles_dir
+    with ExitStack() as held:  # every target locked before anything is checked or moved
+        busy = {b.path for b in chosen if not _lock(root / b.path, root, held)}
+        validated = _validate_all(result, chosen, staging, identity, keys)
+        if not (result.refused or busy):
+            _publish_all(result, staging, validated)
+        else:
+            _hold_back(result, validated, busy)
 
 
 def _lock(dest: Path, root: Path, held: ExitStack) -> bool:
@@ -209,7 +229,7 @@ def _validate_all(
             v = validate(staging / b.path, identity, trusted_keys=keys)
             validated.append((b, v.manifest.tokens.count))
         except BundleError as exc:
-            where = f"{b.path} from hub repo {result.repo}@{result.commit[:12]}"
+            where = f"{b.path} from {result.source}"
             error = BundleError(where, exc.reason, exc.field)
             error.check = exc.check
             result.refused.append(
@@ -258,11 +278,11 @@ def error_text(exc: Exception) -> str:
     return " ".join(str(exc).split())
 
 
-def _check_found(
+def check_found(
     result: PullResult, chosen: list[RemoteBundle], wanted: dict[str, int | None] | None, fp: str
 ) -> None:
     """Pulling nothing is an error: say what the repo has and how to get a bundle for this model."""
-    where = f"hub repo {result.repo}@{result.revision}"
+    where = result.source if result.commit is None else f"hub repo {result.repo}@{result.revision}"
     missing = sorted(set(wanted or {}) - {b.name for b in chosen})
     if missing:
         asked = ", ".join(f"{n}@{wanted[n]}" if wanted[n] else n for n in missing)

@@ -1,4 +1,8 @@
-"""The `--json` documents of `push` and `pull` (fleet distribution through a hub repo)."""
+"""The `--json` documents of `push` and `pull` (fleet distribution: a hub repo or an OCI registry).
+
+Version 2 (OCI registries): `commit` and `revision` are null for a registry, each bundle names its
+artifact `tag` and `digest`, and `transfer` counts the bytes that moved and those already there.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,19 @@ from pydantic import Field
 
 from pipeline.cli.reports.base import Refusal, Report
 
-REPO_PATH = "<name>/<version>/<slug>-<fingerprint[:12]> in the hub repo"
+REPO_PATH = "<name>/<version>/<slug>-<fingerprint[:12]> (the hub repo's folder, or the bundle an OCI tag names)"
+
+
+class Transfer(Report):
+    """What moved over the network, and what the other side already had (OCI only)."""
+
+    moved_bytes: int = Field(description="bytes uploaded (push) or downloaded (pull)")
+    moved_blobs: int = Field(description="blobs uploaded or downloaded (manifests not counted)")
+    reused_bytes: int = Field(
+        description="push: bytes of blobs the registry already had (or mounted from "
+        "--mount-from); pull: bytes of blocks taken from bundles already in the bundles folder"
+    )
+    reused_blobs: int
 
 # --- push ------------------------------------------------------------------------------------
 
@@ -25,6 +41,10 @@ class PushedBundle(Report):
     files: list[str] = Field(description="the files that go to repo_path ([] when refused)")
     reason: str | None = Field(None, description="why it was not pushed (skipped only)")
     refusal: Refusal | None = Field(None, description="why it was refused (refused only)")
+    tag: str | None = Field(None, description="OCI: the artifact's tag <name>.V<version>.<folder>")
+    digest: str | None = Field(None, description="OCI: the artifact manifest's digest (pin it)")
+    bytes: int | None = Field(None, description="OCI: the artifact's size, every blob counted")
+    transfer: Transfer | None = Field(None, description="OCI: what this bundle moved")
 
 
 class PushTotals(Report):
@@ -39,16 +59,19 @@ class PushReport(Report):
     Any refused bundle: nothing is pushed (commit null, the others skipped) and the exit is 1.
     """
 
-    schema_: Literal["push/1"] = Field("push/1", alias="schema")
+    schema_: Literal["push/2"] = Field("push/2", alias="schema")
     repo: str
-    revision: str = Field(description="the branch committed to (default main)")
-    commit: str | None = Field(description="the commit made; null when nothing was pushed")
+    revision: str | None = Field(description="the branch committed to (default main); null: OCI")
+    commit: str | None = Field(
+        description="the commit made; null when nothing was pushed, and for an OCI registry"
+    )
     url: str | None = Field(description="the commit on the hub, when the hub gives one")
     bundles: list[PushedBundle]
     deleted: list[str] = Field(
         description="stale files removed from the pushed folders in the same commit"
     )
     totals: PushTotals
+    transfer: Transfer | None = Field(None, description="OCI: the push's bytes moved and reused")
 
 
 # --- pull ------------------------------------------------------------------------------------
@@ -71,6 +94,7 @@ class PulledBundle(Report):
     refusal: Refusal | None = Field(
         None, description="the validator's refusal against the model (refused only)"
     )
+    digest: str | None = Field(None, description="OCI: the artifact manifest's digest (pulled)")
 
 
 class PullTotals(Report):
@@ -88,10 +112,13 @@ class PullReport(Report):
     unreachable) is only the `error:` line.
     """
 
-    schema_: Literal["pull/1"] = Field("pull/1", alias="schema")
+    schema_: Literal["pull/2"] = Field("pull/2", alias="schema")
     repo: str
-    revision: str = Field(description="as asked (default main)")
-    commit: str = Field(description="the commit the revision resolved to; all files come from it")
+    revision: str | None = Field(description="as asked (default main); null for an OCI registry")
+    commit: str | None = Field(
+        description="the commit the revision resolved to; all files come from it (null: OCI, "
+        "where each bundle's digest says what was pulled)"
+    )
     url: str | None = Field(description="the repo's files at that commit on the hub, when known")
     model: str = Field(description="the --model folder")
     bundles_dir: str = Field(
@@ -99,3 +126,4 @@ class PullReport(Report):
     )
     bundles: list[PulledBundle]
     totals: PullTotals
+    transfer: Transfer | None = Field(None, description="OCI: the pull's bytes moved and reused")

@@ -1,0 +1,197 @@
+"""cache.safetensors as content-addressed token-range blocks, and back, byte for byte.
+
+The rule (a pure byte layout: reassembly never depends on what a tensor means):
+- a **token tensor** is one of rank >= 2 whose axis -2 has the cache's token count T (KVCache keys
+  and values [1, heads, T, head_dim]; a quantized cache's packed values, scales and biases, which
+  are quantized per position along head_dim);
+- block k holds, for every token tensor in name order and every leading index (head), the rows of
+  tokens [kB, min((k+1)B, T)): so two caches whose first N positions are the same bytes have the
+  same blocks for every whole block below N, whatever their lengths;
+- every other tensor (the layout's scalars; a rotating cache's ring buffer or an arrays cache,
+  which have no token axis of length T) travels whole, in file order, in one "rest" blob, and
+  the header (8-byte length and JSON, metadata included) in one "header" blob.
+B is a fixed function of the cache layout: 64 tokens, halved (down to 16) while a block would
+exceed 4 MiB.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from pipeline.format.errors import PipelineError
+from pipeline.format.safetensors_read import DTYPE_SIZES
+
+MAX_BLOCK_TOKENS = 64
+MIN_BLOCK_TOKENS = 16
+TARGET_BLOCK_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class Span:
+    """One tensor's bytes in the file: [start, end), its leading count and row size."""
+
+    name: str
+    start: int
+    end: int
+    lead: int  # product of the dims before axis -2 (heads); 0 for a non-token tensor
+    row: int  # bytes of one token row (axis -1 times the dtype size)
+
+
+@dataclass(frozen=True)
+class Layout:
+    header: bytes  # the file's first bytes: 8-byte length and JSON header
+    tokens: int
+    block_tokens: int
+    token_spans: tuple[Span, ...]  # in name order
+    rest_spans: tuple[Span, ...]  # in file order
+    file_bytes: int
+
+    @property
+    def blocks(self) -> int:
+        if not self.token_spans:
+            return 0
+        return -(-self.tokens // self.block_tokens)
+
+    def block_ranges(self, k: int) -> Iterator[tuple[int, int]]:
+        """(file offset, length) of block k's runs, in the order the block holds them."""
+        t0 = k * self.block_tokens
+        t1 = min(t0 + self.block_tokens, self.tokens)
+        for s in self.token_spans:
+            for p in range(s.lead):
+                yield s.start + (p * self.tokens + t0) * s.row, (t1 - t0) * s.row
+
+    def rest_ranges(self) -> Iterator[tuple[int, int]]:
+        for s in self.rest_spans:
+            yield s.start, s.end - s.start
+
+    def compatible(self, other: Layout) -> bool:
+        """Whether block k of one is block k of the other when their bytes agree (same rule)."""
+        mine = [(s.name, s.lead, s.row) for s in self.token_spans]
+        return self.block_tokens == other.block_tokens and mine == [
+            (s.name, s.lead, s.row) for s in other.token_spans
+        ]
+
+
+def block_tokens(bytes_per_token: int) -> int:
+    b = MAX_BLOCK_TOKENS
+    while b > MIN_BLOCK_TOKENS and b * bytes_per_token > TARGET_BLOCK_BYTES:
+        b //= 2
+    return b
+
+
+def layout(header: bytes, tokens: int, file_bytes: int) -> Layout:
+    """The block layout of a cache file from its header bytes; PipelineError when they do not
+    describe exactly file_bytes bytes of tensors."""
+    try:
+        (n,) = struct.unpack("<Q", header[:8])
+        entries = json.loads(header[8 : 8 + n])
+        if len(header) != 8 + n or not isinstance(entries, dict):
+            raise ValueError("header length")
+        spans = sorted(
+            (
+                _span(name, e, len(header), tokens)
+                for name, e in entries.items()
+                if name != "__metadata__"
+            ),
+            key=lambda s: s.start,
+        )
+    except (ValueError, KeyError, TypeError, struct.error) as exc:
+        raise PipelineError(
+            f"the cache header does not parse ({exc}); push the bundle again"
+        ) from None
+    position = len(header)
+    for s in spans:
+        if s.start != position:
+            raise PipelineError("the cache header's tensors do not tile the file; push it again")
+        position = s.end
+    if position != file_bytes:
+        raise PipelineError(
+            f"the cache header describes {position:,} bytes, the manifest {file_bytes:,}; push again"
+        )
+    token = tuple(sorted((s for s in spans if s.lead), key=lambda s: s.name))
+    rest = tuple(s for s in spans if not s.lead)
+    per_token = sum(s.lead * s.row for s in token)
+    return Layout(header, tokens, block_tokens(per_token), token, rest, file_bytes)
+
+
+def _span(name: str, entry: dict, base: int, tokens: int) -> Span:
+    shape, (a, b) = [int(d) for d in entry["shape"]], entry["data_offsets"]
+    size = DTYPE_SIZES[entry["dtype"]]
+    count = 1
+    for d in shape:
+        count *= d
+    if b - a != count * size or a < 0:
+        raise ValueError(f"tensor {name!r} size")
+    is_token = len(shape) >= 2 and shape[-2] == tokens and tokens > 0
+    lead = count // (tokens * shape[-1]) if is_token and shape[-1] else 0
+    return Span(name, base + a, base + b, lead, shape[-1] * size if lead else 0)
+
+
+def read_layout(path: Path, tokens: int) -> Layout:
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        f.seek(0)
+        header = f.read(8 + n)
+        size = os.fstat(f.fileno()).st_size
+    return layout(header, tokens, size)
+
+
+class Source:
+    """A cache file mapped for reading blocks out of it."""
+
+    def __init__(self, path: Path, plan: Layout) -> None:
+        self.plan = plan
+        with open(path, "rb") as f:
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def close(self) -> None:
+        self.map.close()
+
+    def block(self, k: int) -> bytes:
+        return b"".join(self.map[o : o + n] for o, n in self.plan.block_ranges(k))
+
+    def rest(self) -> bytes:
+        return b"".join(self.map[o : o + n] for o, n in self.plan.rest_ranges())
+
+
+class Target:
+    """A cache file being rebuilt: its size set first, then blobs written where they belong."""
+
+    def __init__(self, path: Path, plan: Layout) -> None:
+        self.plan = plan
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        os.ftruncate(self.fd, plan.file_bytes)
+        os.pwrite(self.fd, plan.header, 0)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+    def writer(self, ranges: Iterator[tuple[int, int]]) -> Writer:
+        return Writer(self.fd, list(ranges))
+
+
+class Writer:
+    """A sink for one blob's bytes as they stream: each piece goes to its runs in the file."""
+
+    def __init__(self, fd: int, ranges: list[tuple[int, int]]) -> None:
+        self.fd, self.ranges, self.i, self.done = fd, ranges, 0, 0
+
+    def __call__(self, data: bytes) -> None:
+        view = memoryview(data)
+        while view and self.i < len(self.ranges):
+            offset, n = self.ranges[self.i]
+            take = min(n - self.done, len(view))
+            os.pwrite(self.fd, view[:take], offset + self.done)
+            view, self.done = view[take:], self.done + take
+            if self.done == n:
+                self.i, self.done = self.i + 1, 0
+
+    @property
+    def size(self) -> int:
+        return sum(n for _, n in self.ranges)

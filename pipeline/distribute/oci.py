@@ -1,0 +1,288 @@
+"""A thin OCI distribution client over httpx: blobs, manifests and tags of one repository.
+
+About ten endpoints of the distribution spec: blob HEAD, upload (POST then PUT) and cross-repo
+mount, blob GET (digest and size checked while it streams), manifest PUT/GET by tag or digest, the
+tag list. Plain HTTP for loopback hosts (or when asked), TLS verified otherwise (the system store,
+or a CA bundle file). Credentials and the basic/bearer challenge live in oci_auth. Transport
+errors, 429 and 5xx are retried with backoff; what still fails is one PipelineError line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline.distribute.oci_auth import Challenge, auth_header, credentials
+from pipeline.distribute.oci_http import httpx
+from pipeline.format.errors import PipelineError
+
+OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+MAX_MANIFEST_BYTES = 4 << 20  # distribution's own cap on a manifest body
+RETRIES = 4
+BACKOFF_S = 0.5
+LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
+REPO_URL = re.compile(
+    r"^oci://(?P<host>[A-Za-z0-9.-]+(?::[0-9]{1,5})?|\[[0-9a-fA-F:]+\](?::[0-9]{1,5})?)"
+    r"/(?P<name>[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*)\Z"
+)
+TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}\Z")
+DIGEST = re.compile(r"^sha256:[0-9a-f]{64}\Z")
+
+
+@dataclass(frozen=True)
+class RepoRef:
+    """oci://HOST[:PORT]/NAMESPACE/NAME, parsed."""
+
+    host: str
+    name: str
+
+    @property
+    def url(self) -> str:
+        return f"oci://{self.host}/{self.name}"
+
+    @property
+    def loopback(self) -> bool:
+        return self.host.rsplit(":", 1)[0] in LOOPBACK or self.host.startswith("[::1]")
+
+
+def is_oci(repo: str) -> bool:
+    return repo.startswith("oci://")
+
+
+def parse_repo(repo: str) -> RepoRef:
+    m = REPO_URL.match(repo)
+    if not m:
+        raise PipelineError(
+            f"--repo {repo!r} is not an OCI repository; pass it as oci://HOST[:PORT]/NAMESPACE/NAME "
+            "(lower-case path components)"
+        )
+    return RepoRef(m["host"], m["name"])
+
+
+class Registry:
+    """One repository of one registry, with its credentials and the token they earned."""
+
+    def __init__(self, ref: RepoRef, *, plain_http: bool = False, ca_bundle: str | None = None):
+        self.ref = ref
+        scheme = "http" if plain_http or ref.loopback else "https"
+        self.base = f"{scheme}://{ref.host}/v2/{ref.name}"
+        self.client = httpx.Client(
+            verify=ca_bundle or True, timeout=httpx.Timeout(60.0, connect=10.0)
+        )
+        self.creds = credentials(ref.host)
+        self.header: dict[str, str] = {}
+        self.sleep: Callable[[float], None] = time.sleep
+
+    def close(self) -> None:
+        self.client.close()
+
+    # --- requests: retries, the auth challenge, one line on failure ----------------------------
+
+    def request(self, method: str, url: str, doing: str, ok: tuple[int, ...], **kw: Any) -> Any:
+        """One request (retried, authorized); a status outside `ok` is a PipelineError."""
+        r = self._send(method, url, doing, **kw)
+        if r.status_code in ok:
+            return r
+        raise self.failed(doing, r)
+
+    def _send(self, method: str, url: str, doing: str, **kw: Any) -> Any:
+        extra = kw.pop("headers", None) or {}
+        last = ""
+        for attempt in range(RETRIES):
+            if attempt:
+                self.sleep(BACKOFF_S * 2 ** (attempt - 1))
+            try:
+                r = self.client.request(method, url, headers={**self.header, **extra}, **kw)
+                if r.status_code == 401 and self._authorize(r, doing):
+                    r = self.client.request(method, url, headers={**self.header, **extra}, **kw)
+            except httpx.TransportError as exc:
+                last = f"{exc.__class__.__name__}: {' '.join(str(exc).split())[:120]}"
+                continue
+            if r.status_code != 429 and r.status_code < 500:
+                return r
+            last = f"HTTP {r.status_code}{_error_detail(r)}"
+        raise PipelineError(
+            f"registry {self.ref.host}: {doing} failed after {RETRIES} tries ({last}); check that "
+            "the registry is up and reachable, then retry"
+        )
+
+    def _authorize(self, r: Any, doing: str) -> bool:
+        """Answer a 401's challenge once per credential state; False when nothing changes."""
+        challenge = Challenge.parse(r.headers.get("www-authenticate", ""))
+        header = auth_header(self.client, challenge, self.creds, self.ref, doing)
+        if header is None or header == self.header:
+            return False
+        self.header = header
+        return True
+
+    def failed(self, doing: str, r: Any) -> PipelineError:
+        where = f"registry {self.ref.host}: {doing}"
+        if r.status_code in (401, 403):
+            who = f"as {self.creds.username!r}" if self.creds else "without credentials"
+            return PipelineError(
+                f"{where}: not authorized (HTTP {r.status_code}, {who}); log in with 'docker "
+                "login' (read from ~/.docker/config.json) or set PREFIX_BUNDLES_REGISTRY_USER "
+                "and PREFIX_BUNDLES_REGISTRY_PASSWORD"
+            )
+        detail = _error_detail(r)
+        return PipelineError(f"{where}: HTTP {r.status_code}{detail}")
+
+    # --- blobs -------------------------------------------------------------------------------------
+
+    def has_blob(self, digest: str) -> int | None:
+        """The blob's size when the repository has it, else None."""
+        r = self.request(
+            "HEAD", f"{self.base}/blobs/{digest}", f"checking blob {digest[:19]}", (200, 404)
+        )
+        return int(r.headers.get("content-length", "0")) if r.status_code == 200 else None
+
+    def mount(self, digest: str, source: str) -> bool:
+        """Cross-repository mount of a blob from `source` (a repository name on this registry)."""
+        url = f"{self.base}/blobs/uploads/"
+        r = self.request(
+            "POST",
+            url,
+            f"mounting {digest[:19]}",
+            (201, 202),
+            params={"mount": digest, "from": source},
+        )
+        if r.status_code == 202:  # not mounted: an upload session was opened instead; drop it
+            self._send("DELETE", self._location(r), "cancelling an upload")
+        return r.status_code == 201
+
+    def upload(self, digest: str, data: bytes) -> None:
+        """A monolithic upload: POST opens the session, PUT sends the bytes and the digest."""
+        doing = f"uploading blob {digest[:19]} ({len(data):,} bytes)"
+        r = self.request("POST", f"{self.base}/blobs/uploads/", doing, (202,))
+        location = self._location(r)
+        sep = "&" if "?" in location else "?"
+        self.request(
+            "PUT",
+            f"{location}{sep}digest={digest}",
+            doing,
+            (201,),
+            content=data,
+            headers={"content-type": "application/octet-stream"},
+        )
+
+    def _location(self, r: Any) -> str:
+        return str(r.url.join(r.headers["location"]))
+
+    def stream_blob(self, digest: str, size: int, sink: Callable[[bytes], None]) -> None:
+        """GET a blob into sink, checking its size and sha256 as it streams (nothing is kept)."""
+        doing = f"downloading blob {digest[:19]} ({size:,} bytes)"
+        for attempt in range(RETRIES):
+            if attempt:
+                self.sleep(BACKOFF_S * 2 ** (attempt - 1))
+            try:
+                chunks = self._blob_chunks(digest, size, doing)
+                h, n = hashlib.sha256(), 0
+                for chunk in chunks:
+                    n += len(chunk)
+                    if n > size:
+                        break
+                    h.update(chunk)
+                    sink(chunk)
+                break
+            except httpx.TransportError:
+                if attempt == RETRIES - 1:
+                    raise PipelineError(
+                        f"registry {self.ref.host}: {doing} failed after {RETRIES} tries (the "
+                        "connection broke); retry the pull: nothing was published"
+                    ) from None
+        got = "sha256:" + h.hexdigest()
+        if n != size or got != digest:
+            raise PipelineError(
+                f"registry {self.ref.host}: blob {digest} of {self.ref.name} is not what its "
+                f"manifest lists (got {n:,} bytes, {got[:19]}.., expected {size:,} bytes): the "
+                "registry's copy is damaged or was altered; push the bundle again. Nothing was "
+                "published"
+            )
+
+    def _blob_chunks(self, digest: str, size: int, doing: str) -> Iterator[bytes]:
+        with self.client.stream(
+            "GET", f"{self.base}/blobs/{digest}", headers=self.header, follow_redirects=True
+        ) as r:
+            if r.status_code == 401 and self._authorize(r, doing):
+                yield from self._blob_chunks(digest, size, doing)
+                return
+            if r.status_code != 200:
+                r.read()
+                raise self.failed(doing, r)
+            yield from r.iter_bytes(1 << 20)
+
+    def get_blob(self, digest: str, size: int) -> bytes:
+        parts: list[bytes] = []
+        self.stream_blob(digest, size, parts.append)
+        return b"".join(parts)
+
+    # --- manifests and tags -------------------------------------------------------------------
+
+    def put_manifest(self, reference: str, body: bytes, media_type: str = OCI_MANIFEST) -> str:
+        """PUT a manifest under a tag (or its digest); returns the digest the registry gives."""
+        if len(body) > MAX_MANIFEST_BYTES:
+            raise PipelineError(
+                f"registry {self.ref.host}: the artifact manifest of {reference} is {len(body):,} "
+                f"bytes, over the registry limit of {MAX_MANIFEST_BYTES:,}; nothing was tagged"
+            )
+        r = self.request(
+            "PUT",
+            f"{self.base}/manifests/{reference}",
+            f"tagging {reference}",
+            (201,),
+            content=body,
+            headers={"content-type": media_type},
+        )
+        digest = "sha256:" + hashlib.sha256(body).hexdigest()
+        given = r.headers.get("docker-content-digest", digest)
+        if given != digest:
+            raise PipelineError(
+                f"registry {self.ref.host}: stored the manifest of {reference} as {given}, not "
+                f"{digest}; check the registry"
+            )
+        return digest
+
+    def get_manifest(self, reference: str) -> tuple[bytes, str]:
+        """(body, digest) of a manifest by tag or digest; a digest reference is checked."""
+        r = self.request(
+            "GET",
+            f"{self.base}/manifests/{reference}",
+            f"reading manifest {reference}",
+            (200,),
+            headers={"accept": OCI_MANIFEST},
+        )
+        body = r.content
+        digest = "sha256:" + hashlib.sha256(body).hexdigest()
+        claimed = reference if DIGEST.match(reference) else r.headers.get("docker-content-digest")
+        if len(body) > MAX_MANIFEST_BYTES or (claimed and claimed != digest):
+            raise PipelineError(
+                f"registry {self.ref.host}: manifest {reference} of {self.ref.name} does not match "
+                f"its digest (expected {claimed}, got {digest}); the registry's copy is damaged or "
+                "was altered: push the bundle again. Nothing was published"
+            )
+        return body, digest
+
+    def tags(self) -> list[str]:
+        """Every tag of the repository (following the Link pages); [] for a new repository."""
+        url, found = f"{self.base}/tags/list?n=1000", []
+        while url:
+            r = self.request("GET", url, "listing tags", (200, 404))
+            if r.status_code == 404:
+                return []
+            found += r.json().get("tags") or []
+            nxt = re.match(r'<([^>]+)>;\s*rel="next"', r.headers.get("link", ""))
+            url = str(r.url.join(nxt.group(1))) if nxt else ""
+        return sorted(found)
+
+
+def _error_detail(r: Any) -> str:
+    try:
+        errors = r.json().get("errors") or []
+        text = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors)
+    except Exception:
+        text = ""
+    return f" ({' '.join(text.split())[:160]})" if text else ""

@@ -1,0 +1,235 @@
+"""Pull from an OCI repository: the bundles that fit a local model, checked at every step.
+
+Per bundle, in this order: the artifact manifest against its digest; its config and small files
+(each blob's digest and size checked while it streams); with trusted keys, the signature over
+manifest.json before any large download; the tag, config and manifest.json naming the same
+bundle (a swapped tag is refused here); then the cache file rebuilt from its header, rest and
+token-range blocks, each block taken from a bundle already in the destination folder when one
+has the same bytes, else downloaded; the rebuilt file against the sha256 manifest.json pins.
+Then the hub form's last steps: every target locked, the one validator, an atomic publish of all
+or none (pipeline.distribute.pull.publish_staged).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from pipeline.builder.writer import clean_staging, discard, new_staging_folder
+from pipeline.distribute.artifact import CONFIG_SCHEMA, Blob, parse_manifest, parse_tag, tag_of
+from pipeline.distribute.blocks import Layout, Source, Target, layout, read_layout
+from pipeline.distribute.hub import RemoteBundle
+from pipeline.distribute.oci import Registry, parse_repo
+from pipeline.distribute.oci_push import Transfer
+from pipeline.distribute.pull import PullResult, check_found, parse_wanted, publish_staged, select
+from pipeline.format.bundle_folder import (
+    CACHE_FILE,
+    FINGERPRINT_CHARS,
+    MANIFEST_FILE,
+    STAGING_DIR,
+    model_folder,
+)
+from pipeline.format.bundle_folder import parse_manifest as parse_bundle_manifest
+from pipeline.format.bundle_signature import check_binding, check_signature
+from pipeline.format.errors import BundleError, PipelineError
+from pipeline.format.manifest import Manifest
+from pipeline.format.signature import PublicKey
+from pipeline.runtime.mount import identity_for, model_bundles_dir
+
+NOTHING = "nothing was published"
+
+
+def pull_oci(
+    repo: str,
+    model_dir: Path,
+    bundles_dir: Path | None = None,
+    prefixes: list[str] | None = None,
+    trusted_keys: Sequence[PublicKey] = (),
+    *,
+    plain_http: bool = False,
+    ca_bundle: str | None = None,
+) -> PullResult:
+    """Fetch, check, validate and publish the bundles of an OCI repo that fit `model_dir`."""
+    ref = parse_repo(repo)
+    model_dir = Path(model_dir)
+    root = Path(bundles_dir) if bundles_dir is not None else model_bundles_dir(model_dir)
+    wanted = parse_wanted(prefixes)
+    identity = identity_for(model_dir)  # a bad model folder fails here, before the network
+    registry = Registry(ref, plain_http=plain_http, ca_bundle=ca_bundle)
+    try:
+        remote = [RemoteBundle(*p, ()) for t in registry.tags() if (p := parse_tag(t))]
+        result = PullResult(ref.url, None, None, None, model_dir, root)
+        result.transfer = Transfer()
+        chosen, result.skipped = select(remote, identity.model, wanted)
+        check_found(result, chosen, wanted, identity.model[:FINGERPRINT_CHARS])
+        clean_staging(root)
+        staging = new_staging_folder(root)
+        local = LocalBlocks(root)
+        try:
+            for b in chosen:
+                fetch = _Fetch(registry, b, staging / b.path, result.transfer)
+                result.digests[b.path] = fetch.run(tuple(trusted_keys), local)
+            publish_staged(result, chosen, staging, identity, tuple(trusted_keys))
+        finally:
+            local.close()
+            discard(root, staging)
+    finally:
+        registry.close()
+    return result
+
+
+class _Fetch:
+    """One bundle's artifact into its staging folder."""
+
+    def __init__(self, registry: Registry, b: RemoteBundle, dest: Path, counts: Transfer) -> None:
+        self.registry, self.b, self.dest, self.counts = registry, b, dest, counts
+        self.tag = tag_of(b.name, b.version, b.folder)
+        self.where = f"bundle {b.path} from registry repo {registry.ref.url} (tag {self.tag})"
+
+    def fail(self, why: str) -> PipelineError:
+        return PipelineError(f"{self.where}: {why}; {NOTHING}")
+
+    def get(self, blob: Blob) -> bytes:
+        data = self.registry.get_blob(blob.digest, blob.size)
+        self.counts.moved_bytes += len(data)
+        self.counts.moved_blobs += 1
+        return data
+
+    def run(self, keys: tuple[PublicKey, ...], local: LocalBlocks) -> str:
+        body, digest = self.registry.get_manifest(self.tag)
+        self.counts.moved_bytes += len(body)
+        parsed = parse_manifest(body, self.where)
+        config = self._config(self.get(parsed.config))
+        self.dest.mkdir(parents=True)
+        for blob in parsed.files:
+            (self.dest / blob.title).write_bytes(self.get(blob))
+        manifest = self._manifest(keys, config)
+        plan = layout(self.get(parsed.header), manifest.tokens.count, manifest.cache.file_bytes)
+        if plan.block_tokens != config["block_tokens"] or plan.blocks != len(parsed.blocks):
+            raise self.fail(
+                f"the artifact lists {len(parsed.blocks)} blocks of {config['block_tokens']} "
+                f"tokens, its cache layout {plan.blocks} of {plan.block_tokens}"
+            )
+        self._rebuild(plan, parsed, local)
+        self._check_file(manifest)
+        return digest
+
+    def _config(self, data: bytes) -> dict:
+        try:
+            config = json.loads(data)
+            found = (config["prefix"], config["version"], config["folder"])
+            ok = config.get("schema") == CONFIG_SCHEMA
+        except (ValueError, KeyError, TypeError):
+            raise self.fail("its config is not a bundle artifact's; push it again") from None
+        if not ok:
+            raise self.fail(f"its config schema is not {CONFIG_SCHEMA}; upgrade prefix-bundles")
+        if found != (self.b.name, self.b.version, self.b.folder):
+            raise self.fail(
+                f"the tag points at the artifact of {found[0]}/{found[1]}/{found[2]} (a swapped "
+                "or re-pointed tag); push the bundle again"
+            )
+        return config
+
+    def _manifest(self, keys: tuple[PublicKey, ...], config: dict) -> Manifest:
+        """manifest.json: signed by a trusted key (when given), naming this bundle and file."""
+        path = self.dest / MANIFEST_FILE
+        if not path.exists():
+            raise self.fail(f"the artifact has no {MANIFEST_FILE}; push the bundle again")
+        data = path.read_bytes()
+        try:
+            signature = check_signature(self.dest, data, keys) if keys else None
+            manifest = parse_bundle_manifest(self.dest, data)
+            if signature is not None:
+                check_binding(self.dest, signature, manifest)
+        except BundleError as exc:
+            raise self.fail(exc.reason) from None
+        m = manifest
+        found = (m.prefix.name, m.prefix.version, model_folder(m.model.slug, m.model.fingerprint))
+        if found != (self.b.name, self.b.version, self.b.folder):
+            raise self.fail(
+                f"its {MANIFEST_FILE} is the bundle {found[0]}/{found[1]}/{found[2]} (a swapped "
+                "tag or artifact); push the bundle again"
+            )
+        pins = (m.cache.file_sha256, m.cache.file_bytes, m.tokens.count)
+        if pins != (config["cache_sha256"], config["file_bytes"], config["tokens"]):
+            raise self.fail(f"its config does not match its {MANIFEST_FILE}; push it again")
+        return m
+
+    def _rebuild(self, plan: Layout, parsed, local: LocalBlocks) -> None:
+        target = Target(self.dest / CACHE_FILE, plan)
+        try:
+            self._stream(parsed.rest, list(plan.rest_ranges()), target)
+            for k, blob in enumerate(parsed.blocks):
+                ranges = list(plan.block_ranges(k))
+                if local.fill(plan, k, blob, target.writer(iter(ranges))):
+                    self.counts.reused_bytes += blob.size
+                    self.counts.reused_blobs += 1
+                else:
+                    self._stream(blob, ranges, target)
+        finally:
+            target.close()
+
+    def _stream(self, blob: Blob, ranges: list[tuple[int, int]], target: Target) -> None:
+        if sum(n for _, n in ranges) != blob.size:
+            raise self.fail(
+                f"blob {blob.digest[:19]} has {blob.size:,} bytes, its place another size"
+            )
+        self.registry.stream_blob(blob.digest, blob.size, target.writer(iter(ranges)))
+        self.counts.moved_bytes += blob.size
+        self.counts.moved_blobs += 1
+
+    def _check_file(self, manifest: Manifest) -> None:
+        h = hashlib.sha256()
+        with open(self.dest / CACHE_FILE, "rb") as f:
+            while chunk := f.read(4 << 20):
+                h.update(chunk)
+        if h.hexdigest() != manifest.cache.file_sha256:
+            raise self.fail(
+                f"the rebuilt {CACHE_FILE} has sha256 {h.hexdigest()[:16]}.., its manifest pins "
+                f"{manifest.cache.file_sha256[:16]}..; push the bundle again"
+            )
+
+
+class LocalBlocks:
+    """Blocks of the cache files already in a bundles folder, found by their bytes' digest."""
+
+    def __init__(self, root: Path) -> None:
+        found = sorted(root.glob(f"*/*/*/{CACHE_FILE}")) if root.is_dir() else []
+        self.files = [p for p in found if STAGING_DIR not in p.parts]
+        self.opened: dict[Path, tuple[Source, int] | None] = {}
+
+    def _source(self, path: Path) -> tuple[Source, int] | None:
+        """(mapped file, first block known to differ) or None when unusable."""
+        if path not in self.opened:
+            try:
+                tokens = json.loads((path.parent / MANIFEST_FILE).read_bytes())["tokens"]["count"]
+                self.opened[path] = (Source(path, read_layout(path, int(tokens))), 1 << 62)
+            except Exception:  # not a bundle we can read blocks from: download instead
+                self.opened[path] = None
+        return self.opened[path]
+
+    def fill(self, plan: Layout, k: int, blob: Blob, write: Callable[[bytes], None]) -> bool:
+        """Write block k from a local file holding the same bytes; False when none does."""
+        for path in self.files:
+            entry = self._source(path)
+            if entry is None or k >= entry[1]:
+                continue
+            source, _ = entry
+            if not source.plan.compatible(plan) or k >= source.plan.blocks:
+                continue
+            data = source.block(k)
+            if (
+                len(data) == blob.size
+                and "sha256:" + hashlib.sha256(data).hexdigest() == blob.digest
+            ):
+                write(data)
+                return True
+            self.opened[path] = (source, k)  # a continuation shares a prefix: stop looking here
+        return False
+
+    def close(self) -> None:
+        for entry in self.opened.values():
+            if entry:
+                entry[0].close()

@@ -1,0 +1,155 @@
+"""Push validated bundles to an OCI repository: only the blobs it lacks move, then one tag each.
+
+Every blob of a bundle (small files, cache header, rest, token-range blocks) is checked with a
+HEAD and uploaded only when missing, or mounted from another repository (`mount_from`) that has
+it. The bundle's tag is put last, after all its blobs are in: a failure never leaves a tag
+pointing at a partial artifact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+from pipeline.distribute.artifact import (
+    BLOCK_TYPE,
+    CONFIG_TYPE,
+    FILE_TYPE,
+    HEADER_TYPE,
+    REST_TYPE,
+    SMALL_FILES,
+    Blob,
+    config_record,
+    manifest_body,
+    tag_of,
+)
+from pipeline.distribute.blocks import Source, read_layout
+from pipeline.distribute.oci import Registry, parse_repo
+from pipeline.distribute.push import CheckedBundle
+from pipeline.format.bundle_folder import CACHE_FILE
+from pipeline.format.errors import PipelineError
+
+
+@dataclass
+class Transfer:
+    """Bytes and blobs that moved, and those the other side already had."""
+
+    moved_bytes: int = 0
+    moved_blobs: int = 0
+    reused_bytes: int = 0
+    reused_blobs: int = 0
+
+    def add(self, other: Transfer) -> None:
+        for k in ("moved_bytes", "moved_blobs", "reused_bytes", "reused_blobs"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
+
+@dataclass(frozen=True)
+class PushedArtifact:
+    bundle: CheckedBundle
+    tag: str
+    digest: str
+    total_bytes: int
+    transfer: Transfer
+
+
+@dataclass
+class OciPushResult:
+    repo: str
+    artifacts: list[PushedArtifact] = field(default_factory=list)
+    transfer: Transfer = field(default_factory=Transfer)
+
+
+class _Uploader:
+    """Puts blobs into the repository once each, counting what moved and what was there."""
+
+    def __init__(self, registry: Registry, mount_from: list[str]) -> None:
+        self.registry, self.mount_from, self.seen = registry, mount_from, set()
+
+    def put(self, media_type: str, data: bytes, counts: Transfer, title: str | None = None) -> Blob:
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        blob = Blob(media_type, digest, len(data), title)
+        if digest in self.seen or self.registry.has_blob(digest) is not None:
+            counts.reused_bytes, counts.reused_blobs = (
+                counts.reused_bytes + len(data),
+                counts.reused_blobs + 1,
+            )
+        elif any(self.registry.mount(digest, source) for source in self.mount_from):
+            counts.reused_bytes, counts.reused_blobs = (
+                counts.reused_bytes + len(data),
+                counts.reused_blobs + 1,
+            )
+        else:
+            self.registry.upload(digest, data)
+            counts.moved_bytes, counts.moved_blobs = (
+                counts.moved_bytes + len(data),
+                counts.moved_blobs + 1,
+            )
+        self.seen.add(digest)
+        return blob
+
+
+def push_oci(
+    bundles: list[CheckedBundle],
+    repo: str,
+    *,
+    mount_from: list[str] = (),
+    plain_http: bool = False,
+    ca_bundle: str | None = None,
+) -> OciPushResult:
+    """Upload each validated bundle's missing blobs, then tag it."""
+    ref = parse_repo(repo)
+    sources = [_same_host(ref, parse_repo(r)) for r in mount_from]
+    registry = Registry(ref, plain_http=plain_http, ca_bundle=ca_bundle)
+    result = OciPushResult(ref.url)
+    try:
+        uploader = _Uploader(registry, sources)
+        for b in bundles:
+            pushed = _push_one(registry, uploader, b)
+            result.artifacts.append(pushed)
+            result.transfer.add(pushed.transfer)
+    finally:
+        registry.close()
+    return result
+
+
+def _same_host(ref, source) -> str:
+    if source.host != ref.host:
+        raise PipelineError(
+            f"--mount-from {source.url}: a blob mount works within one registry ({ref.host}); "
+            "name a repository on it"
+        )
+    return source.name
+
+
+def _push_one(registry: Registry, up: _Uploader, b: CheckedBundle) -> PushedArtifact:
+    name, version, folder = b.repo_path.split("/")
+    tag = tag_of(name, int(version), folder)
+    counts = Transfer()
+    layers = [
+        up.put(FILE_TYPE, (b.local / f).read_bytes(), counts, f)
+        for f in SMALL_FILES
+        if f in b.files
+    ]
+    plan = read_layout(b.local / CACHE_FILE, b.tokens)
+    layers.append(up.put(HEADER_TYPE, plan.header, counts))
+    source = Source(b.local / CACHE_FILE, plan)
+    try:
+        layers.append(up.put(REST_TYPE, source.rest(), counts))
+        layers += [up.put(BLOCK_TYPE, source.block(k), counts) for k in range(plan.blocks)]
+    finally:
+        source.close()
+    record = config_record(
+        name, int(version), folder, b.tokens, plan.block_tokens, plan.file_bytes, b.cache_sha256
+    )
+    config = up.put(CONFIG_TYPE, record, counts)
+    annotations = {
+        "org.opencontainers.image.title": b.repo_path,
+        "dev.mlx-prefix-bundles.prefix": f"{name}@{version}",
+        "dev.mlx-prefix-bundles.cache-sha256": b.cache_sha256,
+    }
+    body = manifest_body(config, layers, annotations)
+    digest = registry.put_manifest(tag, body)  # last: every blob it names is in
+    counts.moved_bytes += len(body)
+    total = sum(x.size for x in layers) + config.size + len(body)
+    return PushedArtifact(b, tag, digest, total, counts)

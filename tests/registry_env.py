@@ -1,0 +1,140 @@
+"""A real OCI registry on loopback for the tests: Debian's `docker-registry` (distribution 2.8.2).
+
+`registry()` starts `/usr/bin/docker-registry serve CONFIG` on a free 127.0.0.1 port with a
+temporary filesystem storage folder (and, given users, bcrypt htpasswd basic auth written with
+apache2-utils' `htpasswd -B`), waits until `/v2/` answers, and stops it by its PID. Skipped where
+the binary is absent, failed in CI (CI=true), where .ci/run installs it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+BINARY = "/usr/bin/docker-registry"
+HTPASSWD = "/usr/bin/htpasswd"
+INSTALL = "apt-get install -y docker-registry apache2-utils (.ci/run does)"
+
+
+@dataclass(frozen=True)
+class Registry:
+    host: str  # 127.0.0.1:PORT
+    storage: Path  # the filesystem driver's root folder
+    pid: int
+
+    def repo(self, name: str = "fleet/bundles") -> str:
+        """The --repo value for a repository on this registry."""
+        return f"oci://{self.host}/{name}"
+
+    def blob_file(self, digest: str) -> Path:
+        """Where the filesystem driver keeps a blob's bytes."""
+        hexd = digest.split(":", 1)[1]
+        return self.storage / "docker/registry/v2/blobs/sha256" / hexd[:2] / hexd / "data"
+
+    def stored_bytes(self) -> int:
+        """Bytes of every blob in storage (manifests included)."""
+        blobs = self.storage / "docker/registry/v2/blobs"
+        return sum(p.stat().st_size for p in blobs.rglob("data")) if blobs.exists() else 0
+
+
+def require_tools(*tools: str) -> None:
+    missing = [t for t in tools if not Path(t).exists()]
+    if missing:
+        why = f"{', '.join(missing)} missing: {INSTALL}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(why)
+        pytest.skip(why)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_htpasswd(path: Path, users: dict[str, str]) -> None:
+    """A bcrypt htpasswd file (the only hash distribution accepts)."""
+    require_tools(HTPASSWD)
+    path.write_text("")
+    for user, password in users.items():
+        subprocess.run(
+            [HTPASSWD, "-B", "-b", str(path), user, password], check=True, capture_output=True
+        )
+
+
+def write_config(folder: Path, port: int, users: dict[str, str] | None) -> Path:
+    auth = ""
+    if users:
+        write_htpasswd(folder / "htpasswd", users)
+        auth = f"auth:\n  htpasswd:\n    realm: test-realm\n    path: {folder / 'htpasswd'}\n"
+    config = folder / "config.yml"
+    config.write_text(
+        "version: 0.1\n"
+        "log:\n  level: warn\n  accesslog:\n    disabled: true\n"
+        f"storage:\n  filesystem:\n    rootdirectory: {folder / 'storage'}\n"
+        "  delete:\n    enabled: true\n"
+        f"http:\n  addr: 127.0.0.1:{port}\n" + auth
+    )
+    return config
+
+
+def _wait_ready(host: str, process: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"docker-registry exited: {log.read_text()[-2000:]}")
+        try:
+            urllib.request.urlopen(f"http://{host}/v2/", timeout=1)
+            return
+        except urllib.error.HTTPError:
+            return  # 401 with auth: it is up
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"docker-registry did not answer on {host}: {log.read_text()[-2000:]}")
+
+
+@contextmanager
+def registry(folder: Path, users: dict[str, str] | None = None) -> Iterator[Registry]:
+    """A running registry storing under folder/storage; stopped (by its PID) on exit."""
+    require_tools(BINARY)
+    folder.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    config = write_config(folder, port, users)
+    log = folder / "registry.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [BINARY, "serve", str(config)], stdout=out, stderr=subprocess.STDOUT
+        )
+    host = f"127.0.0.1:{port}"
+    try:
+        _wait_ready(host, process, log)
+        yield Registry(host, folder / "storage", process.pid)
+    finally:
+        os.kill(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def corrupt(path: Path) -> None:
+    """Flip the last byte of a stored blob (a tampered registry)."""
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.chmod(0o644)
+    path.write_bytes(bytes(data))
+
+
+__all__ = ["Registry", "corrupt", "registry"]
