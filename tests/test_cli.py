@@ -61,11 +61,15 @@ def test_inspect_json_is_the_manifest(shop_bundle: Path, capsys):
 
 def test_list_shows_built_and_missing(project: Path, capsys):
     assert cli(project, "list") == 0
-    assert "missing" in capsys.readouterr().out
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["prefix", "model", "folder", "tokens", "size", "status", "path", "/", "what", "to", "do"]  # fmt: skip
+    assert out[1].split()[4:] == ["missing", "build", "it:", "prefix-bundles", "build", "shop"]
     cli(project, "build")
     capsys.readouterr()
     assert cli(project, "list") == 0
-    assert "built (" in capsys.readouterr().out
+    header, row = capsys.readouterr().out.splitlines()
+    assert row.split()[0] == "shop@1" and row.split()[2] == "361" and row.split()[5] == "built"
+    assert header.index("tokens") + len("tokens") == row.index("361") + 3  # right-aligned
 
 
 def test_build_py_runs_as_a_script(project: Path):

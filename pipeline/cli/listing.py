@@ -81,8 +81,8 @@ def _bundle(bundle: Path) -> ListedBundle:
     except BundleError as exc:
         refusal = refusal_of(exc)
         return ListedBundle(path=path, model_folder=folder, status="broken", refusal=refusal)
-    tokens = manifest.tokens.count
-    return ListedBundle(path=path, model_folder=folder, status="built", tokens=tokens)
+    tokens, size = manifest.tokens.count, manifest.cache.file_bytes
+    return ListedBundle(path=path, model_folder=folder, status="built", tokens=tokens, bytes=size)
 
 
 def _totals(listed: list[ListedDefinition]) -> ListTotals:
@@ -97,14 +97,28 @@ def _totals(listed: list[ListedDefinition]) -> ListTotals:
 
 
 def _print(report: ListReport) -> None:
+    """An aligned table with a header; a missing or broken bundle says the command to run."""
+    rows = []
     for d in report.definitions:
         if d.status == "broken":
-            print(f"{d.name}  broken definition: {d.error}")
+            rows.append((d.name, "-", "-", "-", "broken definition", f"{d.error}"))
         for b in d.bundles:
             label = f"{d.name}@{d.version}"
             if b.status == "missing":
-                print(f"{label}  missing  {b.path}")
+                rows.append(
+                    (label, "-", "-", "-", "missing", f"build it: prefix-bundles build {d.name}")
+                )
             elif b.status == "built":
-                print(f"{label}  {b.model_folder:<36} built ({b.tokens} tokens)  {b.path}")
+                size = f"{b.bytes / 2**20:,.1f} MiB" if b.bytes is not None else "-"
+                rows.append((label, b.model_folder, f"{b.tokens:,}", size, "built", b.path))
             else:
-                print(f"{label}  {b.model_folder:<36} broken: {b.refusal.reason}  {b.path}")
+                fix = f"{b.refusal.reason}; rebuild: prefix-bundles build {d.name} --force"
+                rows.append((label, b.model_folder, "-", "-", "broken", fix))
+    header = ("prefix", "model folder", "tokens", "size", "status", "path / what to do")
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(5)]
+    for row in [header, *rows]:
+        cells = [
+            str(c).ljust(w) if i != 2 else str(c).rjust(w)
+            for i, (c, w) in enumerate(zip(row, widths, strict=False))
+        ]
+        print("  ".join([*cells, row[5]]).rstrip())

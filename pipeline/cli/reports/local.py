@@ -124,6 +124,7 @@ class ListedBundle(Report):
     )
     status: Literal["built", "missing", "broken"]
     tokens: int | None = None
+    bytes: int | None = Field(None, description="cache.safetensors' size (built only)")
     refusal: Refusal | None = None
 
 
