@@ -232,3 +232,11 @@ def test_schema_names_the_versioned_document(name: str, capsys):
     version = 2 if name == "remount" else 1  # remount/2: `serving` (every prefix and why)
     assert schema["properties"]["schema"]["const"] == f"{name}/{version}"
     assert "schema" in schema["required"] and schema["additionalProperties"] is False
+
+
+def test_inspect_without_a_model_shows_the_identity_check_as_not_made(shop_bundle: Path, capsys):
+    assert main(["inspect", str(shop_bundle), "--json"]) == 0
+    doc = document(InspectReport, capsys.readouterr().out)
+    states = {c.name: (c.status, c.detail) for c in doc.validity.checks}
+    assert states["identity"][0] == "skipped" and "pass --model DIR" in states["identity"][1]
+    assert states["data"][0] == "ok"

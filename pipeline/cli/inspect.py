@@ -66,7 +66,7 @@ def _run_json(bundle: Path, args: argparse.Namespace) -> int:
         for_model=str(args.model) if args.model else None,
         refusal=refusal_of(refusal) if refusal else None,
         refusals=_refusals(bundle, manifest, identity, refusal),
-        checks=_check_results(refusal, bool(keys)),
+        checks=_check_results(refusal, bool(keys), args.model is not None),
     )
     sizes = _sizes(bundle) if bundle.is_dir() else {}
     signature = _signature_report(bundle, bool(keys) and refusal is None)
@@ -92,8 +92,15 @@ def _refusals(bundle: Path, manifest, identity, refusal) -> list[Refusal]:
     return [refusal_of(exc) for exc in failed] or [refusal_of(refusal)]
 
 
-def _check_results(refusal, signed: bool) -> list[CheckResult]:
-    """The validator's stages in order: ok up to the one that refused, then not reached."""
+NO_MODEL = (
+    "without --model: the fingerprints the manifest records were not compared with a model "
+    "folder; pass --model DIR to check them"
+)
+
+
+def _check_results(refusal, signed: bool, with_model: bool) -> list[CheckResult]:
+    """The validator's stages in order: ok up to the one that refused, then not reached; a check
+    that was not made (no key, no model) is shown as skipped, never as ok."""
     from pipeline.format.validate import CHECKS
 
     failed = refusal.check if refusal is not None else None
@@ -101,6 +108,8 @@ def _check_results(refusal, signed: bool) -> list[CheckResult]:
     for name, detail in CHECKS:
         if name == "signature" and not signed and reached:
             results.append(CheckResult(name=name, status="skipped", detail=NO_KEY))
+        elif name == "identity" and not with_model and reached and failed != name:
+            results.append(CheckResult(name=name, status="skipped", detail=NO_MODEL))
         elif name == failed:
             results.append(CheckResult(name=name, status="failed", detail=refusal.reason))
             reached = False

@@ -52,7 +52,8 @@ class VerifyReport(Report):
 class CheckResult(Report):
     name: str = Field(description="validator stage, in the order the validator runs them")
     status: Literal["ok", "failed", "not-reached", "skipped"] = Field(
-        description="skipped: the signature stage without --trusted-key"
+        description="skipped: the signature stage without --trusted-key, the identity stage "
+        "without --model (a check not made is never shown as ok)"
     )
     detail: str = Field(description="what the stage establishes, or why it failed")
 
