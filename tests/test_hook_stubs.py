@@ -1,0 +1,128 @@
+"""Fast tests of a hook's cache subclass without the server's venv (issue 37): a stub shaped like
+the server's own cache class stands in for it, and the subclass must hand out a bundle, leave at
+least one token, hold the server's own lossy entries to the rule (also after a remount), keep
+nothing while warming up and report usage. A slow test checks each stub against the installed
+server's class (the methods and parameters the hook relies on), so a stub cannot drift."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+from types import SimpleNamespace
+
+import pytest
+
+from pipeline.runtime.prompt_cache import PromptCacheManager
+from pipeline.runtime.servers import usage, warm_up
+from pipeline.runtime.servers.memory_cache import pinned_memory_cache_class
+from pipeline.runtime.servers.startup import BUNDLE_KEY
+
+from test_prompt_cache import ids, llama_model, prefill, quantized_bundle
+
+
+class StubMemoryAwarePrefixCache:
+    """vllm-mlx's / rapid-mlx's MemoryAwarePrefixCache as the hook uses it: whole-sequence keys,
+    `fetch(tokens) -> (cache or None, rest)` by longest stored prefix, `store(tokens, cache)`."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[int, ...], list] = {}
+        self._last_match_type, self._last_matched_key = None, None
+
+    def fetch(self, tokens: list[int]) -> tuple[list | None, list[int]]:
+        keys = [k for k in self.entries if tuple(tokens[: len(k)]) == k and len(k) < len(tokens)]
+        if not keys:
+            return None, list(tokens)
+        best = max(keys, key=len)
+        return self.entries[best], list(tokens[len(best) :])
+
+    def store(self, tokens: list[int], cache: list) -> bool:
+        self.entries[tuple(tokens)] = cache
+        return True
+
+
+@pytest.fixture
+def pinned_cache():
+    """The hook's subclass of the stub, over a manager with one full-precision bundle pinned."""
+    model = llama_model(hidden=128, heads=4)
+    prefix = ids(24)
+    manager = PromptCacheManager()
+    manager.pin(BUNDLE_KEY, prefix, prefill(model, prefix)[0], "shop@1")
+    mounted = SimpleNamespace(manager=manager)
+    cls = pinned_memory_cache_class(mounted, StubMemoryAwarePrefixCache, "stub")
+    return SimpleNamespace(cache=cls(), prefix=prefix, model=model, manager=manager)
+
+
+def served(result: tuple, tokens: list[int]) -> int:
+    cache, rest = result
+    return 0 if cache is None else len(tokens) - len(rest)
+
+
+def test_it_hands_out_the_bundle_and_reports_usage(pinned_cache):
+    request = [*pinned_cache.prefix, 7, 8]
+    usage._worker.reuse = reuse = usage.Reuse()
+    try:
+        result = pinned_cache.cache.fetch(request)
+    finally:
+        usage._worker.reuse = None
+    assert served(result, request) == len(pinned_cache.prefix)
+    assert (reuse.cached, reuse.looked_up) == (len(pinned_cache.prefix), True)
+    assert pinned_cache.cache._last_match_type == "prefix"
+
+
+def test_an_exact_hit_leaves_a_token(pinned_cache):
+    request = list(pinned_cache.prefix)
+    cache, rest = pinned_cache.cache.fetch(request)
+    assert cache is not None and len(rest) >= 1
+
+
+def test_its_own_lossy_entry_is_held_to_the_rule_also_after_a_remount(pinned_cache):
+    """An entry continued from a 4-bit bundle, kept by the server: a request sharing only the
+    opening tokens is not served from it, while the bundle is pinned and after it is gone."""
+    lossy = ids(30)
+    pinned_cache.manager.pin(BUNDLE_KEY, lossy, quantized_bundle(pinned_cache.model, lossy), "q@1")
+    pinned_cache.cache.store(lossy, quantized_bundle(pinned_cache.model, lossy))
+    opening = [*lossy[:3], 99, 98]
+    assert served(pinned_cache.cache.fetch(opening), opening) == 0
+    pinned_cache.manager.unpin(BUNDLE_KEY, "q@1")  # a remount removed it
+    assert served(pinned_cache.cache.fetch(opening), opening) == 0
+    whole = [*lossy, 99]
+    assert served(pinned_cache.cache.fetch(whole), whole) == len(lossy)  # its share: allowed
+
+
+def test_nothing_is_stored_while_warming_up(pinned_cache):
+    warm_up.WARMING.set()
+    try:
+        assert pinned_cache.cache.store([1, 2, 3], []) is False
+    finally:
+        warm_up.WARMING.clear()
+    assert pinned_cache.cache.entries == {}
+
+
+STUBS = {"MemoryAwarePrefixCache": StubMemoryAwarePrefixCache}
+INSTALLED = {  # (venv python, module) of the real class each stub stands in for
+    "vllm-mlx": ("servers_python", "vllm_mlx.memory_cache"),
+    "rapid-mlx": ("rapid_python", "rapid_mlx.memory_cache"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("server", sorted(INSTALLED))
+def test_each_stub_has_the_methods_and_parameters_of_the_installed_class(server: str):
+    import servers_env
+
+    python_of, module = INSTALLED[server]
+    python = getattr(servers_env, python_of)()
+    code = (
+        "import importlib, inspect, json, sys\n"
+        f"m = importlib.import_module({module!r})\n"
+        "c = m.MemoryAwarePrefixCache\n"
+        "print(json.dumps({n: list(inspect.signature(getattr(c, n)).parameters) "
+        "for n in ('fetch', 'store')}))\n"
+    )
+    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    real = json.loads(done.stdout.strip().splitlines()[-1])
+    stub = StubMemoryAwarePrefixCache
+    assert real["fetch"][:2] == list(inspect.signature(stub.fetch).parameters)
+    assert real["store"][:3] == list(inspect.signature(stub.store).parameters)
