@@ -12,13 +12,12 @@ import subprocess
 from types import SimpleNamespace
 
 import pytest
+from test_prompt_cache import ids, llama_model, prefill, quantized_bundle
 
 from pipeline.runtime.prompt_cache import PromptCacheManager
 from pipeline.runtime.servers import usage, warm_up
 from pipeline.runtime.servers.memory_cache import pinned_memory_cache_class
 from pipeline.runtime.servers.startup import BUNDLE_KEY
-
-from test_prompt_cache import ids, llama_model, prefill, quantized_bundle
 
 
 class StubMemoryAwarePrefixCache:
