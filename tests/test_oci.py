@@ -1,0 +1,323 @@
+"""push / pull through a real OCI registry on loopback (Debian's docker-registry, distribution
+2.8.2): round trip, only new blocks move, tampering, a swapped tag, an interrupted pull, auth.
+
+Nothing is faked but a broken connection: the registry, the validator, the staging folder and the
+atomic publish are the real ones.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from registry_env import Registry, corrupt, registry
+
+from pipeline.builder.signing import sign_bundle
+from pipeline.cli import main
+from pipeline.cli.reports import PullReport, PushReport
+from pipeline.distribute import oci
+from pipeline.distribute.artifact import BLOCK_TYPE, parse_manifest, tag_of
+from pipeline.distribute.blocks import read_layout
+from pipeline.distribute.oci import Registry as Client
+from pipeline.distribute.oci import parse_repo
+from pipeline.distribute.oci_http import httpx
+from pipeline.format.bundle_folder import CACHE_FILE
+from pipeline.format.secret_key import generate
+from pipeline.runtime import mount
+
+from conftest import SYSTEM, build_bundle, document, write_definition
+
+MORE = " Returns are accepted within thirty days with the receipt; gift cards are final."
+
+
+@pytest.fixture
+def reg(tmp_path: Path):
+    with registry(tmp_path / "registry") as r:
+        yield r
+
+
+@pytest.fixture
+def model(tmp_path: Path, tiny_model: Path) -> Path:
+    """A deployable copy of the tiny model (pull writes into <model>/prefix-bundles)."""
+    return Path(shutil.copytree(tiny_model, tmp_path / "deploy" / "tiny"))
+
+
+@pytest.fixture(autouse=True)
+def no_docker_config(tmp_path: Path, monkeypatch):
+    """No credentials from this machine's ~/.docker or environment."""
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "no-docker-config"))
+    monkeypatch.delenv("PREFIX_BUNDLES_REGISTRY_USER", raising=False)
+    monkeypatch.delenv("PREFIX_BUNDLES_REGISTRY_PASSWORD", raising=False)
+    monkeypatch.setattr(oci, "BACKOFF_S", 0.0)
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def published(model: Path) -> list[str]:
+    root = model / "prefix-bundles"
+    return sorted(str(p.relative_to(root)) for p in root.glob("[!.]*/*/*")) if root.exists() else []
+
+
+def artifact(reg: Registry, bundle: Path):
+    """The artifact manifest the registry holds for a local bundle."""
+    name, version = bundle.parent.parent.name, int(bundle.parent.name)
+    client = Client(parse_repo(reg.repo()))
+    try:
+        body, _ = client.get_manifest(tag_of(name, version, bundle.name))
+    finally:
+        client.close()
+    return parse_manifest(body, "test")
+
+
+def test_push_then_pull_round_trip_is_byte_identical_and_mounts(
+    reg: Registry, shop_bundle: Path, model: Path, capsys
+):
+    assert main(["push", str(shop_bundle), "--repo", reg.repo(), "--json"]) == 0
+    pushed = document(PushReport, capsys.readouterr().out)
+    (b,) = pushed.bundles
+    assert (b.status, b.tag, pushed.revision, pushed.commit) == (
+        "pushed",
+        f"shop.V1.{shop_bundle.name}",
+        None,
+        None,
+    )
+    t = pushed.transfer
+    assert t.reused_bytes == 0 and t.moved_bytes == b.bytes
+    # the registry's storage grew by what the client reported (blobs and the manifest)
+    assert reg.stored_bytes() == t.moved_bytes
+    parsed = artifact(reg, shop_bundle)
+    plan = read_layout(shop_bundle / CACHE_FILE, b.tokens)
+    assert len(parsed.blocks) == plan.blocks == -(-b.tokens // plan.block_tokens) > 1
+    assert {f.title for f in parsed.files} == set(files_of(shop_bundle)) - {CACHE_FILE}
+
+    # pushing it again moves no blob
+    assert main(["push", str(shop_bundle), "--repo", reg.repo(), "--json"]) == 0
+    again = document(PushReport, capsys.readouterr().out)
+    assert again.transfer.moved_blobs == 0  # only the manifest is put again
+    assert again.transfer.moved_bytes + again.transfer.reused_bytes == t.moved_bytes
+    assert again.bundles[0].digest == b.digest
+
+    assert main(["pull", "--repo", reg.repo(), "--model", str(model), "--json"]) == 0
+    doc = document(PullReport, capsys.readouterr().out)
+    local = model / "prefix-bundles" / "shop" / "1" / shop_bundle.name
+    assert [(x.status, x.path, x.digest) for x in doc.bundles] == [("pulled", str(local), b.digest)]
+    assert doc.transfer.moved_bytes == b.bytes and doc.transfer.reused_bytes == 0
+    assert files_of(local) == files_of(shop_bundle)
+    assert [x.name for x in mount(model).bundles] == ["shop@1"]
+
+    # pulled again: every block comes from the bundle already there
+    assert main(["pull", "--repo", reg.repo(), "--model", str(model)]) == 0
+    out = capsys.readouterr().out
+    assert f"pulled shop@1 ({b.tokens} tokens) from {reg.repo()}@{b.digest} -> {local}" in out
+    assert f"bytes in {plan.blocks} blocks reused from bundles already here" in out
+    assert files_of(local) == files_of(shop_bundle)
+
+
+def test_a_tampered_block_in_the_registry_is_one_error_and_nothing_is_published(
+    reg: Registry, shop_bundle: Path, model: Path, capsys
+):
+    assert main(["push", str(shop_bundle), "--repo", reg.repo()]) == 0
+    block = artifact(reg, shop_bundle).blocks[1]
+    corrupt(reg.blob_file(block.digest))
+    capsys.readouterr()
+    assert main(["pull", "--repo", reg.repo(), "--model", str(model)]) == 1
+    err = capsys.readouterr().err
+    assert err == (
+        f"error: registry {reg.host}: blob {block.digest} of fleet/bundles is not what its "
+        f"manifest lists (got {block.size:,} bytes, {err.split('bytes, ')[1][:21]}, expected "
+        f"{block.size:,} bytes): the registry's copy is damaged or was altered; push the bundle "
+        "again. Nothing was published\n"
+    )
+    assert published(model) == []
+    assert {p.name for p in (model / "prefix-bundles" / ".staging").iterdir()} <= {"locks"}
+
+
+def test_a_swapped_tag_is_one_error_and_nothing_is_published(
+    reg: Registry, shop_bundle: Path, model: Path, capsys
+):
+    """shop@1's artifact put under shop@2's tag: the config names another bundle."""
+    assert main(["push", str(shop_bundle), "--repo", reg.repo()]) == 0
+    client = Client(parse_repo(reg.repo()))
+    body, _ = client.get_manifest(tag_of("shop", 1, shop_bundle.name))
+    client.put_manifest(tag_of("shop", 2, shop_bundle.name), body)
+    client.close()
+    capsys.readouterr()
+    assert main(["pull", "--repo", reg.repo(), "--model", str(model)]) == 1
+    err = capsys.readouterr().err
+    tag = f"shop.V2.{shop_bundle.name}"
+    assert err == (
+        f"error: bundle shop/2/{shop_bundle.name} from registry repo {reg.repo()} (tag {tag}): "
+        f"the tag points at the artifact of shop/1/{shop_bundle.name} (a swapped or re-pointed "
+        "tag); push the bundle again; nothing was published\n"
+    )
+    assert published(model) == []
+
+
+def test_an_interrupted_pull_publishes_nothing(
+    reg: Registry, shop_bundle: Path, model: Path, capsys, monkeypatch
+):
+    assert main(["push", str(shop_bundle), "--repo", reg.repo()]) == 0
+    real, calls = Client._blob_chunks, []
+
+    def breaks(self, digest, size, doing):
+        calls.append(digest)
+        if len(calls) > 8:  # the small files and the first blocks arrive, then the line drops
+            raise httpx.ReadError("connection reset by peer")
+        yield from real(self, digest, size, doing)
+
+    monkeypatch.setattr(Client, "_blob_chunks", breaks)
+    capsys.readouterr()
+    assert main(["pull", "--repo", reg.repo(), "--model", str(model)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: registry {reg.host}: downloading blob sha256:")
+    assert err.endswith("failed after 4 tries (the connection broke); retry the pull: nothing "
+                        "was published\n") and err.count("\n") == 1  # fmt: skip
+    assert published(model) == []
+    assert {p.name for p in (model / "prefix-bundles" / ".staging").iterdir()} <= {"locks"}
+    monkeypatch.setattr(Client, "_blob_chunks", real)  # the next pull completes
+    assert main(["pull", "--repo", reg.repo(), "--model", str(model)]) == 0
+    assert published(model) == [f"shop/1/{shop_bundle.name}"]
+
+
+def test_with_a_trusted_key_an_unsigned_bundle_is_refused_before_any_block_moves(
+    reg: Registry, shop_bundle: Path, model: Path, tmp_path: Path, capsys, monkeypatch
+):
+    key = generate()
+    pub = tmp_path / "release.pub"
+    pub.write_text(key.public_key().file_text())
+    assert main(["push", str(shop_bundle), "--repo", reg.repo()]) == 0
+    blocks = {b.digest for b in artifact(reg, shop_bundle).blocks}
+    fetched: list[str] = []
+    real = Client.stream_blob
+    monkeypatch.setattr(
+        Client, "stream_blob", lambda self, d, n, sink: (fetched.append(d), real(self, d, n, sink))
+    )
+    capsys.readouterr()
+    args = ["pull", "--repo", reg.repo(), "--model", str(model), "--trusted-key", str(pub)]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: bundle shop/1/{shop_bundle.name} from registry repo ")
+    assert "manifest.json.minisig is missing" in err and err.count("\n") == 1
+    assert fetched and not blocks & set(fetched) and published(model) == []
+
+    signed = tmp_path / "signed" / "shop" / "1" / shop_bundle.name
+    shutil.copytree(shop_bundle, signed)
+    sign_bundle(signed, key)
+    assert main(["push", str(signed), "--repo", reg.repo()]) == 0
+    assert main(args) == 0
+    assert files_of(model / "prefix-bundles" / "shop" / "1" / shop_bundle.name) == files_of(signed)
+
+
+def test_basic_auth_from_the_docker_config_and_a_wrong_password(
+    tmp_path: Path, shop_bundle: Path, model: Path, capsys, monkeypatch
+):
+    with registry(tmp_path / "auth-registry", users={"ci": "s3cret-pass"}) as reg:
+        assert main(["push", str(shop_bundle), "--repo", reg.repo()]) == 1
+        assert capsys.readouterr().err == (
+            f"error: registry {reg.host}: checking blob sha256:"
+            f"{_first_digest(shop_bundle)}: not authorized (HTTP 401, without credentials); log "
+            "in with 'docker login' (read from ~/.docker/config.json) or set "
+            "PREFIX_BUNDLES_REGISTRY_USER and PREFIX_BUNDLES_REGISTRY_PASSWORD\n"
+        )
+        config = tmp_path / "docker"
+        config.mkdir()
+        auth = base64.b64encode(b"ci:s3cret-pass").decode()
+        (config / "config.json").write_text(json.dumps({"auths": {reg.host: {"auth": auth}}}))
+        monkeypatch.setenv("DOCKER_CONFIG", str(config))
+        assert main(["push", str(shop_bundle), "--repo", reg.repo()]) == 0
+        assert main(["pull", "--repo", reg.repo(), "--model", str(model)]) == 0
+        capsys.readouterr()
+
+        monkeypatch.setenv("PREFIX_BUNDLES_REGISTRY_USER", "ci")
+        monkeypatch.setenv("PREFIX_BUNDLES_REGISTRY_PASSWORD", "wrong")
+        assert main(["pull", "--repo", reg.repo(), "--model", str(model)]) == 1
+        assert capsys.readouterr().err == (
+            f"error: registry {reg.host}: listing tags: not authorized (HTTP 401, as 'ci'); log "
+            "in with 'docker login' (read from ~/.docker/config.json) or set "
+            "PREFIX_BUNDLES_REGISTRY_USER and PREFIX_BUNDLES_REGISTRY_PASSWORD\n"
+        )
+
+
+def _first_digest(bundle: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256((bundle / "SHA256SUMS").read_bytes()).hexdigest()[:12]
+
+
+def test_a_registry_that_is_down_is_one_line(shop_bundle: Path, capsys):
+    from registry_env import free_port
+
+    host = f"127.0.0.1:{free_port()}"
+    assert main(["push", str(shop_bundle), "--repo", f"oci://{host}/fleet/bundles"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: registry {host}: checking blob sha256:")
+    assert "failed after 4 tries (ConnectError" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    "repo",
+    ["oci://", "oci://host", "oci://host/UPPER/case", "oci://host/a//b"],
+)
+def test_a_bad_oci_repo_is_one_line(repo: str, shop_bundle: Path, capsys):
+    assert main(["push", str(shop_bundle), "--repo", repo]) == 1
+    assert capsys.readouterr().err == (
+        f"error: --repo {repo!r} is not an OCI repository; pass it as "
+        "oci://HOST[:PORT]/NAMESPACE/NAME (lower-case path components)\n"
+    )
+
+
+# --- a new version moves only its new blocks ------------------------------------------------------
+
+
+def test_a_child_moves_only_its_new_blocks_each_way(
+    reg: Registry, tmp_path: Path, tiny_model: Path, model: Path, capsys
+):
+    """At the default build settings: v2 appends a sentence (~2 % of its tokens) to a system
+    text of ~900 tokens (no tools: the template puts them after the system text)."""
+    root = tmp_path / "project"
+    toml = write_definition(root, tiny_model)
+    base = " ".join([SYSTEM] * 8)
+    text = toml.read_text().replace('tools_file = "shop/tools.json"\n', "")
+    toml.write_text(text.replace(json.dumps(SYSTEM), json.dumps(base)))
+    v1 = build_bundle(root, check=False)
+    toml.write_text(
+        toml.read_text()
+        .replace("version = 1", "version = 2")
+        .replace(json.dumps(base), json.dumps(base + MORE))
+    )
+    v2 = build_bundle(root, check=False)
+    from pipeline.format.bundle_folder import read_manifest
+
+    shared = read_manifest(v2, None).parent.reused_tokens
+    assert main(["push", str(v1), "--repo", reg.repo()]) == 0
+    assert main(["pull", "--repo", reg.repo(), "--model", str(model)]) == 0
+    capsys.readouterr()
+    before = reg.stored_bytes()
+
+    assert main(["push", str(v2), "--repo", reg.repo(), "--json"]) == 0
+    pushed = document(PushReport, capsys.readouterr().out)
+    parsed = artifact(reg, v2)
+    plan = read_layout(v2 / CACHE_FILE, pushed.bundles[0].tokens)
+    whole = shared // plan.block_tokens  # blocks below the shared token: the parent's bytes
+    new_blocks = sum(b.size for b in parsed.blocks[whole:])
+    per_token = sum(s.lead * s.row for s in plan.token_spans)
+    assert new_blocks == (plan.tokens - whole * plan.block_tokens) * per_token
+    others = pushed.bundles[0].bytes - sum(b.size for b in parsed.blocks)
+    t = pushed.transfer
+    assert t.reused_blobs == whole > 0
+    assert t.moved_bytes == new_blocks + others
+    assert reg.stored_bytes() - before == t.moved_bytes  # storage grew by what moved
+    assert t.moved_bytes < 0.10 * pushed.bundles[0].bytes
+
+    assert main(["pull", "--repo", reg.repo(), "--model", str(model), "--json"]) == 0
+    pulled = document(PullReport, capsys.readouterr().out)
+    assert pulled.transfer.reused_blobs == whole
+    assert pulled.transfer.moved_bytes == t.moved_bytes
+    local = model / "prefix-bundles" / "shop" / "2" / v2.name
+    assert files_of(local) == files_of(v2)
+    assert {p.media_type for p in parsed.blocks} == {BLOCK_TYPE}
