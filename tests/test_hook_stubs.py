@@ -125,3 +125,28 @@ def test_each_stub_has_the_methods_and_parameters_of_the_installed_class(server:
     stub = StubMemoryAwarePrefixCache
     assert real["fetch"][:2] == list(inspect.signature(stub.fetch).parameters)
     assert real["store"][:3] == list(inspect.signature(stub.store).parameters)
+
+
+def test_mlx_openai_servers_handler_mounts_only_what_serve_validated(
+    shop_bundle, tiny_model, caplog
+):
+    """mlx-openai-server's handler process mounts the bundles again: one that changed after serve
+    validated and logged it is not served there (what serve reported is what is served)."""
+    import logging
+
+    from pipeline.runtime import mount
+    from pipeline.runtime.servers.mlx_openai import keep_what_serve_validated
+    from pipeline.runtime.servers.startup import Mounted
+
+    manager = PromptCacheManager()
+    result = mount(tiny_model, [shop_bundle], manager=manager, model_key=BUNDLE_KEY)
+    mounted = Mounted(tiny_model, manager, result)
+    request = [*result.bundles[0].tokens, 1]
+    keep_what_serve_validated(
+        mounted, {str(shop_bundle): result.bundles[0].manifest.cache.file_sha256}
+    )
+    assert manager.covered(BUNDLE_KEY, request) > 0
+    with caplog.at_level(logging.WARNING, logger="prefix-bundles"):
+        keep_what_serve_validated(mounted, {str(shop_bundle): "0" * 64})
+    assert mounted.result.bundles == [] and manager.covered(BUNDLE_KEY, request) == 0
+    assert "changed after serve validated it" in caplog.text

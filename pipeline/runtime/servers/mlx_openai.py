@@ -85,7 +85,7 @@ def child_worker(model_cfg: dict[str, Any], *rest: Any) -> None:
 
     options = json.loads(os.environ[ENV])
     setup_logging(None)
-    template = options.pop("chat_template")
+    template, validated = options.pop("chat_template"), options.pop("validated")
     model = Path(options["model"])
     if Path(str(model_cfg.get("model_path", ""))).resolve() == model.resolve():
         options.update(model=model, bundles=Path(options["bundles"]))
@@ -93,6 +93,7 @@ def child_worker(model_cfg: dict[str, Any], *rest: Any) -> None:
             if options[key] is not None:
                 options[key] = Path(options[key])
         mounted = mount_for(argparse.Namespace(**options), template)
+        keep_what_serve_validated(mounted, validated)
         install(mounted)
         log.info(
             "%s: %d bundle(s) pinned in the handler process %d",
@@ -105,6 +106,27 @@ def child_worker(model_cfg: dict[str, Any], *rest: Any) -> None:
         if options["warm_up"] is True:
             warm_up_handler(mounted, model_cfg.get("served_model_name") or str(model))
     handler_process._handler_worker(model_cfg, *rest)  # the child's module is not patched
+
+
+def keep_what_serve_validated(mounted: Mounted, validated: dict[str, str]) -> None:
+    """The handler process serves exactly what serve validated and reported ({bundle path: cache
+    sha256}): a bundle that changed or appeared in between is unpinned with a WARNING (a remount
+    takes it), one that is gone is named."""
+    for b in list(mounted.result.bundles):
+        if validated.get(str(b.path)) != b.manifest.cache.file_sha256:
+            mounted.result.bundles.remove(b)
+            mounted.manager.unpin(BUNDLE_KEY, b.name)
+            log.warning(
+                "%s: %s changed after serve validated it: not mounted in the handler process "
+                "(SIGHUP or the admin endpoint mounts it)",
+                SERVER,
+                b.path,
+            )
+    mounted_paths = {str(b.path) for b in mounted.result.bundles}
+    for path in sorted(set(validated) - mounted_paths):
+        log.warning(
+            "%s: %s was validated by serve but is gone from the handler process", SERVER, path
+        )
 
 
 def warm_up_handler(mounted: Mounted, model: str) -> None:
@@ -162,6 +184,10 @@ def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
     }
     options["trusted_key"] = [str(p) for p in options.get("trusted_key") or []]
     options["chat_template"] = template
+    # what this process validated and logged: the handler mounts exactly that
+    options["validated"] = {
+        str(b.path): b.manifest.cache.file_sha256 for b in mounted.result.bundles
+    }
     os.environ[ENV] = json.dumps(options)
     del mounted  # the child mounts its own copy; this process only serves HTTP
 
