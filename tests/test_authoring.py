@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,9 @@ def test_new_from_an_anthropic_request_keeps_its_blocks_and_tools(
     assert code == 0 and "vllm-mlx's own request code" in out, err
     assert "note: system.0 is a per-request x-anthropic-billing-header: line: left out" in err
     assert "error:" not in err  # a note, not a failure
+    if find_spec("vllm_mlx") is None:  # `new` says this environment cannot build it
+        assert "warning: this environment cannot build it yet: " in err
+        assert "vllm-mlx is not installed" in err
     d = load_definition(prefixes / "cc.toml", tmp_path)
     assert d.spec.api == "anthropic" and d.spec.servers == ["vllm-mlx"]
     assert [m["content"] for m in d.messages] == [b["text"] for b in request["system"][1:]]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.cli.common import load_definitions, note
+from pipeline.cli.common import load_definitions, note, warn
 from pipeline.runtime.servers.tokens import SERVER_NAMES
 
 
@@ -79,4 +79,17 @@ def run(args: argparse.Namespace) -> int:
         f"wrote {path} ({len(tokens):,} tokens for {args.model} as the pinned template renders "
         f"it{how}); build it with 'python build.py build {args.name}'"
     )
+    _warn_unbuildable(definition)
     return 0
+
+
+def _warn_unbuildable(definition) -> None:
+    """One warning when this environment cannot build the definition it just wrote (a server
+    whose request code gives the ids is not installed here)."""
+    from pipeline.builder.server_ids import check_servers
+    from pipeline.format.errors import PipelineError
+
+    try:
+        check_servers(definition)
+    except PipelineError as exc:
+        warn(f"this environment cannot build it yet: {exc}")
