@@ -77,6 +77,22 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> argparse.Argum
         metavar="FILE",
         help="require 'Authorization: Bearer <the file's first line>' on the admin endpoint",
     )
+    p.add_argument(
+        "--snapshots",
+        type=Path,
+        metavar="DIR",
+        help="at a graceful stop (SIGTERM, SIGINT) save the server's hottest prompt-cache entries "
+        "under DIR, signed with this host's key, and mount them at the next start through the "
+        "same validator (they hold client prompts: docs/snapshots.md; mlx-lm only so far; "
+        "default: off)",
+    )
+    p.add_argument(
+        "--snapshot-budget",
+        metavar="SIZE",
+        default="2GiB",
+        help="the most KV bytes --snapshots writes at a stop, hottest entries first (e.g. 512MiB; "
+        "default: 2GiB)",
+    )
     add_trusted_key_option(p)  # each refusal is logged and serve goes on; --strict exits 1
     # unknown options belong to the server; bundles default to <model>/prefix-bundles
     p.set_defaults(func=run, passes_through=True, bundles_near_model=True)
@@ -92,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.runtime.serve import serve
 
     try:
+        _check_snapshots(args)
         return serve(args, args.passthrough, args.argv)
     except (PipelineError, OSError) as exc:
         if not _lingering_threads():
@@ -104,6 +121,22 @@ def run(args: argparse.Namespace) -> int:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         os._exit(1)
+
+
+def _check_snapshots(args: argparse.Namespace) -> None:
+    """--snapshots only where the server's hook declares it can list and restore its entries."""
+    import importlib
+
+    from pipeline.runtime.servers import HOOKS
+
+    if args.snapshots is None:
+        return
+    hook = importlib.import_module(HOOKS[args.server])
+    if not getattr(hook, "SNAPSHOTS", False):
+        raise PipelineError(
+            f"--snapshots is not supported with --server {args.server} yet (so far only with "
+            "the default server, mlx-lm); serve without --snapshots, or with --server mlx-lm"
+        )
 
 
 def _lingering_threads() -> list[threading.Thread]:

@@ -32,6 +32,8 @@ def trusted_comment(manifest: Manifest) -> str:
     """The trusted comment a bundle's signature carries: program, name@version, model folder."""
     m = manifest
     folder = model_folder(m.model.slug, m.model.fingerprint)
+    if m.prefix is None:  # a runtime snapshot: its build key names it
+        return f"{COMMENT_PROGRAM} snapshot:{m.build_key[:16]} {folder}"
     return f"{COMMENT_PROGRAM} {m.prefix.name}@{m.prefix.version} {folder}"
 
 

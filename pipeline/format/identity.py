@@ -35,7 +35,11 @@ class IdentityCheck:
 def identity_checks(manifest: Manifest, identity: ModelIdentity) -> list[IdentityCheck]:
     """The comparisons that decide whether a bundle fits the served model, in refusal order."""
     m = manifest.model
-    rebuild = f"rebuild it with 'python build.py build {manifest.prefix.name} --model <this model>'"
+    rebuild = (
+        f"rebuild it with 'python build.py build {manifest.prefix.name} --model <this model>'"
+        if manifest.prefix is not None
+        else "a snapshot is used only by the model that wrote it (serve writes a new one at its next stop)"
+    )
     never_hit = (
         "the server renders prompts with another template, so this bundle could never be hit; "
         f"serve with the bundle's template (--chat-template) or {rebuild}"

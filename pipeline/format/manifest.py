@@ -11,7 +11,8 @@ Format 3 (this release) adds what tells two builders apart and what a parent was
 - `parent.kind` and `parent.stored_dtype`: a child continues its parent's stored KV at the exact
   shared token (required with a parent); `fidelity.inherited`: the parent's serving-path
   comparison, for a child that did not run its own;
-- `kind`: "prefix" (the place for runtime snapshots' own kind);
+- `kind`: "prefix", or "snapshot" for a runtime snapshot (`serve --snapshots`: a server's own
+  prompt-cache entry saved at a graceful stop; no prefix or text, a `snapshot` record instead);
 - rapid-mlx among the servers a request's ids follow, and the `developer` role.
 A format 2 manifest is still read and served; it is never continued as a parent (nothing in it says
 which kernels made it).
@@ -230,13 +231,29 @@ class RequestInfo(Record):
     tokenization: Annotated[list[ServerName], Field(max_length=len(SERVER_NAMES))] = []
 
 
+ManifestKind = Literal["prefix", "snapshot"]
+
+
+class SnapshotInfo(Record):
+    """What a runtime snapshot was (kind "snapshot"): a server's own prompt-cache entry, written
+    by `serve --snapshots` at a graceful stop and signed with that host's key."""
+
+    server: ServerName  # whose prompt cache held it
+    source: Short  # how it was produced: e.g. "mlx_lm.server prompt cache (assistant)"
+    # it continues quantized KV (its own, or that of a lossy bundle or snapshot it may descend
+    # from): held to the lossy reuse rule when mounted, whatever its stored classes say
+    lossy: bool
+    continued_from: Short | None = None  # NAME@VERSION of a mounted bundle covering its opening
+    rank: Annotated[int, Field(ge=0, le=1 << 20)]  # 0: the hottest entry of its set
+
+
 class Manifest(Record):
     """Everything a bundle's validity depends on; deterministic for identical inputs."""
 
     format_version: Literal[2, 3]
-    kind: Literal["prefix"] | None = None  # format 3: "prefix" (runtime snapshots get their own)
-    prefix: PrefixInfo
-    text: TextInfo
+    kind: ManifestKind | None = None  # format 3: "prefix" or "snapshot"
+    prefix: PrefixInfo | None = None  # a prefix bundle's (required there); a snapshot has none
+    text: TextInfo | None = None  # a prefix bundle's rendered text (required there)
     tokens: TokenInfo
     model: ModelInfo
     cache: CacheInfo
@@ -245,6 +262,7 @@ class Manifest(Record):
     build_key: Hex64
     parent: ParentInfo | None = None  # absent for a build from token 0
     request: RequestInfo | None = None  # absent before requests were recorded, or with documents
+    snapshot: SnapshotInfo | None = None  # kind "snapshot" only
 
     @model_validator(mode="after")
     def _fields_of_its_format(self) -> Manifest:
@@ -269,6 +287,25 @@ class Manifest(Record):
             raise ValueError(
                 "parent.kind, parent.stored_dtype and fidelity.inherited are format 3 fields"
             )
+        return self._fields_of_its_kind()
+
+    def _fields_of_its_kind(self) -> Manifest:
+        """A prefix bundle has prefix and text; a snapshot has its snapshot record, no prefix,
+        text, parent or request."""
+        if self.kind == "snapshot":
+            extra = [k for k in ("prefix", "text", "parent", "request") if getattr(self, k)]
+            if self.snapshot is None or extra:
+                raise ValueError(
+                    f"a snapshot manifest has a snapshot record and no {', '.join(extra) or 'prefix'}"
+                )
+            return self
+        missing = [k for k in ("prefix", "text") if getattr(self, k) is None]
+        if missing or self.snapshot is not None:
+            raise ValueError(
+                f"a prefix manifest requires {' and '.join(missing)}"
+                if missing
+                else "snapshot is a field of snapshot manifests (kind snapshot)"
+            )
         return self
 
 
@@ -281,6 +318,9 @@ def manifest_bytes(manifest: Manifest) -> bytes:
         exclude["parent"] = True
     if manifest.request is None:
         exclude["request"] = True
+    for name in ("prefix", "text", "snapshot"):  # a prefix bundle has no snapshot, and back
+        if getattr(manifest, name) is None:
+            exclude[name] = True
     if manifest.format_version == 2:  # absent fields of format 2, as its builders wrote them
         exclude["kind"] = True
         exclude["builder"] = {"kernels"}

@@ -73,18 +73,20 @@ def validate(
     load: bool = False,
     trust_memo: bool = False,
     trusted_keys: Sequence[PublicKey] = (),
+    kind: str = "prefix",
 ) -> Validated:
     """Check everything about a bundle for a model; load its cache when asked. BundleError if not.
 
     trust_memo lets a file this user already hashed in full, unchanged since by its stat, skip the
     re-hash (mount's restart path); verify passes False and always hashes in full. With
     trusted_keys (pipeline.format.signature.read_trusted_keys), the bundle must carry a valid
-    signature by one of them.
+    signature by one of them. `kind`: "prefix" (a bundle) or "snapshot" (serve --snapshots); a
+    manifest of the other kind is refused.
     """
     bundle = Path(bundle)
     stage = ["files"]
     try:
-        return _validate(bundle, identity, load, trust_memo, stage, tuple(trusted_keys))
+        return _validate(bundle, identity, load, trust_memo, stage, tuple(trusted_keys), kind)
     except BundleError as exc:
         exc.check = stage[0]
         raise
@@ -107,6 +109,7 @@ def _validate(
     trust_memo: bool,
     stage: list[str],
     trusted_keys: tuple[PublicKey, ...] = (),
+    kind: str = "prefix",
 ) -> Validated:
     check_folder(bundle)
     stage[0] = "checksums"
@@ -119,6 +122,7 @@ def _validate(
         signature = check_signature(bundle, manifest_bytes, trusted_keys)
     stage[0] = "manifest"
     manifest = parse_manifest(bundle, manifest_bytes)
+    check_kind(bundle, manifest, kind)
     if signature is not None:
         check_binding(bundle, signature, manifest)
     # --- end signature ---
@@ -155,7 +159,7 @@ CHECKS = (
     ("files", "only SHA256SUMS, manifest.json, cache.safetensors (+ build-report.json, manifest.json.minisig), all regular files"),
     ("checksums", "SHA256SUMS lists both files; manifest.json matches it"),
     ("signature", "with trusted keys: manifest.json.minisig by one of them verifies over manifest.json's bytes"),
-    ("manifest", "manifest.json fits the strict schema; a signature's trusted comment names this prefix, version and model"),
+    ("manifest", "manifest.json fits the strict schema and is of the kind asked for (prefix or snapshot); a signature's trusted comment names this prefix, version and model"),
     ("location", "a folder in the <name>/<version>/<slug>-<fp> layout is where its manifest says"),
     ("mlx-lm", "the bundle's and the installed mlx-lm are supported; the cache-file layout is the builder's"),
     ("identity", "model weights/config, tokenizer and chat template fingerprints match"),
@@ -166,6 +170,18 @@ CHECKS = (
 )  # fmt: skip
 
 
+def check_kind(bundle: Path, manifest: Manifest, kind: str) -> None:
+    """A snapshot is never mounted as a prefix bundle, nor a bundle as a snapshot."""
+    found = manifest.kind or "prefix"
+    if found != kind:
+        raise refuse(
+            bundle,
+            f"its manifest is of kind {found}, not {kind} (a {found} is never used as a {kind}); "
+            "move it out of this folder",
+            "kind",
+        )
+
+
 def check_location(bundle: Path, manifest: Manifest) -> None:
     """A bundle kept in the layout <name>/<version>/<slug>-<fp12> must sit where its manifest says.
 
@@ -173,7 +189,9 @@ def check_location(bundle: Path, manifest: Manifest) -> None:
     copied anywhere else (no such layout) is judged by its contents alone.
     """
     path = Path(os.path.abspath(bundle))
-    if not (LAYOUT_FOLDER.match(path.name) and parse_version(path.parent.name) is not None):
+    if manifest.prefix is None or not (
+        LAYOUT_FOLDER.match(path.name) and parse_version(path.parent.name) is not None
+    ):
         return
     m = manifest
     want = (m.prefix.name, str(m.prefix.version), model_folder(m.model.slug, m.model.fingerprint))
@@ -198,6 +216,14 @@ def check_runtime(bundle: Path, manifest: Manifest) -> None:
             bundle,
             f"it was built with mlx-lm {manifest.builder.mlx_lm}, outside the supported range "
             f"{SUPPORTED_RANGE}; rebuild it under a supported mlx-lm",
+            "builder.mlx_lm",
+        )
+    if manifest.kind == "snapshot" and manifest.builder.mlx_lm != installed:
+        raise refuse(
+            bundle,
+            f"the snapshot was written under mlx-lm {manifest.builder.mlx_lm}, this is "
+            f"{installed}: a snapshot is used only by the library that wrote it (serve writes a "
+            "new one at its next stop)",
             "builder.mlx_lm",
         )
     if manifest.cache.layout != built:

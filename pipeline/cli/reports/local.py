@@ -15,6 +15,7 @@ from pipeline.format.manifest import (
     ParentInfo,
     PrefixInfo,
     RequestInfo,
+    SnapshotInfo,
     TextInfo,
     TokenInfo,
 )
@@ -89,8 +90,10 @@ class InspectReport(Report):
     bundle: str
     files: dict[str, int] = Field(description="regular files in the bundle folder: bytes")
     format_version: Literal[2, 3] | None
-    kind: Literal["prefix"] | None = Field(
-        None, description='"prefix" (format 3); null: format 2, or the manifest cannot be read'
+    kind: Literal["prefix", "snapshot"] | None = Field(
+        None,
+        description='"prefix" or "snapshot" (serve --snapshots; format 3); null: format 2, or '
+        "the manifest cannot be read",
     )
     prefix: PrefixInfo | None
     text: TextInfo | None
@@ -108,6 +111,9 @@ class InspectReport(Report):
         None,
         description="the prefix as a chat request, re-tokenized by serve --server NAME through "
         "NAME's own request code; null: built before requests were recorded, or with documents",
+    )
+    snapshot: SnapshotInfo | None = Field(
+        None, description="a runtime snapshot's record (kind snapshot); null: a prefix bundle"
     )
     signature: SignatureReport | None = Field(
         None, description="manifest.json.minisig as written; null: the bundle is unsigned"

@@ -8,6 +8,10 @@ subclass that answers from the mounted bundles when they cover more of the promp
 server's own entries, and hands the batched path only caches it can merge), `ModelProvider`
 (optional warm-up) and `ResponseGenerator` (a dead generation thread ends the process; the prompt
 cache is told which path fetches). Everything else (options, HTTP, generation) is mlx_lm.server's.
+
+With `--snapshots DIR` (SNAPSHOTS: this hook supports them) the prompt cache also answers from the
+snapshots restored at startup (pipeline.runtime.snapshots), stamps each entry it stores, and at a
+graceful stop (SIGTERM, SIGINT) its entries are listed (`listed_entries`) and saved.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from typing import Any
 from pipeline.format.errors import PipelineError
 from pipeline.runtime.lookup import lookup
 from pipeline.runtime.mount import MountedBundle
-from pipeline.runtime.prompt_cache import PromptCacheManager, at_least_one_left
+from pipeline.runtime.prompt_cache import PromptCacheManager, at_least_one_left, is_lossy
 from pipeline.runtime.servers.startup import (
     BUNDLE_KEY,
     check_tokenization,
@@ -34,29 +38,120 @@ from pipeline.runtime.servers.startup import (
     passed_option,
     start,
 )
+from pipeline.runtime.snapshot_store import Entry
+from pipeline.runtime.snapshots import Snapshots, parse_size
 
 log = logging.getLogger("prefix-bundles")
 SERVER = "mlx_lm.server"
 ADDRESS = ("127.0.0.1", 8080)  # where it binds when its options do not say
+SNAPSHOTS = True  # serve --snapshots: this hook lists and restores its server's entries
 
 
-def bundled_prompt_cache_class(manager: PromptCacheManager, model_path: str) -> type:
-    """A LRUPromptCache subclass that also answers from the bundles pinned in `manager`, and hands
-    the batched path only caches it can merge (see pipeline.runtime.batching)."""
+def bundled_prompt_cache_class(
+    manager: PromptCacheManager, model_path: str, snapshots: Snapshots | None = None
+) -> type:
+    """A LRUPromptCache subclass that also answers from the bundles pinned in `manager` (and the
+    restored `snapshots`), and hands the batched path only caches it can merge (see
+    pipeline.runtime.batching)."""
     from mlx_lm.server import LRUPromptCache
 
     class BundledPromptCache(LRUPromptCache):
         single_path = False  # True while the ResponseGenerator serves a request on its own
+        instances: list[Any] = []  # the server's instance, listed at a graceful stop
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.stamps: dict[tuple[int, ...], int] = {}  # recency, for snapshots
+            BundledPromptCache.instances.append(self)
 
         def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
             own = super().fetch_nearest_cache
             if model != (model_path, None, None) or not tokens:
                 return at_least_one_left(lambda t: own(model, t), tokens)
-            return lookup(
-                SERVER, manager, BUNDLE_KEY, tokens, lambda t: own(model, t), not self.single_path
-            )
+            fetch = lambda t: own(model, t)  # noqa: E731
+            if snapshots is not None:
+                fetch = with_snapshots(fetch, snapshots, manager)
+            return lookup(SERVER, manager, BUNDLE_KEY, tokens, fetch, not self.single_path)
+
+        def insert_cache(self, model: Any, tokens: list[int], *args: Any, **kwargs: Any) -> None:
+            super().insert_cache(model, tokens, *args, **kwargs)
+            if snapshots is not None:
+                # on the generation thread: its arrays are lazy on that thread's stream, which
+                # the main thread that saves them at a stop cannot evaluate
+                evaluate(args[0] if args else kwargs.get("prompt_cache"))
+                self.stamps[tuple(tokens)] = snapshots.tick()
+                if len(self.stamps) > 4 * max(len(self), 16):  # forget evicted entries' stamps
+                    live = {tuple(t) for lru in self._lru._lrus.values() for _, t in lru}
+                    self.stamps = {k: v for k, v in self.stamps.items() if k in live}
 
     return BundledPromptCache
+
+
+def evaluate(cache: Any) -> None:
+    """Evaluate every array a prompt cache holds, on this thread."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    states = [layer.state for layer in cache or []]
+    mx.eval([a for _, a in tree_flatten(states) if isinstance(a, mx.array)])
+
+
+def with_snapshots(own: Any, snapshots: Snapshots, manager: PromptCacheManager) -> Any:
+    """The server's own fetch, or a restored snapshot where it covers more than both the
+    server's own entry and every pinned bundle (a tie goes to those: a snapshot never beats an
+    exact bundle). A server entry sharing its opening with a lossy snapshot is held to its rule."""
+
+    def fetch(tokens: list[int]) -> tuple[Any, list[int]]:
+        cache, rest = own(tokens)
+        covered = len(tokens) - len(rest) if cache is not None else 0
+        if cache is not None and covered < snapshots.lossy_floor(tokens):
+            cache, rest, covered = None, tokens, 0
+        bundle = manager.covered(BUNDLE_KEY, tokens)
+        found, keep, name = snapshots.fetch(tokens, max(covered, bundle))
+        if found is None:
+            return cache, rest
+        log.info(
+            "%s request: snapshot %s covers %d of %d prompt tokens", SERVER, name, keep, len(tokens)
+        )
+        return found, list(tokens[keep:])
+
+    return fetch
+
+
+def listed_entries(
+    prompt_cache: Any, model_key: Any, manager: PromptCacheManager, snapshots: Snapshots,
+    bundles: list[Any],
+) -> list[tuple[int, Entry]]:  # fmt: skip
+    """mlx_lm.server's own prompt-cache entries for the served model, with their recency stamps
+    (mlx-lm 0.32's LRUPromptCache keeps (model, tokens) per cache type in `_lru._lrus` and the
+    entries in `_trie`). Tokens are cut to what the cache holds (a last sampled token was never
+    fed to it); lossiness is recorded as the lookup rule sees it now."""
+    listed = []
+    for cache_type, lru in prompt_cache._lru._lrus.items():
+        for model, tokens in list(lru):
+            if model != model_key:
+                continue
+            cache = prompt_cache._trie.get(model, tokens).prompt_cache
+            offsets = {getattr(layer, "offset", None) for layer in cache}
+            held = offsets.pop() if len(offsets) == 1 else None
+            if not isinstance(held, int) or held > len(tokens) or held < 1:
+                continue
+            ids = list(tokens[:held])
+            lossy = (
+                is_lossy(cache)
+                or manager.lossy_floor(BUNDLE_KEY, ids) > 0
+                or snapshots.lossy_floor(ids) > 0
+            )
+            source = f"mlx_lm.server prompt cache ({cache_type})"
+            stamp = prompt_cache.stamps.get(tuple(tokens), 0)
+            listed.append((stamp, Entry(ids, cache, source, lossy, continued_from(ids, bundles))))
+    return listed
+
+
+def continued_from(ids: list[int], bundles: list[Any]) -> str | None:
+    """NAME@VERSION of the longest mounted bundle whose tokens open `ids`."""
+    heads = [b for b in bundles if len(b.tokens) <= len(ids) and ids[: len(b.tokens)] == b.tokens]
+    return max(heads, key=lambda b: len(b.tokens)).name if heads else None
 
 
 class GenerationDeath:
@@ -236,11 +331,13 @@ def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
     mounted = start(args, rest, argv, unusable=lambda b: unusable_reason(b, rest))
     check_tokenization("mlx-lm", mounted)
     manager = mounted.manager
+    snapshots = start_snapshots(args, rest, mounted)
 
     import mlx_lm.server as server
 
     death, ready = GenerationDeath(), threading.Event()
-    server.LRUPromptCache = bundled_prompt_cache_class(manager, args.model)
+    cache_class = bundled_prompt_cache_class(manager, args.model, snapshots)
+    server.LRUPromptCache = cache_class
     # default on (bench case servers: first request / hit 1.35x without, 0.92x with)
     server.ModelProvider = warming_model_provider_class(manager, args.warm_up is not False, ready)
     open_port_when_ready(server, ready, death)
@@ -254,4 +351,38 @@ def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
             raise
     if death.cause is not None:
         raise death.error()
+    if snapshots is not None and cache_class.instances:  # a graceful stop: the server has joined
+        listed = listed_entries(
+            cache_class.instances[0], (args.model, None, None), manager, snapshots,
+            mounted.result.bundles,
+        )  # fmt: skip
+        snapshots.save(listed, lambda ids: manager.covered(BUNDLE_KEY, ids))
     return 0
+
+
+def start_snapshots(args: argparse.Namespace, rest: list[str], mounted: Any) -> Snapshots | None:
+    """With --snapshots: lock the folder, restore its newest set after the bundles, and make
+    SIGTERM stop the server gracefully (as SIGINT does) so that the entries are saved."""
+    if getattr(args, "snapshots", None) is None:
+        return None
+    if passed_option(rest, "--adapter-path") or passed_option(rest, "--draft-model"):
+        raise PipelineError(
+            "--snapshots with --adapter-path or --draft-model: the server's entries then belong "
+            "to a model the snapshots do not record; serve without one of them"
+        )
+    budget = parse_size(getattr(args, "snapshot_budget", None) or "2GiB")
+    template = passed_option(rest, "--chat-template")
+    snapshots = Snapshots(args.snapshots, budget, args.model, template, "mlx-lm")
+    snapshots.restore([b.tokens for b in mounted.result.bundles])
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+    return snapshots
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM as SIGINT: mlx_lm.server stops its HTTP server and joins its generation thread.
+    A second SIGTERM (a supervisor and its wrapper both sending one) is ignored, so it cannot cut
+    the stop short; SIGKILL still can (the previous snapshot set then stays)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    log.info("SIGTERM: stopping, then saving snapshots (SIGKILL keeps the previous set)")
+    raise KeyboardInterrupt

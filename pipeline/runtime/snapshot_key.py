@@ -1,0 +1,83 @@
+"""The host key that signs runtime snapshots (`serve --snapshots`): created on first use, kept
+outside the snapshot folder, owner-only.
+
+A snapshot is a hidden prompt: serve mounts one only when its own host key signed it, so a
+snapshot someone else wrote into the folder (another host, an edited file with its sums
+recomputed) is refused. The key is an unencrypted minisign secret key (`minisign -W` format).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from pipeline.format.errors import PipelineError
+
+KEY_NAME = "snapshot-host.key"
+APP_FOLDER = "mlx-prefix-bundles"
+
+
+def default_key_path() -> Path:
+    """$XDG_CONFIG_HOME/mlx-prefix-bundles/snapshot-host.key (default ~/.config/...)."""
+    base = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(base) / APP_FOLDER / KEY_NAME
+
+
+def host_key(path: Path | None = None):  # -> pipeline.format.secret_key.SecretKey
+    """The host's snapshot key: read, or created (0600 in a 0700 folder) when there is none."""
+    # imported here: cryptography is paid for only by a serve that writes snapshots
+    from pipeline.format.secret_key import generate, parse_secret_key, secret_key_text
+
+    path = Path(path or default_key_path())
+    _private_folder(path.parent)
+    if not os.path.lexists(path):
+        _create(path, secret_key_text(generate(), None))
+    _check_private(path, "file", 0o077)
+    try:
+        return parse_secret_key(path.read_text(encoding="ascii"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise PipelineError(
+            f"snapshot host key {path} cannot be read ({exc}); delete it (serve makes a new one, "
+            "and the snapshots signed by the old one are no longer mounted)"
+        ) from None
+
+
+def _private_folder(folder: Path) -> None:
+    """Create the key's folder owner-only, or check that it is."""
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_private(folder, "folder", 0o022)
+
+
+def _check_private(path: Path, what: str, forbidden: int) -> None:
+    """The key (and its folder) is a regular file (folder) of this user that others cannot
+    change (nor, for the key, read)."""
+    st = os.lstat(path)
+    kind_ok = stat.S_ISDIR(st.st_mode) if what == "folder" else stat.S_ISREG(st.st_mode)
+    if not kind_ok or st.st_uid != os.getuid() or st.st_mode & forbidden:
+        mode = "0700" if what == "folder" else "0600"
+        raise PipelineError(
+            f"snapshot host key {what} {path} must be a {what} of this user with mode {mode} "
+            f"(found mode {stat.S_IMODE(st.st_mode):04o}, owner uid {st.st_uid}); "
+            f"fix it with 'chmod {mode[1:]} {path}' or remove it"
+        )
+
+
+def _create(path: Path, text: str) -> None:
+    """Write the key once, atomically (a concurrent first start keeps the first key)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="ascii") as out:
+            out.write(text)
+            out.flush()
+            os.fsync(out.fileno())
+        try:
+            os.link(tmp, path)  # fails if another process created it first
+        except FileExistsError:
+            pass
+    finally:
+        os.unlink(tmp)
+
+
+__all__ = ["default_key_path", "host_key"]

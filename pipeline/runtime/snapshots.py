@@ -1,0 +1,236 @@
+"""What a server learned survives its restart (`serve --snapshots DIR`): its hottest prompt-cache
+entries saved at a graceful stop, mounted at the next start through the one validator.
+
+A hook lists its server's entries (`Entry`, with a recency stamp from `Snapshots.tick`) and asks
+`Snapshots.fetch` inside its lookup; this module chooses what fits the byte budget, writes and
+signs it (pipeline.runtime.snapshot_store), and holds restored snapshots on a shelf that answers
+under the one reuse rule (`reusable_tokens`, `preference`) with the lossiness each snapshot
+recorded. A restored snapshot is never written (requests get copy-on-write copies), and serves a
+request only when it covers more than every pinned bundle: it never beats an exact bundle.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pipeline.format.errors import PipelineError
+from pipeline.format.names import is_name
+from pipeline.runtime.mount import identity_for
+from pipeline.runtime.prompt_cache import (
+    fork_cache,
+    lossy_min_tokens,
+    preference,
+    reusable_tokens,
+)
+from pipeline.runtime.snapshot_key import host_key
+from pipeline.runtime.snapshot_store import Context, Entry, SnapshotFolder, cache_facts, read_set
+
+log = logging.getLogger("prefix-bundles")
+DEFAULT_BUDGET = 2 << 30  # bytes of KV written at a stop (and restored at the next start)
+_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from '2GiB', '512MiB', '1048576'; PipelineError naming the value otherwise."""
+    match = re.fullmatch(r"\s*([0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = match[2].upper() if match else None
+    if match is None or unit not in _UNITS:
+        raise PipelineError(
+            f"--snapshot-budget {text!r} is not a size; write bytes or a number with KiB, MiB, "
+            "GiB or TiB (e.g. 2GiB)"
+        )
+    return int(match[1]) * _UNITS[unit]
+
+
+@dataclass
+class _Shelved:
+    """A restored snapshot: its arrays are never written, only re-wrapped for a request."""
+
+    name: str
+    tokens: np.ndarray
+    cache: list
+    trimmable: bool
+    lossy: bool  # as the snapshot recorded it
+    nbytes: int
+    stamp: int
+
+
+@dataclass
+class SaveReport:
+    saved: int = 0
+    tokens: int = 0
+    nbytes: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+
+
+class Snapshots:
+    """serve's snapshots for one process and one served model: the locked folder, the host key,
+    the shelf of restored snapshots and the recency clock the hook stamps its entries with."""
+
+    def __init__(
+        self, root: Path, budget: int, model_dir: Path, chat_template: str | None, server: str
+    ) -> None:
+        self.folder = SnapshotFolder(root)  # refuses a second serve on the same folder
+        self.budget = budget
+        self.key = host_key()
+        identity = identity_for(Path(model_dir), chat_template)
+        if identity.template is None:
+            raise PipelineError(
+                f"--snapshots: the model {model_dir} has no chat template and none was given; "
+                "a snapshot records the template it is valid for: pass --chat-template"
+            )
+        slug = re.sub(r"[^a-z0-9._-]+", "-", Path(model_dir).resolve().name.lower()).strip("-._")
+        source = "model" if chat_template is None else "serve --chat-template"
+        self.context = Context(
+            server, identity, slug[:64] if is_name(slug[:64]) else "model", source
+        )
+        self._shelf: list[_Shelved] = []
+        self._clock = itertools.count(1)
+        self._lock = threading.Lock()
+
+    def tick(self) -> int:
+        """A recency stamp: larger is more recent (the hook stamps each entry it stores)."""
+        with self._lock:
+            return next(self._clock)
+
+    # --- startup -------------------------------------------------------------------------
+    def restore(self, bundle_tokens: Sequence[Sequence[int]]) -> None:
+        """Mount the newest set through the validator (host key trusted, nothing else); a
+        snapshot whose tokens a mounted bundle holds whole adds nothing and is left out."""
+        start = time.perf_counter()
+        self.folder.tidy()
+        current = self.folder.current()
+        if current is None:
+            log.info(
+                "snapshots: none in %s yet (they are written at a graceful stop)", self.folder.root
+            )
+            return
+        mounted, refused = read_set(current, self.context.identity, self.key.public_key())
+        for exc in refused:
+            log.warning("refused snapshot %s: %s", exc.bundle, exc.reason)
+        bundles = [np.asarray(t, dtype=np.int64) for t in bundle_tokens]
+        kept = []
+        for v in sorted(mounted, key=lambda v: -v.manifest.snapshot.rank):  # coldest first
+            ids = np.asarray(v.tokens, dtype=np.int64)
+            if any(len(ids) <= len(b) and np.array_equal(b[: len(ids)], ids) for b in bundles):
+                continue
+            kept.append(self._shelve(v, ids))
+        nbytes = sum(s.nbytes for s in kept)
+        log.info(
+            "snapshots: restored %d of %d from %s (%d tokens, %.1f MiB), %d refused, in %.1f ms",
+            len(kept), len(mounted) + len(refused), current, sum(len(s.tokens) for s in kept),
+            nbytes / 2**20, len(refused), (time.perf_counter() - start) * 1000,
+        )  # fmt: skip
+
+    def _shelve(self, v: Any, ids: np.ndarray) -> _Shelved:
+        cache = v.cache or []
+        entry = _Shelved(
+            v.path.name, ids, cache, all(layer.is_trimmable() for layer in cache),
+            v.manifest.snapshot.lossy, v.manifest.cache.nbytes, self.tick(),
+        )  # fmt: skip
+        with self._lock:
+            self._shelf.append(entry)
+        return entry
+
+    # --- requests ------------------------------------------------------------------------
+    def fetch(self, tokens: Sequence[int], better_than: int) -> tuple[list | None, int, str]:
+        """(cache, tokens it covers, name) from the best restored snapshot under the reuse rule,
+        only when it covers more than `better_than` tokens (what the bundles or the server's own
+        entries already cover); (None, 0, "") otherwise."""
+        request = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        with self._lock:
+            shelf = list(self._shelf)
+        best, rank = None, (0, False, 0)
+        for s in shelf:
+            keep = reusable_tokens(s.tokens, request, s.trimmable, s.lossy)
+            r = preference(keep, s.lossy, len(s.tokens))
+            if keep > better_than and r > rank:
+                best, rank = s, r
+        if best is None:
+            return None, 0, ""
+        best.stamp = self.tick()
+        return fork_cache(best.cache, len(best.tokens) - rank[0]), rank[0], best.name
+
+    def lossy_floor(self, tokens: Sequence[int]) -> int:
+        """The fewest leading tokens a server entry sharing its opening with a lossy snapshot
+        must cover (it may descend from it; 0: no such snapshot)."""
+        request = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        with self._lock:
+            lossy = [s for s in self._shelf if s.lossy]
+        floors = [
+            lossy_min_tokens(len(s.tokens))
+            for s in lossy
+            if len(request) and s.tokens[0] == request[0]
+        ]
+        return max(floors, default=0)
+
+    # --- shutdown ------------------------------------------------------------------------
+    def save(
+        self, listed: Sequence[tuple[int, Entry]], covered: Callable[[list[int]], int]
+    ) -> None:
+        """Write the hottest of the server's entries (stamp, entry) and the restored snapshots
+        still worth keeping, within the budget, as the new set; one log line."""
+        start = time.perf_counter()
+        chosen, report = self._choose(listed, covered)
+        path = self.folder.write_set(chosen, self.context, self.key)
+        skipped = ", ".join(f"{n} {why}" for why, n in sorted(report.skipped.items()))
+        log.info(
+            "snapshots: saved %d entr%s (%d tokens, %.1f MiB; budget %.1f MiB) to %s in %.1f ms%s",
+            report.saved, "y" if report.saved == 1 else "ies", report.tokens, report.nbytes / 2**20,
+            self.budget / 2**20, path, (time.perf_counter() - start) * 1000,
+            f"; not saved: {skipped}" if skipped else "",
+        )  # fmt: skip
+
+    def _choose(
+        self, listed: Sequence[tuple[int, Entry]], covered: Callable[[list[int]], int]
+    ) -> tuple[list[Entry], SaveReport]:
+        """Hottest first: skip what a chosen entry or a bundle already holds, what cannot be
+        saved, and what no longer fits the budget."""
+        with self._lock:
+            shelf = [
+                (s.stamp, Entry(s.tokens.tolist(), s.cache, f"snapshot {s.name}", s.lossy))
+                for s in self._shelf
+            ]
+        report, chosen, total = SaveReport(), [], 0
+        for _, entry in sorted([*listed, *shelf], key=lambda p: -p[0]):
+            why, size = self._skip(entry, chosen, covered)
+            if why is None and total + size > self.budget:
+                why = "over the budget"
+            if why is not None:
+                report.skipped[why] = report.skipped.get(why, 0) + 1
+                continue
+            chosen.append(entry)
+            total += size
+        report.saved, report.nbytes = len(chosen), total
+        report.tokens = sum(len(e.tokens) for e in chosen)
+        return chosen, report
+
+    @staticmethod
+    def _skip(
+        entry: Entry, chosen: list[Entry], covered: Callable[[list[int]], int]
+    ) -> tuple[str | None, int]:
+        n = len(entry.tokens)
+        if n < 2:
+            return "too short", 0
+        for other in chosen:
+            if len(other.tokens) >= n and other.tokens[:n] == entry.tokens:
+                return "held by a hotter entry", 0
+        if covered(entry.tokens) >= n - 1:
+            return "held by a bundle", 0
+        try:
+            return None, cache_facts(entry.cache)["nbytes"]
+        except PipelineError:
+            return "of a cache kind not saved", 0
+
+
+__all__ = ["DEFAULT_BUDGET", "Entry", "Snapshots", "parse_size"]
