@@ -111,6 +111,12 @@ class SnapshotFolder:
                 f"{self.root / LOCK_FILE}); give each serve its own snapshot folder"
             ) from None
 
+    def close(self) -> None:
+        """Release the folder (the process's exit does it too)."""
+        if self._lock >= 0:
+            os.close(self._lock)
+            self._lock = -1
+
     def sets(self) -> list[tuple[int, Path]]:
         """The complete sets in the folder, newest first."""
         found = [(int(m[1]), p) for p in self.root.iterdir() if (m := SET_NAME.match(p.name))]

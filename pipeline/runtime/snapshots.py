@@ -98,6 +98,10 @@ class Snapshots:
         self._clock = itertools.count(1)
         self._lock = threading.Lock()
 
+    def close(self) -> None:
+        """Release the snapshot folder for another process (exiting does it too)."""
+        self.folder.close()
+
     def tick(self) -> int:
         """A recency stamp: larger is more recent (the hook stamps each entry it stores)."""
         with self._lock:

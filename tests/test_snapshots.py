@@ -1,0 +1,281 @@
+"""serve --snapshots: the server's entries saved at a graceful stop, signed with the host key, and
+mounted at the next start through the one validator (pipeline.runtime.snapshots)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_serve import ROOT, server_process
+
+from pipeline.format.bundle_folder import CACHE_FILE, MANIFEST_FILE, SIGNATURE_FILE, SUMS_FILE
+from pipeline.format.errors import PipelineError
+from pipeline.format.fingerprint import file_digests, sha256_bytes
+from pipeline.format.manifest import Manifest, manifest_bytes
+from pipeline.format.secret_key import generate
+from pipeline.runtime.snapshot_store import Entry
+from pipeline.runtime.snapshots import DEFAULT_BUDGET, Snapshots, parse_size
+
+TOKENS = [(7 * i + 3) % 900 + 10 for i in range(300)]
+
+
+@pytest.fixture
+def host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A host key folder of the test's own (XDG_CONFIG_HOME)."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    return tmp_path / "config" / "mlx-prefix-bundles" / "snapshot-host.key"
+
+
+def prefilled(model_dir: Path, tokens: list[int]) -> list:
+    """The model's prompt cache after `tokens` (what mlx_lm.server keeps after a request)."""
+    import mlx.core as mx
+    from mlx_lm import load
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model, _ = load(str(model_dir))
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.array([tokens]), cache=cache))
+    return cache
+
+
+def save_one(root: Path, model_dir: Path, lossy: bool = False) -> Path:
+    """A set of one snapshot of TOKENS written by serve's code; the snapshot folder."""
+    snaps = Snapshots(root, DEFAULT_BUDGET, model_dir, None, "mlx-lm")
+    entry = Entry(TOKENS, prefilled(model_dir, TOKENS), "test", lossy)
+    snaps.save([(1, entry)], lambda ids: 0)
+    snaps.close()
+    (folder,) = (root / "set-1").iterdir()
+    return folder
+
+
+def restore(root: Path, model_dir: Path, caplog: pytest.LogCaptureFixture) -> Snapshots:
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="prefix-bundles"):
+        snaps = Snapshots(root, DEFAULT_BUDGET, model_dir, None, "mlx-lm")
+        snaps.restore([])
+    return snaps
+
+
+def test_a_saved_snapshot_is_restored_and_serves_under_the_rule(
+    tmp_path: Path, tiny_model: Path, host: Path, caplog
+):
+    folder = save_one(tmp_path / "snaps", tiny_model)
+    manifest = Manifest.model_validate_json((folder / MANIFEST_FILE).read_bytes())
+    assert (manifest.kind, manifest.prefix, manifest.snapshot.lossy) == ("snapshot", None, False)
+    assert manifest.tokens.count == len(TOKENS)
+    assert os.stat(host).st_mode & 0o777 == 0o600
+    assert os.stat(host.parent).st_mode & 0o777 == 0o700
+    assert os.stat(tmp_path / "snaps").st_mode & 0o777 == 0o700
+    assert all(os.stat(p).st_mode & 0o777 == 0o600 for p in folder.iterdir())
+    snaps = restore(tmp_path / "snaps", tiny_model, caplog)
+    assert "snapshots: restored 1 of 1" in caplog.text
+    request = [*TOKENS, 11, 12]
+    cache, keep, name = snaps.fetch(request, better_than=0)
+    assert (keep, name) == (len(TOKENS), folder.name)
+    assert cache[0].offset == len(TOKENS)
+    # it never beats what a bundle (or the server's own entry) already covers
+    assert snaps.fetch(request, better_than=len(TOKENS))[0] is None
+    snaps.close()
+
+
+def test_a_lossy_snapshot_serves_only_its_share(
+    tmp_path: Path, tiny_model: Path, host: Path, caplog
+):
+    save_one(tmp_path / "snaps", tiny_model, lossy=True)
+    snaps = restore(tmp_path / "snaps", tiny_model, caplog)
+    short = [*TOKENS[:100], 5, 6]  # a third of it: an exact entry would serve 100 tokens
+    assert snaps.fetch(short, better_than=0)[0] is None
+    assert snaps.fetch([*TOKENS[:200], 5], better_than=0)[1] == 200
+    assert snaps.lossy_floor(short) == 150
+    snaps.close()
+
+
+def _tamper(folder: Path) -> None:
+    """One K/V byte edited, the manifest's pins and SHA256SUMS recomputed (signature kept)."""
+    data = bytearray((folder / CACHE_FILE).read_bytes())
+    data[-7] ^= 0x40
+    (folder / CACHE_FILE).write_bytes(bytes(data))
+    d = file_digests(folder / CACHE_FILE)
+    m = Manifest.model_validate_json((folder / MANIFEST_FILE).read_bytes())
+    cache = m.cache.model_copy(update={"file_sha256": d.sha256, "file_blake3": d.blake3})
+    text = manifest_bytes(m.model_copy(update={"cache": cache}))
+    (folder / MANIFEST_FILE).write_bytes(text)
+    (folder / SUMS_FILE).write_text(
+        f"{d.sha256}  {CACHE_FILE}\n{sha256_bytes(text)}  {MANIFEST_FILE}\n"
+    )
+
+
+def _other_key(folder: Path) -> None:
+    from pipeline.format.bundle_signature import trusted_comment
+
+    data = (folder / MANIFEST_FILE).read_bytes()
+    comment = trusted_comment(Manifest.model_validate_json(data))
+    (folder / SIGNATURE_FILE).write_bytes(generate().sign(data, comment).file_bytes())
+
+
+def _truncate(folder: Path) -> None:
+    path = folder / CACHE_FILE
+    path.write_bytes(path.read_bytes()[:-1000])
+
+
+REFUSALS = [
+    ("tampered", _tamper, "does not verify over manifest.json"),
+    ("other key", _other_key, "which is not trusted"),
+    ("unsigned", lambda f: (f / SIGNATURE_FILE).unlink(), "manifest.json.minisig is missing"),
+    ("truncated", _truncate, "(truncated or replaced)"),
+]
+
+
+@pytest.mark.parametrize("case, damage, reason", REFUSALS, ids=[r[0] for r in REFUSALS])
+def test_an_altered_snapshot_is_refused_with_one_line(
+    tmp_path: Path, tiny_model: Path, host: Path, caplog, case, damage, reason
+):
+    folder = save_one(tmp_path / "snaps", tiny_model)
+    damage(folder)
+    snaps = restore(tmp_path / "snaps", tiny_model, caplog)
+    refusals = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused")]
+    assert len(refusals) == 1 and reason in refusals[0], caplog.text
+    assert "restored 0 of 1" in caplog.text
+    assert snaps.fetch([*TOKENS, 1], better_than=0)[0] is None
+    snaps.close()
+
+
+def test_a_snapshot_of_another_model_is_refused(
+    tmp_path: Path, tiny_model: Path, tiny_model_other_weights: Path, host: Path, caplog
+):
+    save_one(tmp_path / "snaps", tiny_model)
+    snaps = restore(tmp_path / "snaps", tiny_model_other_weights, caplog)
+    assert "model weights/config mismatch" in caplog.text
+    assert "a snapshot is used only by the model that wrote it" in caplog.text
+    assert "restored 0 of 1" in caplog.text
+    snaps.close()
+
+
+def test_one_serve_per_folder(tmp_path: Path, tiny_model: Path, host: Path):
+    first = Snapshots(tmp_path / "snaps", DEFAULT_BUDGET, tiny_model, None, "mlx-lm")
+    with pytest.raises(PipelineError) as exc:
+        Snapshots(tmp_path / "snaps", DEFAULT_BUDGET, tiny_model, None, "mlx-lm")
+    assert str(exc.value) == (
+        f"--snapshots {tmp_path / 'snaps'} is in use by another serve process (it holds "
+        f"{tmp_path / 'snaps' / '.lock'}); give each serve its own snapshot folder"
+    )
+    first.close()
+
+
+def test_a_stop_cut_short_leaves_the_previous_set(
+    tmp_path: Path, tiny_model: Path, host: Path, caplog
+):
+    save_one(tmp_path / "snaps", tiny_model)
+    (tmp_path / "snaps" / ".staging-1-2" / "00-half").mkdir(parents=True)  # a crash mid-save
+    snaps = restore(tmp_path / "snaps", tiny_model, caplog)
+    assert "restored 1 of 1 from" in caplog.text
+    assert sorted(p.name for p in (tmp_path / "snaps").iterdir()) == [".lock", "set-1"]
+    snaps.close()
+
+
+@pytest.mark.parametrize(
+    "text, size", [("2GiB", 2 << 30), ("512MiB", 512 << 20), ("1000", 1000), ("3 kib", 3072)]
+)
+def test_budget_sizes(text: str, size: int):
+    assert parse_size(text) == size
+
+
+def test_a_budget_that_is_not_a_size():
+    with pytest.raises(PipelineError, match="--snapshot-budget '2 GB' is not a size"):
+        parse_size("2 GB")
+
+
+# --- end to end: the real mlx_lm.server through build.py serve ------------------------------
+
+SYSTEM = "You are a careful archivist. " + " ".join(
+    f"Record {i}: shelf {i % 17}, box {i % 5}, note lorem ipsum." for i in range(120)
+)
+
+
+def turn(port: int, answer: str | None = None) -> dict:
+    """The conversation's first turn, or (with the first answer) its second."""
+    import urllib.request
+
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Which shelf holds record 42?"},
+    ]
+    if answer is not None:
+        messages += [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "And record 43?"},
+        ]
+    body = {"messages": messages, "max_tokens": 12, "temperature": 0.0}
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def stop(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
+
+
+@pytest.mark.slow
+def test_a_conversation_survives_a_restart(tmp_path: Path, tiny_model: Path):
+    env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "config")}
+    bundles, snaps = tmp_path / "bundles", tmp_path / "snaps"
+    bundles.mkdir()
+    with server_process(tiny_model, bundles, tmp_path / "ref.log", env=env) as (_, port):
+        first = turn(port)
+        answer = first["choices"][0]["message"]["content"]
+        reference = turn(port, answer)
+    prompt = first["usage"]["prompt_tokens"]
+    assert prompt > 3000 and first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+    log1 = tmp_path / "serve1.log"
+    with server_process(tiny_model, bundles, log1, "--snapshots", str(snaps), env=env) as (p, port):
+        assert turn(port)["choices"][0]["message"]["content"] == answer
+        stop(p)
+    assert "snapshots: saved 1 entry" in log1.read_text()
+
+    log2 = tmp_path / "serve2.log"
+    with server_process(tiny_model, bundles, log2, "--snapshots", str(snaps), env=env) as (p, port):
+        second = turn(port, answer)
+        # a second serve on the same folder is refused with one line
+        other = subprocess.run(
+            [sys.executable, str(ROOT / "build.py"), "serve", "--model", str(tiny_model),
+             "--bundles", str(bundles), "--port", "1", "--snapshots", str(snaps)],
+            capture_output=True, text=True, env=env, timeout=120,
+        )  # fmt: skip
+        stop(p)
+    assert other.returncode == 1
+    assert other.stderr.strip().splitlines()[-1].startswith(f"error: --snapshots {snaps} is in use")
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 0.99 * prompt, (cached, prompt)
+    assert (
+        second["choices"][0]["message"]["content"] == reference["choices"][0]["message"]["content"]
+    )
+    assert cached == reference["usage"]["prompt_tokens_details"]["cached_tokens"]
+    text = log2.read_text()
+    assert "snapshots: restored 1 of 1" in text and "0 refused" in text
+    assert "request: snapshot 00-" in text
+
+
+@pytest.mark.slow
+def test_another_server_is_refused_with_one_line(tmp_path: Path, tiny_model: Path):
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "build.py"), "serve", "--model", str(tiny_model),
+         "--server", "vllm-mlx", "--snapshots", str(tmp_path / "snaps")],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1
+    assert done.stderr.strip() == (
+        "error: --snapshots is not supported with --server vllm-mlx yet (so far only with the "
+        "default server, mlx-lm); serve without --snapshots, or with --server mlx-lm"
+    )
