@@ -255,9 +255,12 @@ def _reuse_rule(manifest) -> str:
 
 def _print_manifest(bundle: Path, data: dict) -> None:
     print(f"bundle {bundle}")
-    for section in ("prefix", "tokens", "model", "cache", "fidelity", "builder"):
-        values = data[section]
-        print(f"  {section}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+    for section in ("prefix", "snapshot", "tokens", "model", "cache", "fidelity", "builder"):
+        values = data.get(section)  # a snapshot (serve --snapshots) has no prefix, a bundle none
+        if values is not None:
+            print(f"  {section}: " + ", ".join(f"{k}={v}" for k, v in values.items()))
+    if data.get("text") is None:
+        return
     print(f"  text: {data['text']['chars']} chars, sha256 {data['text']['sha256'][:16]}..")
     print("  preview: " + json.dumps(data["text"]["preview"], ensure_ascii=False))
     print(f"  build_key: {data['build_key']}")
