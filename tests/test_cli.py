@@ -53,6 +53,7 @@ def test_inspect_json_is_the_manifest(shop_bundle: Path, capsys):
     assert (data.pop("schema"), data.pop("bundle")) == ("inspect/1", str(shop_bundle))
     assert set(data.pop("files")) == {p.name for p in shop_bundle.iterdir()}
     assert data.pop("parent") is None  # built from token 0: the manifest has no parent key
+    assert data.pop("snapshot") is None  # a prefix bundle: no snapshot record
     assert data.pop("signature") is None  # unsigned (tests/test_signature.py signs bundles)
     manifest = json.loads((shop_bundle / MANIFEST_FILE).read_text())
     manifest["cache"].setdefault("layout", "mlx-lm-0.32")  # inspect names the default layout too

@@ -12,6 +12,7 @@ __all__ = [
     "render",
     "request",
     "retention",
+    "server_ids",
     "shards",
     "signing",
     "targets",

@@ -48,13 +48,16 @@ def emit_json(document: Any) -> None:
     print(json.dumps(data, indent=2, sort_keys=True))
 
 
-def add_json_option(parser: argparse.ArgumentParser, schema: str, note: str = "") -> None:
-    """The one --json option: a `<schema>/1` document on stdout instead of text (`note` adds)."""
+def add_json_option(
+    parser: argparse.ArgumentParser, schema: str, note: str = "", version: int = 1
+) -> None:
+    """The one --json option: a `<schema>/<version>` document on stdout instead of text (`note`
+    adds)."""
     parser.add_argument(
         "--json",
         action="store_true",
-        help=f"print one {schema}/1 JSON document on stdout instead of text (its JSON Schema: "
-        f"'schema {schema}'); warnings and errors stay on stderr{note}",
+        help=f"print one {schema}/{version} JSON document on stdout instead of text (its JSON "
+        f"Schema: 'schema {schema}'); warnings and errors stay on stderr{note}",
     )
 
 

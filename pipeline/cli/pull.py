@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.cli.common import add_json_option, emit_json, err
 from pipeline.cli.keys import add_trusted_key_option, trusted_keys
-from pipeline.cli.push import add_registry_options, set_schema_help, transfer_of
+from pipeline.cli.push import add_registry_options, transfer_of
 from pipeline.cli.reports import PulledBundle, PullReport, PullTotals, refusal_of
 
 if TYPE_CHECKING:
@@ -41,8 +41,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         help="only this prefix (repeatable; default: every prefix, highest version)",
     )
     add_registry_options(p)
-    add_json_option(p, "pull")
-    set_schema_help(p, "pull/2")
+    add_json_option(p, "pull", version=2)
     add_trusted_key_option(p)
     p.set_defaults(func=run, bundles_near_model=True)  # default: <model>/prefix-bundles
 

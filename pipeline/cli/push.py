@@ -40,8 +40,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         metavar="oci://HOST/REPO",
         help="OCI: another repository of the same registry to mount blobs from (repeatable)",
     )
-    add_json_option(p, "push")
-    set_schema_help(p, "push/2")
+    add_json_option(p, "push", version=2)
     p.set_defaults(func=run)
 
 
@@ -55,13 +54,6 @@ def add_registry_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--ca-bundle", type=Path, metavar="FILE", help="OCI: a PEM file of CAs to verify TLS with"
     )
-
-
-def set_schema_help(p: argparse.ArgumentParser, schema: str) -> None:
-    """The --json help names the document's current version."""
-    for action in p._actions:
-        if action.dest == "json":
-            action.help = action.help.replace(schema.split("/")[0] + "/1", schema)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -1,4 +1,5 @@
-"""Fleet distribution: bundles pushed to a Hugging Face hub repo and pulled next to each model.
+"""Fleet distribution: bundles pushed to a Hugging Face hub repo or an OCI registry (oci_push,
+oci_pull: token-range blocks, only new bytes move) and pulled next to each model.
 
 The repo holds the local layout, <name>/<version>/<slug>-<fingerprint[:12]>/, in a model repo.
 Push validates every bundle's integrity before one commit; pull downloads only the bundles whose
@@ -9,6 +10,9 @@ validator, and publishes them atomically. No printing here: pipeline.cli.push / 
 # Modules the CLI imports from.
 __all__ = [
     "hub",
+    "oci",
+    "oci_pull",
+    "oci_push",
     "pull",
     "push",
 ]
