@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Deploy prefix bundles next to a model, verify them there, then restart the server.
+# Deploy prefix bundles next to a model, verify them there, then have the server remount them.
 #
 #   examples/deploy.sh BUNDLES MODEL [HOST] > verify.json
 #
@@ -9,9 +9,11 @@
 #   HOST     an ssh destination (user@host); omitted: deploy on this machine
 #
 # Environment: PROJECT, this project's checkout on the target (default /opt/mlx-prefix-bundles);
-# PYTHON, its interpreter (default $PROJECT/.venv/bin/python); SERVICE, the systemd unit to
-# restart (default prefix-bundles-serve.service, see examples/prefix-bundles-serve.service; set it
-# empty to skip the restart); SYSTEMCTL (default "sudo systemctl").
+# PYTHON, its interpreter (default $PROJECT/.venv/bin/python); SERVICE, the systemd unit to tell
+# (default prefix-bundles-serve.service, see examples/prefix-bundles-serve.service; set it empty to
+# tell none); ACTION, what to tell it: reload (default: the unit's ExecReload sends SIGHUP, serve
+# remounts the bundles while it keeps serving, no cold start) or restart; SYSTEMCTL (default
+# "sudo systemctl").
 #
 # The bundles go to MODEL/prefix-bundles/, the folder `serve --model MODEL` mounts and
 # `verify --model MODEL` checks when no bundle is named. stdout is verify's JSON report. When
@@ -30,6 +32,11 @@ host=${3:-}
 project=${PROJECT:-/opt/mlx-prefix-bundles}
 python=${PYTHON:-$project/.venv/bin/python}
 service=${SERVICE-prefix-bundles-serve.service}
+action=${ACTION:-reload}
+if [[ $action != reload && $action != restart ]]; then
+  echo "error: ACTION=$action; use reload (SIGHUP: serve remounts) or restart" >&2
+  exit 2
+fi
 read -r -a systemctl <<< "${SYSTEMCTL:-sudo systemctl}"
 live=$model/prefix-bundles
 previous=$model/.prefix-bundles.previous
@@ -65,17 +72,17 @@ if ! on_target "$python" "$project/build.py" verify --json --model "$model"; the
   on_target mv "$live" "$failed"
   on_target mv "$previous" "$live"
   echo "error: verify refused a bundle (see the error lines above); $live is back as it was, the" \
-    "refused copy is in $failed; nothing was restarted" >&2
+    "refused copy is in $failed; the server was not told" >&2
   exit 1
 fi
 on_target rm -rf "$previous"
 
 if [[ -n $service ]]; then
-  log "restarting $service"
-  on_target "${systemctl[@]}" restart "$service"
+  log "$action $service"
+  on_target "${systemctl[@]}" "$action" "$service"
   sleep 5 # serve --strict exits when a bundle is refused or none is mounted
   if ! on_target "${systemctl[@]}" is-active --quiet "$service"; then
-    echo "error: $service is not running after the restart; see journalctl -u $service" >&2
+    echo "error: $service is not running after the $action; see journalctl -u $service" >&2
     exit 1
   fi
 fi
