@@ -133,8 +133,8 @@ def test_each_side_writes_and_records_its_own_layout(cross, side, cell):
     assert built["manifest"]["cache"]["layout"] == layout
     assert built["manifest"]["cache"]["classes"] == CELLS[cell][2]
     written = json.loads((Path(built["bundle"]) / "manifest.json").read_text())["cache"]
-    # the 0.32 layout is the default and not written: such manifests are as before 0.31 support
-    assert written.get("layout") == (None if layout == "mlx-lm-0.32" else layout)
+    # format 3 always writes the layout (format 2 left the 0.32 default out)
+    assert written.get("layout") == layout
 
 
 @pytest.mark.slow

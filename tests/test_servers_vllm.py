@@ -198,10 +198,10 @@ def test_a_claude_code_shaped_messages_request_is_warm_on_the_first_request(
     (project / "prefixes").mkdir(parents=True)
     request = tmp_path / "request.json"
     request.write_text(json.dumps(claude_code_request(str(tiny_model))))
-    cli = [str(python), str(ROOT / "build.py"), "--prefixes", "prefixes", "--bundles", "bundles"]
+    cli = [str(python), str(ROOT / "build.py"), "--prefixes", "prefixes"]
     for step in (
         ["new", "cc", "--model", str(tiny_model), "--from-request", str(request)],
-        ["build", "cc"],
+        ["--bundles", "bundles", "build", "cc"],  # new reads no bundles folder: not given there
     ):
         proc = subprocess.run([*cli, *step], capture_output=True, text=True, cwd=project)
         assert proc.returncode == 0, proc.stderr[-3000:]
