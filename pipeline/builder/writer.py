@@ -26,6 +26,7 @@ from pipeline.builder.bundles_tree import (
     remove_tree,
     rename,
 )
+from pipeline.format import memo
 from pipeline.format.bundle_folder import (
     CACHE_FILE,
     MANIFEST_FILE,
@@ -89,7 +90,10 @@ def write_cache(
     digests. The manifest records the layout (cache.layout, from builder.mlx_lm)."""
     user = {**metadata, "token_ids": json.dumps(tokens, separators=(",", ":"))}
     save_cache(tmp / CACHE_FILE, cache, user)
-    return file_digests(tmp / CACHE_FILE)
+    digests = file_digests(tmp / CACHE_FILE)  # read back from disk: what was written, hashed once
+    # the self-check may then trust this read (the file's stat key: any later change re-hashes)
+    memo.store(memo.stat_key(tmp / CACHE_FILE), digests.blake3)
+    return digests
 
 
 def write_manifest(
