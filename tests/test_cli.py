@@ -254,3 +254,13 @@ def test_verify_honours_bundles_and_a_global_option_that_does_not_apply_is_refus
     with pytest.raises(SystemExit):
         main(["schema", "--help"])
     assert "--bundles" not in capsys.readouterr().out  # help shows only what applies
+
+
+def test_version_names_the_release_and_the_bundle_formats(capsys):
+    from pipeline import __version__
+    from pipeline.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.endswith(f" {__version__} (bundle format 3; reads 2, 3)\n")

@@ -11,9 +11,13 @@ import importlib
 import sys
 from pathlib import Path
 
+from pipeline import __version__
 from pipeline.blas import ensure_fast_blas
 from pipeline.cli.common import err
 from pipeline.format.errors import PipelineError
+from pipeline.format.manifest import FORMAT_VERSION, READ_VERSIONS
+
+READ_TEXT = ", ".join(map(str, READ_VERSIONS))
 
 __all__ = ["main", "parse_args", "setup_arg_parser"]
 
@@ -74,6 +78,11 @@ def setup_arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description="Build, verify and serve MLX prefix-cache bundles.",
         parents=[global_options(suppress=False)],
+    )
+    p.add_argument(
+        "--version",
+        action="version",
+        version=f"%(prog)s {__version__} (bundle format {FORMAT_VERSION}; reads {READ_TEXT})",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name in COMMANDS:
