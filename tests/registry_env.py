@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from servers_env import free_port
 
 BINARY = "/usr/bin/docker-registry"
 HTPASSWD = "/usr/bin/htpasswd"
@@ -55,12 +55,6 @@ def require_tools(*tools: str) -> None:
         if os.environ.get("CI") == "true":
             pytest.fail(why)
         pytest.skip(why)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_htpasswd(path: Path, users: dict[str, str]) -> None:

@@ -250,7 +250,7 @@ def _first_digest(bundle: Path) -> str:
 
 
 def test_a_registry_that_is_down_is_one_line(shop_bundle: Path, capsys):
-    from registry_env import free_port
+    from servers_env import free_port
 
     host = f"127.0.0.1:{free_port()}"
     assert main(["push", str(shop_bundle), "--repo", f"oci://{host}/fleet/bundles"]) == 1

@@ -3,7 +3,6 @@ mounted at the next start through the one validator (pipeline.runtime.snapshots)
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -12,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import servers_env
 from test_serve import ROOT, server_process
 
 from pipeline.format.bundle_folder import CACHE_FILE, MANIFEST_FILE, SIGNATURE_FILE, SUMS_FILE
@@ -200,7 +200,6 @@ SYSTEM = "You are a careful archivist. " + " ".join(
 
 def turn(port: int, answer: str | None = None) -> dict:
     """The conversation's first turn, or (with the first answer) its second."""
-    import urllib.request
 
     messages = [
         {"role": "system", "content": SYSTEM},
@@ -212,13 +211,7 @@ def turn(port: int, answer: str | None = None) -> dict:
             {"role": "user", "content": "And record 43?"},
         ]
     body = {"messages": messages, "max_tokens": 12, "temperature": 0.0}
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        return json.loads(resp.read())
+    return servers_env.chat(port, body)[0]
 
 
 def stop(proc: subprocess.Popen) -> None:
