@@ -150,3 +150,66 @@ def test_mlx_openai_servers_handler_mounts_only_what_serve_validated(
         keep_what_serve_validated(mounted, {str(shop_bundle): "0" * 64})
     assert mounted.result.bundles == [] and manager.covered(BUNDLE_KEY, request) == 0
     assert "changed after serve validated it" in caplog.text
+
+
+# --- vllm-mlx's SimpleEngine trie: serve's PinnedTrie over mlx-lm's own LRUPromptCache ------------
+
+
+@pytest.fixture
+def trie():
+    """vllm-mlx's pinned trie (mlx-lm's LRUPromptCache, installed here too) with one bundle."""
+    from pipeline.runtime.servers.vllm_mlx import pinned_trie_class
+
+    model = llama_model(hidden=128, heads=4)
+    prefix = ids(24)
+    manager = PromptCacheManager()
+    manager.pin(BUNDLE_KEY, prefix, prefill(model, prefix)[0], "shop@1")
+    mounted = SimpleNamespace(manager=manager, result=SimpleNamespace(bundles=[object()]))
+    cls = pinned_trie_class(mounted)
+    made = cls(8)
+    made.keep_entries = True  # as under --prefix-trie-cache
+    return SimpleNamespace(trie=made, prefix=prefix, model=model, manager=manager)
+
+
+def test_the_vllm_trie_hands_out_the_bundle_leaves_a_token_and_reports_usage(trie):
+    request = [*trie.prefix, 5]
+    usage._worker.reuse = reuse = usage.Reuse()
+    try:
+        cache, rest = trie.trie.fetch_nearest_cache({"model": 1}, request)
+    finally:
+        usage._worker.reuse = None
+    assert cache is not None and rest == [5] and reuse.cached == len(trie.prefix)
+    cache, rest = trie.trie.fetch_nearest_cache({"model": 1}, list(trie.prefix))
+    assert cache is not None and len(rest) >= 1  # an exact hit leaves a token
+    assert len(trie.trie) >= 1  # vllm-mlx skips an empty trie: pinned bundles count
+
+
+def test_the_vllm_trie_gives_way_to_vllm_mlx_own_system_snapshot(trie):
+    """A bundle well short of the request's system prefix is declined (vllm-mlx then stores its
+    own snapshot of that prefix); one that ends a few tokens short of it is used."""
+    long_system = [*trie.prefix[:4], *ids(60)]
+    request = [*long_system, 7, 8]
+    usage._worker.reuse = reuse = usage.Reuse(system_ids=long_system)
+    try:
+        cache, rest = trie.trie.fetch_nearest_cache({"model": 1}, request)
+    finally:
+        usage._worker.reuse = None
+    assert cache is None and rest == request and reuse.cached == 0
+    near = [*trie.prefix, 3, 4]  # the bundle ends 2 tokens short of this system prefix
+    usage._worker.reuse = usage.Reuse(system_ids=near)
+    try:
+        cache, rest = trie.trie.fetch_nearest_cache({"model": 1}, [*near, 9])
+    finally:
+        usage._worker.reuse = None
+    assert cache is not None and len(rest) == 3
+
+
+def test_the_vllm_trie_stores_nothing_while_warming(trie):
+    warm_up.WARMING.set()
+    try:
+        trie.trie.insert_cache({"model": 1}, [1, 2, 3], prefill(trie.model, [1, 2, 3])[0])
+    finally:
+        warm_up.WARMING.clear()
+    assert len(trie.trie) == 1  # only the pinned bundle
+    trie.trie.insert_cache({"model": 1}, [1, 2, 3], prefill(trie.model, [1, 2, 3])[0])
+    assert len(trie.trie) == 2  # outside the warm-up it keeps entries (--prefix-trie-cache)
