@@ -321,3 +321,40 @@ def test_a_child_moves_only_its_new_blocks_each_way(
     local = model / "prefix-bundles" / "shop" / "2" / v2.name
     assert files_of(local) == files_of(v2)
     assert {p.media_type for p in parsed.blocks} == {BLOCK_TYPE}
+
+
+def test_a_second_prefix_sharing_90_percent_moves_at_most_015_each_way(
+    reg: Registry, tmp_path: Path, tiny_model: Path, model: Path, capsys
+):
+    """Another definition whose system text starts with the first one's (about 90 % of its
+    tokens), built from it at the default settings: its push and its pull move only the blocks
+    past the shared tokens (the registry and the server already hold the first prefix's). On this
+    tiny bundle (~800 tokens) one 64-token block is ~8 % of its bytes, so the bound is 0.15 of
+    them plus the one block the shared tokens end in."""
+    from pipeline.format.bundle_folder import read_manifest
+
+    root = tmp_path / "project"
+    base = " ".join([SYSTEM] * 8)
+    tail = " ".join(["The front desk opens at nine and closes at five on weekdays."] * 3)
+    bundles = {}
+    for name, text in (("shop", base), ("desk", base + " " + tail)):
+        toml = write_definition(root, tiny_model, name)
+        body = toml.read_text().replace(f'tools_file = "{name}/tools.json"\n', "")
+        toml.write_text(body.replace(json.dumps(SYSTEM), json.dumps(text)))
+        bundles[name] = build_bundle(root, name, check=False)
+    desk = read_manifest(bundles["desk"], None)
+    assert desk.parent is not None and desk.parent.prefix == "shop"
+    share = desk.parent.reused_tokens / desk.tokens.count
+    assert 0.85 <= share <= 0.95, share
+    assert main(["push", str(bundles["shop"]), "--repo", reg.repo()]) == 0
+    assert main(["pull", "--repo", reg.repo(), "--model", str(model)]) == 0
+    capsys.readouterr()
+    assert main(["push", str(bundles["desk"]), "--repo", reg.repo(), "--json"]) == 0
+    pushed = document(PushReport, capsys.readouterr().out)
+    bound = 0.15 * pushed.bundles[0].bytes + artifact(reg, bundles["desk"]).blocks[0].size
+    assert pushed.transfer.moved_bytes <= bound
+    assert main(["pull", "--repo", reg.repo(), "--model", str(model), "--json"]) == 0
+    pulled = document(PullReport, capsys.readouterr().out)
+    assert pulled.transfer.moved_bytes <= bound
+    local = model / "prefix-bundles" / "desk" / "1" / bundles["desk"].name
+    assert files_of(local) == files_of(bundles["desk"])
