@@ -203,6 +203,7 @@ def test_with_a_trusted_key_an_unsigned_bundle_is_refused_before_any_block_moves
     err = capsys.readouterr().err
     assert err.startswith(f"error: bundle shop/1/{shop_bundle.name} from registry repo ")
     assert "manifest.json.minisig is missing" in err and err.count("\n") == 1
+    assert ".staging" not in err and f"sign shop/1/{shop_bundle.name} --key" in err  # no temp path
     assert fetched and not blocks & set(fetched) and published(model) == []
 
     signed = tmp_path / "signed" / "shop" / "1" / shop_bundle.name

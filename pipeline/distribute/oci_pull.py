@@ -143,8 +143,9 @@ class _Fetch:
             manifest = parse_bundle_manifest(self.dest, data)
             if signature is not None:
                 check_binding(self.dest, signature, manifest)
-        except BundleError as exc:
-            raise self.fail(exc.reason) from None
+        except BundleError as exc:  # its reason names the staging folder: name the bundle
+            where = f"{self.b.name}/{self.b.version}/{self.b.folder}"
+            raise self.fail(exc.reason.replace(str(self.dest), where)) from None
         m = manifest
         found = (m.prefix.name, m.prefix.version, model_folder(m.model.slug, m.model.fingerprint))
         if found != (self.b.name, self.b.version, self.b.folder):
