@@ -327,3 +327,22 @@ def test_a_developer_message_is_kept_as_captured(tmp_path: Path, tiny_model: Pat
     d = load_definition(prefixes / "dev.toml", tmp_path)
     assert d.messages == request["messages"][:1]
     assert (prefixes / "dev" / "developer.md").read_text() == "Answer in French."
+
+
+def test_new_json_is_one_document_with_its_schema(tmp_path: Path, tiny_model: Path, capsys):
+    from pipeline.cli.reports import NewReport
+
+    from conftest import document
+
+    prefixes = tmp_path / "prefixes"
+    prefixes.mkdir()
+    argv = ["--prefixes", str(prefixes), "new", "shop", "--model", str(tiny_model), "--json"]
+    assert main(argv) == 0
+    doc = document(NewReport, capsys.readouterr().out)
+    assert (doc.name, doc.path, doc.api, doc.servers) == (
+        "shop",
+        str(prefixes / "shop.toml"),
+        "openai",
+        [],
+    )
+    assert doc.tokens > 0 and doc.buildable is None and doc.notes == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.cli.common import load_definitions, note, warn
+from pipeline.cli.common import add_json_option, emit_json, load_definitions, note, warn
 from pipeline.runtime.servers.tokens import SERVER_NAMES
 
 
@@ -39,6 +39,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         metavar="N",
         help="with --from-request: also the first N messages after the system part",
     )
+    add_json_option(n, "new")
     n.set_defaults(func=run)
 
 
@@ -62,34 +63,49 @@ def run(args: argparse.Namespace) -> int:
             args.server,
             args.prefix_messages,
         )
-        path = made.path
-        for message in made.notes:
+        path, notes = made.path, made.notes
+        for message in notes:
             note(message)
     elif args.server or args.prefix_messages:
         raise PipelineError("--server and --prefix-messages go with --from-request")
     else:
         path = new_definition(args.prefixes, args.name, args.model, args.system_file, args.tools)
+        notes = []
     (definition,) = load_definitions(args.prefixes, [args.name])
     from mlx_lm.utils import load_tokenizer
 
     tokens = encode(load_tokenizer(Path(args.model)), render_prefix(definition, args.model).text)
     follows = ", ".join(definition.spec.servers)
     how = f"; the build takes its ids from {follows}'s own request code" if follows else ""
-    print(
-        f"wrote {path} ({len(tokens):,} tokens for {args.model} as the pinned template renders "
-        f"it{how}); build it with 'python build.py build {args.name}'"
-    )
-    _warn_unbuildable(definition)
+    why_not = _unbuildable(definition)
+    if args.json:
+        from pipeline.cli.reports import NewReport
+
+        emit_json(
+            NewReport(
+                name=args.name, path=str(path), model=str(args.model), api=definition.spec.api,
+                servers=list(definition.spec.servers), tokens=len(tokens), notes=list(notes),
+                buildable=why_not,
+            )
+        )  # fmt: skip
+    else:
+        print(
+            f"wrote {path} ({len(tokens):,} tokens for {args.model} as the pinned template "
+            f"renders it{how}); build it with 'python build.py build {args.name}'"
+        )
+    if why_not is not None:
+        warn(f"this environment cannot build it yet: {why_not}")
     return 0
 
 
-def _warn_unbuildable(definition) -> None:
-    """One warning when this environment cannot build the definition it just wrote (a server
-    whose request code gives the ids is not installed here)."""
+def _unbuildable(definition) -> str | None:
+    """Why this environment cannot build the definition just written (a server whose request
+    code gives the ids is not installed here), or None."""
     from pipeline.builder.server_ids import check_servers
     from pipeline.format.errors import PipelineError
 
     try:
         check_servers(definition)
     except PipelineError as exc:
-        warn(f"this environment cannot build it yet: {exc}")
+        return str(exc)
+    return None

@@ -12,7 +12,7 @@ import json
 
 from pydantic import BaseModel
 
-from pipeline.cli.reports.authoring import MatchedBundle, MatchReport
+from pipeline.cli.reports.authoring import MatchedBundle, MatchReport, NewReport
 from pipeline.cli.reports.base import Refusal, Report, refusal_of
 from pipeline.cli.reports.fleet import (
     PulledBundle,
@@ -59,6 +59,7 @@ __all__ = [
     "ListedDefinition",
     "MatchReport",
     "MatchedBundle",
+    "NewReport",
     "PruneReport",
     "PruneTotals",
     "PrunedFolder",
@@ -92,6 +93,7 @@ DOCUMENTS: dict[str, type[BaseModel]] = {
     "push": PushReport,
     "pull": PullReport,
     "match": MatchReport,
+    "new": NewReport,
     # serve --admin-port's answers (pipeline.runtime.admin)
     "remount": RemountReport,
     "bundles": BundlesReport,

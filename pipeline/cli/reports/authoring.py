@@ -31,3 +31,17 @@ class MatchReport(Report):
     chosen: str | None = Field(description="the bundle serve would use; null: none (cold)")
     bundles: list[MatchedBundle] = Field(description="every valid bundle, best first")
     not_considered: list[str] = Field(description="bundles refused by the validator, and why")
+
+
+class NewReport(Report):
+    """`new --json`: the definition written, its size, and whether this environment builds it."""
+
+    schema_: Literal["new/1"] = Field("new/1", alias="schema")
+    name: str
+    path: str = Field(description="the .toml written (its files in the folder of the same name)")
+    model: str
+    api: Literal["openai", "anthropic"]
+    servers: list[str] = Field(description="whose request code gives the ids; [] the template's")
+    tokens: int = Field(description="tokens of the prefix as the pinned template renders it")
+    notes: list[str] = Field(description="what a captured request had that was left out")
+    buildable: str | None = Field(description="why this environment cannot build it; null: it can")
