@@ -272,3 +272,23 @@ def test_another_server_is_refused_with_one_line(tmp_path: Path, tiny_model: Pat
         "error: --snapshots is not supported with --server vllm-mlx yet (so far only with the "
         "default server, mlx-lm); serve without --snapshots, or with --server mlx-lm"
     )
+
+
+def test_prune_snapshots_lists_then_wipes_and_is_refused_while_serve_uses_the_folder(
+    tmp_path: Path, tiny_model: Path, host: Path, capsys
+):
+    from pipeline.cli import main
+
+    root = tmp_path / "snaps"
+    save_one(root, tiny_model)
+    assert main(["prune", "--snapshots", str(root)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"would delete {root / 'set-1'}" and out[-1].startswith("1 snapshot set, ")
+    assert (root / "set-1").is_dir()  # a dry run
+    serving = Snapshots(root, DEFAULT_BUDGET, tiny_model, None, "mlx-lm")
+    assert main(["prune", "--snapshots", str(root), "--apply"]) == 1
+    assert "is in use by another serve process" in capsys.readouterr().err
+    serving.close()
+    assert main(["prune", "--snapshots", str(root), "--apply"]) == 0
+    assert capsys.readouterr().out.startswith(f"deleted 1 folder under {root}")
+    assert sorted(p.name for p in root.iterdir()) == [".lock"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from pipeline.cli.common import add_json_option, emit, err, error_text, plural
 from pipeline.cli.reports import KeptFolder, PrunedFolder, PruneReport, PruneTotals
@@ -28,6 +29,13 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         help="versions to keep per prefix and model folder (default: 1)",
     )
     p.add_argument("--apply", action="store_true", help="delete what the dry run lists")
+    p.add_argument(
+        "--snapshots",
+        type=Path,
+        metavar="DIR",
+        help="instead: every snapshot set in serve's --snapshots DIR (they hold client prompts), "
+        "deleted with --apply; refused while a serve process uses DIR",
+    )
     add_json_option(p, "prune")
     p.set_defaults(func=run)
 
@@ -41,6 +49,8 @@ def _at_least_one(text: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from pipeline.builder.retention import plan
 
+    if args.snapshots is not None:
+        return _snapshots(args)
     todo = plan(args.bundles, args.prefixes, args.keep)
     folders = [_folder(c, args) for c in todo.delete]
     kept = [
@@ -64,6 +74,30 @@ def run(args: argparse.Namespace) -> int:
     )
     emit(args, report, _print)
     return 1 if report.totals.failed else 0
+
+
+def _snapshots(args: argparse.Namespace) -> int:
+    """List (with --apply delete) the snapshot sets in a --snapshots folder no serve is using."""
+    from pipeline.runtime.snapshot_store import SnapshotFolder
+
+    if args.json:
+        raise PipelineError("--json does not apply to prune --snapshots; leave it out")
+    if not args.snapshots.is_dir():
+        raise PipelineError(f"--snapshots {args.snapshots}: no such folder; pass serve's DIR")
+    folder = SnapshotFolder(args.snapshots)  # its lock: refused while a serve process holds it
+    try:
+        sets = [path for _, path in folder.sets()]
+        size = sum(f.stat().st_size for s in sets for f in s.rglob("*") if f.is_file())
+        if not args.apply:
+            for path in sets:
+                print(f"would delete {path}")
+            print(f"{plural(len(sets), 'snapshot set')}, {_mb(size)}; pass --apply to delete")
+            return 0
+        gone = folder.wipe()
+        print(f"deleted {plural(len(gone), 'folder')} under {args.snapshots}, {_mb(size)}")
+        return 0
+    finally:
+        folder.close()
 
 
 def _folder(candidate, args: argparse.Namespace) -> PrunedFolder:

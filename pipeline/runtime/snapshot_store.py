@@ -135,6 +135,18 @@ class SnapshotFolder:
         for _, path in self.sets()[1:]:
             shutil.rmtree(path, ignore_errors=True)
 
+    def wipe(self) -> list[Path]:
+        """Remove every set and staging leftover (this process holds the lock: no serve uses the
+        folder); return what was removed."""
+        gone = [
+            p
+            for p in self.root.iterdir()
+            if SET_NAME.match(p.name) or p.name.startswith(STAGING_PREFIX)
+        ]
+        for path in gone:
+            shutil.rmtree(path)
+        return gone
+
     def write_set(self, entries: Sequence[Entry], context: Context, key: Any) -> Path:
         """Write `entries` (hottest first) as the new set, signed with `key`; the previous set
         stays until the new one is complete, then is removed."""
