@@ -359,3 +359,20 @@ def test_a_second_prefix_sharing_90_percent_moves_at_most_015_each_way(
     assert pulled.transfer.moved_bytes <= bound
     local = model / "prefix-bundles" / "desk" / "1" / bundles["desk"].name
     assert files_of(local) == files_of(bundles["desk"])
+
+
+def test_push_dry_run_says_what_would_move_and_changes_nothing(
+    reg: Registry, shop_bundle: Path, capsys
+):
+    before = reg.stored_bytes()
+    assert main(["push", str(shop_bundle), "--repo", reg.repo(), "--dry-run", "--json"]) == 0
+    dry = document(PushReport, capsys.readouterr().out)
+    assert reg.stored_bytes() == before  # nothing uploaded
+    assert dry.bundles[0].status == "skipped" and dry.transfer.reused_blobs == 0
+    assert main(["push", str(shop_bundle), "--repo", reg.repo(), "--json"]) == 0
+    real = document(PushReport, capsys.readouterr().out)
+    assert real.transfer.moved_bytes == dry.transfer.moved_bytes  # it said what would move
+    assert real.bundles[0].digest == dry.bundles[0].digest
+    assert main(["push", str(shop_bundle), "--repo", reg.repo(), "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert " bytes would be uploaded in 0 blobs, " in out[-1]  # the manifest only: blobs are in

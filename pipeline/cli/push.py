@@ -40,6 +40,12 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         metavar="oci://HOST/REPO",
         help="OCI: another repository of the same registry to mount blobs from (repeatable)",
     )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="OCI: ask the registry which blobs it has and say what would move, in bytes; "
+        "upload, mount and tag nothing",
+    )
     add_json_option(p, "push", version=2)
     p.set_defaults(func=run)
 
@@ -90,6 +96,11 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if oci:
         return _run_oci(args, checked)
+    if args.dry_run:
+        raise PipelineError(
+            f"--dry-run is for an oci:// registry; {args.repo} is a hub repo (one commit of "
+            "the listed files): leave --dry-run out"
+        )
     result = push(checked, args.repo, args.revision)
     if args.json:
         entries = [_entry(b, "pushed") for b in result.bundles]
@@ -117,11 +128,15 @@ def _run_oci(args: argparse.Namespace, checked: list[CheckedBundle]) -> int:
         )
     ca = str(args.ca_bundle) if args.ca_bundle else None
     result = push_oci(
-        checked, args.repo, mount_from=args.mount_from, plain_http=args.plain_http, ca_bundle=ca
-    )
+        checked, args.repo, mount_from=args.mount_from, plain_http=args.plain_http, ca_bundle=ca,
+        dry_run=args.dry_run,
+    )  # fmt: skip
+    verb = "would push" if args.dry_run else "pushed"
     if args.json:
         entries = [
-            _entry(a.bundle, "pushed").model_copy(
+            (
+                _entry(a.bundle, "skipped", DRY_RUN) if args.dry_run else _entry(a.bundle, "pushed")
+            ).model_copy(
                 update={
                     "tag": a.tag,
                     "digest": a.digest,
@@ -137,13 +152,18 @@ def _run_oci(args: argparse.Namespace, checked: list[CheckedBundle]) -> int:
     for a in result.artifacts:
         t = a.transfer
         print(
-            f"pushed {a.bundle.label} -> {result.repo}:{a.tag}@{a.digest} "
-            f"({t.moved_bytes:,} bytes uploaded, {t.reused_bytes:,} already there)"
+            f"{verb} {a.bundle.label} -> {result.repo}:{a.tag}@{a.digest} "
+            f"({t.moved_bytes:,} bytes {'to upload' if args.dry_run else 'uploaded'}, "
+            f"{t.reused_bytes:,} already there)"
         )
     t = result.transfer
-    print(f"{t.moved_bytes:,} bytes uploaded in {t.moved_blobs} blobs, {t.reused_bytes:,} bytes in "
+    moved = "would be uploaded" if args.dry_run else "uploaded"
+    print(f"{t.moved_bytes:,} bytes {moved} in {t.moved_blobs} blobs, {t.reused_bytes:,} bytes in "
           f"{t.reused_blobs} blobs already in the registry")  # fmt: skip
     return 0
+
+
+DRY_RUN = "--dry-run: nothing was uploaded or tagged; `transfer` is what would move"
 
 
 def transfer_of(t) -> Transfer:

@@ -63,8 +63,9 @@ class OciPushResult:
 class _Uploader:
     """Puts blobs into the repository once each, counting what moved and what was there."""
 
-    def __init__(self, registry: Registry, mount_from: list[str]) -> None:
+    def __init__(self, registry: Registry, mount_from: list[str], dry_run: bool = False) -> None:
         self.registry, self.mount_from, self.seen = registry, mount_from, set()
+        self.dry_run = dry_run  # count what would move; upload and mount nothing
 
     def put(self, media_type: str, data: bytes, counts: Transfer, title: str | None = None) -> Blob:
         digest = "sha256:" + hashlib.sha256(data).hexdigest()
@@ -74,13 +75,16 @@ class _Uploader:
                 counts.reused_bytes + len(data),
                 counts.reused_blobs + 1,
             )
-        elif any(self.registry.mount(digest, source) for source in self.mount_from):
+        elif not self.dry_run and any(
+            self.registry.mount(digest, source) for source in self.mount_from
+        ):
             counts.reused_bytes, counts.reused_blobs = (
                 counts.reused_bytes + len(data),
                 counts.reused_blobs + 1,
             )
         else:
-            self.registry.upload(digest, data)
+            if not self.dry_run:
+                self.registry.upload(digest, data)
             counts.moved_bytes, counts.moved_blobs = (
                 counts.moved_bytes + len(data),
                 counts.moved_blobs + 1,
@@ -96,16 +100,19 @@ def push_oci(
     mount_from: list[str] = (),
     plain_http: bool = False,
     ca_bundle: str | None = None,
+    dry_run: bool = False,
 ) -> OciPushResult:
-    """Upload each validated bundle's missing blobs, then tag it."""
+    """Upload each validated bundle's missing blobs, then tag it; `dry_run`: only ask the
+    registry which blobs it has, and count what would move (nothing is uploaded, mounted or
+    tagged; a blob --mount-from could mount counts as moving)."""
     ref = parse_repo(repo)
     sources = [_same_host(ref, parse_repo(r)) for r in mount_from]
     registry = Registry(ref, plain_http=plain_http, ca_bundle=ca_bundle)
     result = OciPushResult(ref.url)
     try:
-        uploader = _Uploader(registry, sources)
+        uploader = _Uploader(registry, sources, dry_run)
         for b in bundles:
-            pushed = _push_one(registry, uploader, b)
+            pushed = _push_one(registry, uploader, b, dry_run)
             result.artifacts.append(pushed)
             result.transfer.add(pushed.transfer)
     finally:
@@ -122,7 +129,9 @@ def _same_host(ref, source) -> str:
     return source.name
 
 
-def _push_one(registry: Registry, up: _Uploader, b: CheckedBundle) -> PushedArtifact:
+def _push_one(
+    registry: Registry, up: _Uploader, b: CheckedBundle, dry_run: bool = False
+) -> PushedArtifact:
     name, version, folder = b.repo_path.split("/")
     tag = tag_of(name, int(version), folder)
     counts = Transfer()
@@ -149,7 +158,10 @@ def _push_one(registry: Registry, up: _Uploader, b: CheckedBundle) -> PushedArti
         "dev.mlx-prefix-bundles.cache-sha256": b.cache_sha256,
     }
     body = manifest_body(config, layers, annotations)
-    digest = registry.put_manifest(tag, body)  # last: every blob it names is in
+    if dry_run:  # the digest the registry would give it: its manifest's bytes
+        digest = "sha256:" + hashlib.sha256(body).hexdigest()
+    else:
+        digest = registry.put_manifest(tag, body)  # last: every blob it names is in
     counts.moved_bytes += len(body)
     total = sum(x.size for x in layers) + config.size + len(body)
     return PushedArtifact(b, tag, digest, total, counts)
