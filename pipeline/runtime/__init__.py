@@ -32,6 +32,7 @@ __all__ = [
     "hugepages",
     "serve",
     "servers",
+    "snapshot_store",
     # the library API a server uses
     "LOSSY_MIN_SHARE",
     "BundleError",
