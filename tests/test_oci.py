@@ -134,7 +134,11 @@ def test_a_tampered_block_in_the_registry_is_one_error_and_nothing_is_published(
         "again. Nothing was published\n"
     )
     assert published(model) == []
-    assert {p.name for p in (model / "prefix-bundles" / ".staging").iterdir()} <= {"locks"}
+    # what arrived is kept to resume from: each block is checked by digest again then
+    assert {p.name for p in (model / "prefix-bundles" / ".staging").iterdir()} <= {
+        "locks",
+        "resume",
+    }
 
 
 def test_a_swapped_tag_is_one_error_and_nothing_is_published(
@@ -158,30 +162,168 @@ def test_a_swapped_tag_is_one_error_and_nothing_is_published(
     assert published(model) == []
 
 
-def test_an_interrupted_pull_publishes_nothing(
+def test_an_interrupted_pull_publishes_nothing_and_the_next_one_resumes(
     reg: Registry, shop_bundle: Path, model: Path, capsys, monkeypatch
 ):
-    assert main(["push", str(shop_bundle), "--repo", reg.repo()]) == 0
+    """The line breaks in the middle of the first block (the retry asks for the rest with a
+    Range request: no byte twice), then stays down at the last block: nothing is published. The
+    next pull downloads only the last block: the others are taken from the partial file, each
+    checked by digest."""
+    assert main(["push", str(shop_bundle), "--repo", reg.repo(), "--json"]) == 0
+    total = document(PushReport, capsys.readouterr().out).bundles[0].bytes
+    parsed = artifact(reg, shop_bundle)
+    first, last = parsed.blocks[0], parsed.blocks[-1]
     real, calls = Client._blob_chunks, []
 
-    def breaks(self, digest, size, doing):
-        calls.append(digest)
-        if len(calls) > 8:  # the small files and the first blocks arrive, then the line drops
+    def breaks(self, digest, size, doing, start=0):
+        calls.append((digest, start))
+        if digest == last.digest:
             raise httpx.ReadError("connection reset by peer")
-        yield from real(self, digest, size, doing)
+        for chunk in real(self, digest, size, doing, start):
+            if digest == first.digest and start == 0:
+                yield chunk[: size // 2]
+                raise httpx.ReadError("connection reset by peer")
+            yield chunk
 
     monkeypatch.setattr(Client, "_blob_chunks", breaks)
-    capsys.readouterr()
     assert main(["pull", "--repo", reg.repo(), "--model", str(model)]) == 1
     err = capsys.readouterr().err
-    assert err.startswith(f"error: registry {reg.host}: downloading blob sha256:")
-    assert err.endswith("failed after 4 tries (the connection broke); retry the pull: nothing "
-                        "was published\n") and err.count("\n") == 1  # fmt: skip
+    assert err == (
+        f"error: registry {reg.host}: downloading blob {last.digest[:19]} ({last.size:,} "
+        "bytes) failed after 4 tries (the connection broke); pull again to resume: nothing was "
+        "published\n"
+    )
+    assert [c for c in calls if c[0] == first.digest] == [
+        (first.digest, 0),
+        (first.digest, first.size // 2),  # the rest of the block, not the block again
+    ]
     assert published(model) == []
-    assert {p.name for p in (model / "prefix-bundles" / ".staging").iterdir()} <= {"locks"}
-    monkeypatch.setattr(Client, "_blob_chunks", real)  # the next pull completes
+    assert {p.name for p in (model / "prefix-bundles" / ".staging").iterdir()} <= {
+        "locks",
+        "resume",
+    }
+
+    calls.clear()
+    monkeypatch.setattr(Client, "_blob_chunks", real)
+    monkeypatch.setattr(Client, "_blob_chunks", lambda *a: (calls.append(a[1]), real(*a))[1])
+    assert main(["pull", "--repo", reg.repo(), "--model", str(model), "--json"]) == 0
+    t = document(PullReport, capsys.readouterr().out).transfer
+    assert {b.digest for b in parsed.blocks} & set(calls) == {last.digest}
+    assert (t.reused_blobs, t.reused_bytes) == (
+        len(parsed.blocks),  # the rest blob and every block but the last
+        total - t.moved_bytes,
+    )
+    assert t.moved_bytes < total - sum(b.size for b in parsed.blocks[:-1])
+    local = model / "prefix-bundles" / "shop" / "1" / shop_bundle.name
+    assert files_of(local) == files_of(shop_bundle)
+    assert not (model / "prefix-bundles" / ".staging" / "resume").exists()
+
+
+def test_a_block_missing_from_the_registry_is_one_error_and_nothing_is_published(
+    reg: Registry, shop_bundle: Path, model: Path, capsys
+):
+    assert main(["push", str(shop_bundle), "--repo", reg.repo()]) == 0
+    block = artifact(reg, shop_bundle).blocks[1]
+    shutil.rmtree(reg.blob_file(block.digest).parent)  # the storage lost it
+    capsys.readouterr()
+    assert main(["pull", "--repo", reg.repo(), "--model", str(model)]) == 1
+    assert capsys.readouterr().err == (
+        f"error: registry {reg.host}: blob {block.digest} of fleet/bundles is missing (HTTP 404 "
+        "(BLOB_UNKNOWN: blob unknown to registry)): the artifact lists it, the registry lost it "
+        "(deleted, or garbage-collected while still listed); push the bundle again. Nothing was "
+        "published\n"
+    )
+    assert published(model) == []
+    # a push finds it missing and uploads it again; then the pull completes
+    assert main(["push", str(shop_bundle), "--repo", reg.repo()]) == 0
     assert main(["pull", "--repo", reg.repo(), "--model", str(model)]) == 0
     assert published(model) == [f"shop/1/{shop_bundle.name}"]
+
+
+def test_a_manifest_over_the_registry_limit_is_refused(
+    reg: Registry, shop_bundle: Path, model: Path, capsys, monkeypatch
+):
+    """Pull: a tag whose manifest in storage is over 4 MiB (written into the storage: the
+    registry's PUT refuses it) is one line; docker-registry itself refuses to read it (HTTP 500,
+    'storage: read exceeds limit'). A registry that serves one anyway is the next test. Push: an
+    artifact whose manifest would be over the limit (here lowered to 2,000 bytes: a real one
+    needs ~25,000 blocks) is refused before any blob is uploaded."""
+    assert main(["push", str(shop_bundle), "--repo", reg.repo()]) == 0
+    tag = tag_of("shop", 1, shop_bundle.name)
+    client = Client(parse_repo(reg.repo()))
+    body = json.loads(client.get_manifest(tag)[0])
+    client.close()
+    body["annotations"]["padding"] = "x" * (5 << 20)
+    reg.store_manifest(tag, json.dumps(body).encode())
+    capsys.readouterr()
+    assert main(["pull", "--repo", reg.repo(), "--model", str(model)]) == 1
+    assert capsys.readouterr().err == (
+        f"error: registry {reg.host}: reading manifest {tag} failed after 4 tries (HTTP 500 "
+        "(UNKNOWN: unknown error)); check that the registry is up and reachable, then retry\n"
+    )
+    assert published(model) == []
+
+    monkeypatch.setattr(oci, "MAX_MANIFEST_BYTES", 2000)
+    other = reg.repo("fleet/other")
+    assert main(["push", str(shop_bundle), "--repo", other]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: bundle shop/1/{shop_bundle.name}: its artifact manifest ")
+    assert err.endswith(
+        " over the 2,000 a registry accepts; nothing was uploaded: split the prefix into smaller "
+        "ones\n"
+    ) and err.count("\n") == 1  # fmt: skip
+    assert not (reg.storage / "docker/registry/v2/repositories/fleet/other").exists()
+
+
+def test_a_registry_serving_an_oversize_manifest_is_read_no_further_than_the_limit(
+    model: Path, capsys
+):
+    """A loopback server answering every manifest with 64 MiB (a hostile or broken registry):
+    the pull stops reading past 4 MiB and says so in one line."""
+    import http.server
+    import threading
+
+    sent = []
+
+    class Huge(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            if "/tags/list" in self.path:
+                body = json.dumps({"tags": [f"shop.V1.{model.name}-c01d20cbb3fb"]}).encode()
+                self.send_response(200)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
+            self.send_response(200)
+            self.send_header("content-length", str(64 << 20))
+            self.end_headers()
+            sent.append(0)
+            try:
+                for _ in range(1024):
+                    self.wfile.write(b" " * (64 << 10))
+                    sent[-1] += 64 << 10
+            except OSError:
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Huge)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    host = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        assert main(["pull", "--repo", f"oci://{host}/fleet/bundles", "--model", str(model)]) == 1
+    finally:
+        server.shutdown()
+        server.server_close()
+    tag = f"shop.V1.{model.name}-c01d20cbb3fb"
+    assert capsys.readouterr().err == (
+        f"error: registry {host}: manifest {tag} of fleet/bundles is over 4,194,304 bytes, the "
+        "most a registry accepts (the rest was not read): not an artifact this tool pushed; push "
+        "the bundle again. Nothing was published\n"
+    )
+    assert len(sent) == 1 and sent[0] < 16 << 20  # of 64 MiB: the client hung up
+    assert published(model) == []
 
 
 def test_with_a_trusted_key_an_unsigned_bundle_is_refused_before_any_block_moves(

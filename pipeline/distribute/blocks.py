@@ -16,6 +16,7 @@ exceed 4 MiB.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import mmap
 import os
@@ -161,16 +162,27 @@ class Source:
 
 
 class Target:
-    """A cache file being rebuilt: its size set first, then blobs written where they belong."""
+    """A cache file being rebuilt: its size set first, then blobs written where they belong
+    (`resume`: a partly rebuilt file of an interrupted pull, whose blobs are checked by `holds`)."""
 
-    def __init__(self, path: Path, plan: Layout) -> None:
+    def __init__(self, path: Path, plan: Layout, resume: bool = False) -> None:
         self.plan = plan
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        flags = os.O_RDWR | os.O_CLOEXEC | (0 if resume else os.O_CREAT | os.O_EXCL)
+        self.fd = os.open(path, flags, 0o644)
         os.ftruncate(self.fd, plan.file_bytes)
         os.pwrite(self.fd, plan.header, 0)
 
     def close(self) -> None:
         os.close(self.fd)
+
+    def holds(self, ranges: list[tuple[int, int]], digest: str, size: int) -> bool:
+        """Whether the file already holds a blob of this digest at these runs."""
+        if sum(n for _, n in ranges) != size:
+            return False
+        h = hashlib.sha256()
+        for offset, n in ranges:
+            h.update(os.pread(self.fd, n, offset))
+        return "sha256:" + h.hexdigest() == digest
 
     def writer(self, ranges: Iterator[tuple[int, int]]) -> Writer:
         return Writer(self.fd, list(ranges))

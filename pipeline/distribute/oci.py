@@ -89,26 +89,38 @@ class Registry:
             return r
         raise self.failed(doing, r)
 
-    def _send(self, method: str, url: str, doing: str, **kw: Any) -> Any:
+    def _send(self, method: str, url: str, doing: str, stream: bool = False, **kw: Any) -> Any:
+        """The response (its body unread and open when `stream`: the caller closes it)."""
         extra = kw.pop("headers", None) or {}
         last = ""
         for attempt in range(RETRIES):
             if attempt:
                 self.sleep(BACKOFF_S * 2 ** (attempt - 1))
             try:
-                r = self.client.request(method, url, headers={**self.header, **extra}, **kw)
+                r = self._once(method, url, extra, stream, kw)
                 if r.status_code == 401 and self._authorize(r, doing):
-                    r = self.client.request(method, url, headers={**self.header, **extra}, **kw)
+                    r.close()
+                    r = self._once(method, url, extra, stream, kw)
             except httpx.TransportError as exc:
                 last = f"{exc.__class__.__name__}: {' '.join(str(exc).split())[:120]}"
                 continue
             if r.status_code != 429 and r.status_code < 500:
                 return r
+            r.read()
+            r.close()
             last = f"HTTP {r.status_code}{_error_detail(r)}"
         raise PipelineError(
             f"registry {self.ref.host}: {doing} failed after {RETRIES} tries ({last}); check that "
             "the registry is up and reachable, then retry"
         )
+
+    def _once(self, method: str, url: str, extra: dict, stream: bool, kw: dict) -> Any:
+        headers = {**self.header, **extra}
+        request = self.client.build_request(method, url, headers=headers, **kw)
+        r = self.client.send(request, stream=stream)
+        if stream and r.status_code >= 400:
+            r.read()  # an error's body is small: read it for the message
+        return r
 
     def _authorize(self, r: Any, doing: str) -> bool:
         """Answer a 401's challenge once per credential state; False when nothing changes."""
@@ -173,26 +185,29 @@ class Registry:
         return str(r.url.join(r.headers["location"]))
 
     def stream_blob(self, digest: str, size: int, sink: Callable[[bytes], None]) -> None:
-        """GET a blob into sink, checking its size and sha256 as it streams (nothing is kept)."""
+        """GET a blob into sink, checking its size and sha256 as it streams (nothing is kept).
+
+        A broken connection is retried from the byte where it broke (a Range request): no byte
+        reaches the sink twice and every byte that does is hashed."""
         doing = f"downloading blob {digest[:19]} ({size:,} bytes)"
+        h, n = hashlib.sha256(), 0
         for attempt in range(RETRIES):
             if attempt:
                 self.sleep(BACKOFF_S * 2 ** (attempt - 1))
             try:
-                chunks = self._blob_chunks(digest, size, doing)
-                h, n = hashlib.sha256(), 0
-                for chunk in chunks:
-                    n += len(chunk)
-                    if n > size:
+                for chunk in self._blob_chunks(digest, size, doing, n):
+                    if n + len(chunk) > size:
+                        n += len(chunk)
                         break
                     h.update(chunk)
                     sink(chunk)
+                    n += len(chunk)
                 break
             except httpx.TransportError:
                 if attempt == RETRIES - 1:
                     raise PipelineError(
                         f"registry {self.ref.host}: {doing} failed after {RETRIES} tries (the "
-                        "connection broke); retry the pull: nothing was published"
+                        "connection broke); pull again to resume: nothing was published"
                     ) from None
         got = "sha256:" + h.hexdigest()
         if n != size or got != digest:
@@ -203,17 +218,33 @@ class Registry:
                 "published"
             )
 
-    def _blob_chunks(self, digest: str, size: int, doing: str) -> Iterator[bytes]:
+    def _blob_chunks(self, digest: str, size: int, doing: str, start: int = 0) -> Iterator[bytes]:
+        """The blob's bytes from `start` on (a Range request when start > 0)."""
+        headers = {**self.header, "range": f"bytes={start}-"} if start else self.header
         with self.client.stream(
-            "GET", f"{self.base}/blobs/{digest}", headers=self.header, follow_redirects=True
+            "GET", f"{self.base}/blobs/{digest}", headers=headers, follow_redirects=True
         ) as r:
             if r.status_code == 401 and self._authorize(r, doing):
-                yield from self._blob_chunks(digest, size, doing)
+                yield from self._blob_chunks(digest, size, doing, start)
                 return
-            if r.status_code != 200:
+            if r.status_code == 404:
+                r.read()
+                raise PipelineError(
+                    f"registry {self.ref.host}: blob {digest} of {self.ref.name} is missing "
+                    f"(HTTP 404{_error_detail(r)}): the artifact lists it, the "
+                    "registry lost it (deleted, or garbage-collected while still listed); push "
+                    "the bundle again. Nothing was published"
+                )
+            if r.status_code not in (200, 206):
                 r.read()
                 raise self.failed(doing, r)
-            yield from r.iter_bytes(1 << 20)
+            skip = start if r.status_code == 200 else 0  # the server ignored the Range
+            for chunk in r.iter_bytes(1 << 20):
+                if skip:
+                    cut, skip = min(skip, len(chunk)), skip - min(skip, len(chunk))
+                    chunk = chunk[cut:]
+                if chunk:
+                    yield chunk
 
     def get_blob(self, digest: str, size: int) -> bytes:
         parts: list[bytes] = []
@@ -224,7 +255,7 @@ class Registry:
 
     def put_manifest(self, reference: str, body: bytes, media_type: str = OCI_MANIFEST) -> str:
         """PUT a manifest under a tag (or its digest); returns the digest the registry gives."""
-        if len(body) > MAX_MANIFEST_BYTES:
+        if len(body) > MAX_MANIFEST_BYTES:  # push_oci checks this before any upload
             raise PipelineError(
                 f"registry {self.ref.host}: the artifact manifest of {reference} is {len(body):,} "
                 f"bytes, over the registry limit of {MAX_MANIFEST_BYTES:,}; nothing was tagged"
@@ -247,24 +278,49 @@ class Registry:
         return digest
 
     def get_manifest(self, reference: str) -> tuple[bytes, str]:
-        """(body, digest) of a manifest by tag or digest; a digest reference is checked."""
-        r = self.request(
-            "GET",
-            f"{self.base}/manifests/{reference}",
-            f"reading manifest {reference}",
-            (200,),
-            headers={"accept": OCI_MANIFEST},
-        )
-        body = r.content
+        """(body, digest) of a manifest by tag or digest; a digest reference is checked, and no
+        more than the registry's own limit is read."""
+        doing = f"reading manifest {reference}"
+        url = f"{self.base}/manifests/{reference}"
+        r = self._send("GET", url, doing, stream=True, headers={"accept": OCI_MANIFEST})
+        try:
+            if r.status_code != 200:
+                raise self.failed(doing, r)
+            body, over = self._capped(r, MAX_MANIFEST_BYTES, doing)
+        finally:
+            r.close()
+        where = f"registry {self.ref.host}: manifest {reference} of {self.ref.name}"
+        if over:
+            raise PipelineError(
+                f"{where} is over {MAX_MANIFEST_BYTES:,} bytes, the most a registry accepts (the "
+                "rest was not read): not an artifact this tool pushed; push the bundle again. "
+                "Nothing was published"
+            )
         digest = "sha256:" + hashlib.sha256(body).hexdigest()
         claimed = reference if DIGEST.match(reference) else r.headers.get("docker-content-digest")
-        if len(body) > MAX_MANIFEST_BYTES or (claimed and claimed != digest):
+        if claimed and claimed != digest:
             raise PipelineError(
-                f"registry {self.ref.host}: manifest {reference} of {self.ref.name} does not match "
-                f"its digest (expected {claimed}, got {digest}); the registry's copy is damaged or "
-                "was altered: push the bundle again. Nothing was published"
+                f"{where} does not match its digest (expected {claimed}, got {digest}); the "
+                "registry's copy is damaged or was altered: push the bundle again. Nothing was "
+                "published"
             )
         return body, digest
+
+    def _capped(self, r: Any, cap: int, doing: str) -> tuple[bytes, bool]:
+        """(the body, whether it goes past cap): reading stops one chunk past the cap."""
+        parts, n = [], 0
+        try:
+            for chunk in r.iter_bytes(1 << 16):
+                parts.append(chunk)
+                n += len(chunk)
+                if n > cap:
+                    return b"", True
+        except httpx.TransportError as exc:
+            raise PipelineError(
+                f"registry {self.ref.host}: {doing} failed (the connection broke: "
+                f"{exc.__class__.__name__}); retry: nothing was published"
+            ) from None
+        return b"".join(parts), False
 
     def tags(self) -> list[str]:
         """Every tag of the repository (following the Link pages); [] for a new repository."""

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -66,18 +68,58 @@ def pull_oci(
         check_found(result, chosen, wanted, identity.model[:FINGERPRINT_CHARS])
         clean_staging(root)
         staging = new_staging_folder(root)
-        local = LocalBlocks(root)
+        local, resume = LocalBlocks(root), Resume(root)
         try:
-            for b in chosen:
-                fetch = _Fetch(registry, b, staging / b.path, result.transfer)
-                result.digests[b.path] = fetch.run(tuple(trusted_keys), local)
+            try:
+                for b in chosen:
+                    fetch = _Fetch(registry, b, staging / b.path, result.transfer)
+                    result.digests[b.path] = fetch.run(tuple(trusted_keys), local, resume)
+            except BaseException:  # the bundles that arrived whole are kept for the next pull
+                for path, digest in result.digests.items():
+                    resume.keep(digest, staging / path / CACHE_FILE)
+                raise
             publish_staged(result, chosen, staging, identity, tuple(trusted_keys))
         finally:
             local.close()
             discard(root, staging)
+        resume.clear()  # every artifact arrived whole: no partial file is worth keeping
     finally:
         registry.close()
     return result
+
+
+class Resume:
+    """Partly rebuilt cache files of interrupted pulls, kept in <bundles>/.staging/resume/ by
+    artifact digest. A pull takes its file (a rename: one pull per file) and checks every block
+    of it by digest before trusting it; a failed pull puts it back."""
+
+    def __init__(self, root: Path) -> None:
+        self.folder = root / STAGING_DIR / "resume"
+
+    def path(self, digest: str) -> Path:
+        return self.folder / f"{digest.split(':', 1)[1]}.part"
+
+    def take(self, digest: str, dest: Path, size: int) -> bool:
+        """Move the partial file of `digest` to dest; False when there is none (or a wrong size)."""
+        try:
+            os.rename(self.path(digest), dest)
+        except OSError:
+            return False
+        if dest.stat().st_size == size:
+            return True
+        dest.unlink()
+        return False
+
+    def keep(self, digest: str, partial: Path) -> None:
+        """Keep a partial file for the next pull (best effort: resuming is an optimisation)."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            os.rename(partial, self.path(digest))
+        except OSError:
+            pass
+
+    def clear(self) -> None:
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 class _Fetch:
@@ -97,7 +139,7 @@ class _Fetch:
         self.counts.moved_blobs += 1
         return data
 
-    def run(self, keys: tuple[PublicKey, ...], local: LocalBlocks) -> str:
+    def run(self, keys: tuple[PublicKey, ...], local: LocalBlocks, resume: Resume) -> str:
         body, digest = self.registry.get_manifest(self.tag)
         self.counts.moved_bytes += len(body)
         parsed = parse_manifest(body, self.where)
@@ -112,7 +154,13 @@ class _Fetch:
                 f"the artifact lists {len(parsed.blocks)} blocks of {config['block_tokens']} "
                 f"tokens, its cache layout {plan.blocks} of {plan.block_tokens}"
             )
-        self._rebuild(plan, parsed, local)
+        partial = self.dest / CACHE_FILE
+        resumed = resume.take(digest, partial, plan.file_bytes)
+        try:
+            self._rebuild(plan, parsed, local, resumed)
+        except BaseException:  # interrupted or refused: the blocks that arrived stay for later
+            resume.keep(digest, partial)
+            raise
         self._check_file(manifest)
         return digest
 
@@ -158,13 +206,15 @@ class _Fetch:
             raise self.fail(f"its config does not match its {MANIFEST_FILE}; push it again")
         return m
 
-    def _rebuild(self, plan: Layout, parsed, local: LocalBlocks) -> None:
-        target = Target(self.dest / CACHE_FILE, plan)
+    def _rebuild(self, plan: Layout, parsed, local: LocalBlocks, resumed: bool) -> None:
+        target = Target(self.dest / CACHE_FILE, plan, resume=resumed)
         try:
-            self._stream(parsed.rest, list(plan.rest_ranges()), target)
-            for k, blob in enumerate(parsed.blocks):
-                ranges = list(plan.block_ranges(k))
-                if local.fill(plan, k, blob, target.writer(iter(ranges))):
+            pieces = [(parsed.rest, list(plan.rest_ranges()))]
+            pieces += [(blob, list(plan.block_ranges(k))) for k, blob in enumerate(parsed.blocks)]
+            for k, (blob, ranges) in enumerate(pieces, start=-1):
+                if (resumed and target.holds(ranges, blob.digest, blob.size)) or (
+                    k >= 0 and local.fill(plan, k, blob, target.writer(iter(ranges)))
+                ):
                     self.counts.reused_bytes += blob.size
                     self.counts.reused_blobs += 1
                 else:

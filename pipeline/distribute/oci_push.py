@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+from pipeline.distribute import oci
 from pipeline.distribute.artifact import (
     BLOCK_TYPE,
     CONFIG_TYPE,
@@ -129,18 +130,45 @@ def _same_host(ref, source) -> str:
     return source.name
 
 
+def _check_manifest_size(
+    b: CheckedBundle, tag: str, plan, files: list[str], config_bytes: int, annotations: dict
+) -> None:
+    """Refuse, before any blob moves, an artifact whose manifest the registry would not take
+    (its length is known exactly: every digest has the same length, every size is known)."""
+    zero = "sha256:" + "0" * 64
+    layers = [Blob(FILE_TYPE, zero, (b.local / f).stat().st_size, f) for f in files]
+    layers += [Blob(HEADER_TYPE, zero, len(plan.header))]
+    layers += [Blob(REST_TYPE, zero, sum(n for _, n in plan.rest_ranges()))]
+    layers += [
+        Blob(BLOCK_TYPE, zero, sum(n for _, n in plan.block_ranges(k))) for k in range(plan.blocks)
+    ]
+    size = len(manifest_body(Blob(CONFIG_TYPE, zero, config_bytes), layers, annotations))
+    if size > oci.MAX_MANIFEST_BYTES:
+        raise PipelineError(
+            f"bundle {b.repo_path}: its artifact manifest ({tag}) would be {size:,} bytes for "
+            f"{plan.blocks:,} blocks, over the {oci.MAX_MANIFEST_BYTES:,} a registry accepts; "
+            "nothing was uploaded: split the prefix into smaller ones"
+        )
+
+
 def _push_one(
     registry: Registry, up: _Uploader, b: CheckedBundle, dry_run: bool = False
 ) -> PushedArtifact:
     name, version, folder = b.repo_path.split("/")
     tag = tag_of(name, int(version), folder)
     counts = Transfer()
-    layers = [
-        up.put(FILE_TYPE, (b.local / f).read_bytes(), counts, f)
-        for f in SMALL_FILES
-        if f in b.files
-    ]
     plan = read_layout(b.local / CACHE_FILE, b.tokens)
+    record = config_record(
+        name, int(version), folder, b.tokens, plan.block_tokens, plan.file_bytes, b.cache_sha256
+    )
+    annotations = {
+        "org.opencontainers.image.title": b.repo_path,
+        "dev.mlx-prefix-bundles.prefix": f"{name}@{version}",
+        "dev.mlx-prefix-bundles.cache-sha256": b.cache_sha256,
+    }
+    files = [f for f in SMALL_FILES if f in b.files]
+    _check_manifest_size(b, tag, plan, files, len(record), annotations)  # before any upload
+    layers = [up.put(FILE_TYPE, (b.local / f).read_bytes(), counts, f) for f in files]
     layers.append(up.put(HEADER_TYPE, plan.header, counts))
     source = Source(b.local / CACHE_FILE, plan)
     try:
@@ -148,15 +176,7 @@ def _push_one(
         layers += [up.put(BLOCK_TYPE, source.block(k), counts) for k in range(plan.blocks)]
     finally:
         source.close()
-    record = config_record(
-        name, int(version), folder, b.tokens, plan.block_tokens, plan.file_bytes, b.cache_sha256
-    )
     config = up.put(CONFIG_TYPE, record, counts)
-    annotations = {
-        "org.opencontainers.image.title": b.repo_path,
-        "dev.mlx-prefix-bundles.prefix": f"{name}@{version}",
-        "dev.mlx-prefix-bundles.cache-sha256": b.cache_sha256,
-    }
     body = manifest_body(config, layers, annotations)
     if dry_run:  # the digest the registry would give it: its manifest's bytes
         digest = "sha256:" + hashlib.sha256(body).hexdigest()
