@@ -518,3 +518,41 @@ def test_push_dry_run_says_what_would_move_and_changes_nothing(
     assert main(["push", str(shop_bundle), "--repo", reg.repo(), "--dry-run"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert " bytes would be uploaded in 0 blobs, " in out[-1]  # the manifest only: blobs are in
+
+
+# --- progress ---------------------------------------------------------------------------------
+
+
+def test_progress_is_plain_lines_off_a_terminal_and_nothing_under_json(
+    reg: Registry, shop_bundle: Path, model: Path, capsys, monkeypatch
+):
+    """Off a terminal: a line when an artifact starts and one when it is in (plain lines start
+    at 64 MiB and come at most every 2 s: both lowered or raised here for the tiny bundle)."""
+    from pipeline.cli import push as cli_push
+
+    monkeypatch.setattr(cli_push, "PLAIN_MIN_BYTES", 0)
+    monkeypatch.setattr(cli_push, "PLAIN_EVERY_S", 1e9)
+    assert main(["push", str(shop_bundle), "--repo", reg.repo()]) == 0
+    push = capsys.readouterr().err.splitlines()
+    assert main(["push", str(shop_bundle), "--repo", reg.repo("fleet/json"), "--json"]) == 0
+    total = document(PushReport, capsys.readouterr().out).bundles[0].bytes
+    assert main(["pull", "--repo", reg.repo(), "--model", str(model)]) == 0
+    pull = capsys.readouterr().err.splitlines()
+    assert main(["pull", "--repo", reg.repo(), "--model", str(model), "--json"]) == 0
+    assert capsys.readouterr().err == ""  # --json: nothing but the document
+
+    mib = f"{total / (1 << 20):,.1f}"
+    for verb, lines in (("push", push), ("pull", pull)):
+        assert len(lines) == 2 and lines[0] == f"{verb} shop@1: 0.0/{mib} MiB", lines
+        assert lines[1].startswith(f"{verb} shop@1: {mib}/{mib} MiB, ")
+        assert lines[1].endswith(" MiB/s, ETA 0.0s")
+
+
+def test_transfer_text_counts_the_rate_over_what_moved():
+    from pipeline.cli.push import transfer_text
+
+    mib = 1 << 20
+    assert transfer_text(0, 100 * mib, 0, 0.0) == "0.0/100.0 MiB"
+    assert transfer_text(60 * mib, 100 * mib, 40 * mib, 2.0) == (
+        "60.0/100.0 MiB (40.0 MiB already here), 10.0 MiB/s, ETA 4.0s"
+    )

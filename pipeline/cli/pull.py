@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.cli.common import add_json_option, emit_json, err
 from pipeline.cli.keys import add_trusted_key_option, trusted_keys
-from pipeline.cli.push import add_registry_options, transfer_of
+from pipeline.cli.push import add_registry_options, transfer_of, transfer_progress
 from pipeline.cli.reports import PulledBundle, PullReport, PullTotals, refusal_of
 
 if TYPE_CHECKING:
@@ -76,6 +76,8 @@ def _pull_oci(args: argparse.Namespace) -> PullResult:
             f"--revision is for a hub repo; {args.repo} is an OCI registry: pick bundles with "
             "--prefix NAME@VERSION"
         )
+    from pipeline.distribute.meter import Meter
+
     return pull_oci(
         args.repo,
         args.model,
@@ -84,6 +86,7 @@ def _pull_oci(args: argparse.Namespace) -> PullResult:
         trusted_keys(args),
         plain_http=args.plain_http,
         ca_bundle=str(args.ca_bundle) if args.ca_bundle else None,
+        meter=Meter(None if args.json else transfer_progress("pull")),
     )
 
 

@@ -4,6 +4,8 @@ artifact and tag per bundle, only the blobs it lacks)."""
 from __future__ import annotations
 
 import argparse
+import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -126,10 +128,13 @@ def _run_oci(args: argparse.Namespace, checked: list[CheckedBundle]) -> int:
             f"--revision is for a hub repo; {args.repo} is an OCI registry (each bundle has its "
             "own tag): drop --revision"
         )
+    from pipeline.distribute.meter import Meter
+
     ca = str(args.ca_bundle) if args.ca_bundle else None
+    meter = Meter(None if args.json or args.dry_run else transfer_progress("push"))
     result = push_oci(
         checked, args.repo, mount_from=args.mount_from, plain_http=args.plain_http, ca_bundle=ca,
-        dry_run=args.dry_run,
+        dry_run=args.dry_run, meter=meter,
     )  # fmt: skip
     verb = "would push" if args.dry_run else "pushed"
     if args.json:
@@ -161,6 +166,67 @@ def _run_oci(args: argparse.Namespace, checked: list[CheckedBundle]) -> int:
     print(f"{t.moved_bytes:,} bytes {moved} in {t.moved_blobs} blobs, {t.reused_bytes:,} bytes in "
           f"{t.reused_blobs} blobs already in the registry")  # fmt: skip
     return 0
+
+
+PLAIN_MIN_BYTES = 64 << 20  # plain progress lines only for artifacts this large
+PLAIN_EVERY_S = 2.0
+
+
+def transfer_progress(verb: str):
+    """Progress of each artifact on stderr: a rich bar (bytes, rate, ETA) on a terminal, else
+    plain lines for artifacts of 64 MiB or more, at most one every 2 s and the last."""
+    return _transfer_bar(verb) if sys.stderr.isatty() else _transfer_lines(verb)
+
+
+def transfer_text(done: int, total: int, reused: int, elapsed: float) -> str:
+    """'120.0/940.0 MiB (20.0 MiB already here), 110.0 MiB/s, ETA 7.5s': the rate counts the
+    bytes that moved, not those already there."""
+    mib = 1 << 20
+    there = f" ({reused / mib:,.1f} MiB already here)" if reused else ""
+    text = f"{done / mib:,.1f}/{total / mib:,.1f} MiB{there}"
+    moved = done - reused
+    if moved <= 0 or elapsed <= 0:
+        return text
+    rate = moved / elapsed
+    return f"{text}, {rate / mib:,.1f} MiB/s, ETA {(total - done) / rate:.1f}s"
+
+
+def _transfer_bar(verb: str):
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn
+
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[text]}"))
+    # no refresh thread: a failed transfer cannot leave a live display behind
+    bar = Progress(*columns, console=Console(stderr=True), auto_refresh=False)
+    tasks: dict[str, int] = {}
+
+    def report(label: str, done: int, total: int, reused: int, elapsed: float) -> None:
+        text = transfer_text(done, total, reused, elapsed)
+        if label not in tasks:  # one bar per artifact, one after the other
+            tasks[label] = bar.add_task(f"{verb} {label}", total=total, text=text)
+            bar.start()
+        bar.update(tasks[label], completed=done, text=text, refresh=True)
+        if done >= total:
+            bar.stop()
+
+    return report
+
+
+def _transfer_lines(verb: str):
+    shown: dict[str, tuple[int, float]] = {}  # label -> (bytes done, when) of its last line
+
+    def report(label: str, done: int, total: int, reused: int, elapsed: float) -> None:
+        now = time.perf_counter()
+        last = shown.get(label)
+        if total < PLAIN_MIN_BYTES or (last and last[0] == done):
+            return
+        if last and done < total and now - last[1] < PLAIN_EVERY_S:
+            return
+        shown[label] = (done, now)
+        text = transfer_text(done, total, reused, elapsed)
+        print(f"{verb} {label}: {text}", file=sys.stderr, flush=True)
+
+    return report
 
 
 DRY_RUN = "--dry-run: nothing was uploaded or tagged; `transfer` is what would move"

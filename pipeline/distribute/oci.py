@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.distribute.meter import Meter
 from pipeline.distribute.oci_auth import Challenge, auth_header, credentials
 from pipeline.distribute.oci_http import httpx
 from pipeline.format.errors import PipelineError
@@ -76,6 +77,7 @@ class Registry:
         self.creds = credentials(ref.host)
         self.header: dict[str, str] = {}
         self.sleep: Callable[[float], None] = time.sleep
+        self.meter = Meter()  # seconds hashing and writing what streams in (the benchmark)
 
     def close(self) -> None:
         self.client.close()
@@ -199,8 +201,10 @@ class Registry:
                     if n + len(chunk) > size:
                         n += len(chunk)
                         break
-                    h.update(chunk)
-                    sink(chunk)
+                    with self.meter.phase("hash"):
+                        h.update(chunk)
+                    with self.meter.phase("write"):
+                        sink(chunk)
                     n += len(chunk)
                 break
             except httpx.TransportError:

@@ -23,6 +23,7 @@ from pipeline.builder.writer import clean_staging, discard, new_staging_folder
 from pipeline.distribute.artifact import CONFIG_SCHEMA, Blob, parse_manifest, parse_tag, tag_of
 from pipeline.distribute.blocks import Layout, Source, Target, layout, read_layout
 from pipeline.distribute.hub import RemoteBundle
+from pipeline.distribute.meter import Meter
 from pipeline.distribute.oci import Registry, parse_repo
 from pipeline.distribute.oci_push import Transfer
 from pipeline.distribute.pull import PullResult, check_found, parse_wanted, publish_staged, select
@@ -52,6 +53,7 @@ def pull_oci(
     *,
     plain_http: bool = False,
     ca_bundle: str | None = None,
+    meter: Meter | None = None,
 ) -> PullResult:
     """Fetch, check, validate and publish the bundles of an OCI repo that fit `model_dir`."""
     ref = parse_repo(repo)
@@ -60,6 +62,7 @@ def pull_oci(
     wanted = parse_wanted(prefixes)
     identity = identity_for(model_dir)  # a bad model folder fails here, before the network
     registry = Registry(ref, plain_http=plain_http, ca_bundle=ca_bundle)
+    registry.meter = meter = meter or Meter()
     try:
         remote = [RemoteBundle(*p, ()) for t in registry.tags() if (p := parse_tag(t))]
         result = PullResult(ref.url, None, None, None, model_dir, root)
@@ -78,7 +81,8 @@ def pull_oci(
                 for path, digest in result.digests.items():
                     resume.keep(digest, staging / path / CACHE_FILE)
                 raise
-            publish_staged(result, chosen, staging, identity, tuple(trusted_keys))
+            with meter.phase("validate"):  # the one validator, then the atomic publish
+                publish_staged(result, chosen, staging, identity, tuple(trusted_keys))
         finally:
             local.close()
             discard(root, staging)
@@ -127,6 +131,7 @@ class _Fetch:
 
     def __init__(self, registry: Registry, b: RemoteBundle, dest: Path, counts: Transfer) -> None:
         self.registry, self.b, self.dest, self.counts = registry, b, dest, counts
+        self.meter = registry.meter
         self.tag = tag_of(b.name, b.version, b.folder)
         self.where = f"bundle {b.path} from registry repo {registry.ref.url} (tag {self.tag})"
 
@@ -134,15 +139,19 @@ class _Fetch:
         return PipelineError(f"{self.where}: {why}; {NOTHING}")
 
     def get(self, blob: Blob) -> bytes:
-        data = self.registry.get_blob(blob.digest, blob.size)
+        with self.meter.phase("transfer"):
+            data = self.registry.get_blob(blob.digest, blob.size)
         self.counts.moved_bytes += len(data)
         self.counts.moved_blobs += 1
+        self.meter.advance(len(data))
         return data
 
     def run(self, keys: tuple[PublicKey, ...], local: LocalBlocks, resume: Resume) -> str:
         body, digest = self.registry.get_manifest(self.tag)
         self.counts.moved_bytes += len(body)
         parsed = parse_manifest(body, self.where)
+        blobs = [parsed.config, *parsed.files, parsed.header, parsed.rest, *parsed.blocks]
+        self.meter.start(f"{self.b.name}@{self.b.version}", sum(x.size for x in blobs))
         config = self._config(self.get(parsed.config))
         self.dest.mkdir(parents=True)
         for blob in parsed.files:
@@ -161,7 +170,9 @@ class _Fetch:
         except BaseException:  # interrupted or refused: the blocks that arrived stay for later
             resume.keep(digest, partial)
             raise
-        self._check_file(manifest)
+        with self.meter.phase("check file"):
+            self._check_file(manifest)
+        self.meter.finish()
         return digest
 
     def _config(self, data: bytes) -> dict:
@@ -212,11 +223,14 @@ class _Fetch:
             pieces = [(parsed.rest, list(plan.rest_ranges()))]
             pieces += [(blob, list(plan.block_ranges(k))) for k, blob in enumerate(parsed.blocks)]
             for k, (blob, ranges) in enumerate(pieces, start=-1):
-                if (resumed and target.holds(ranges, blob.digest, blob.size)) or (
-                    k >= 0 and local.fill(plan, k, blob, target.writer(iter(ranges)))
-                ):
+                with self.meter.phase("reuse"):  # a partial file's blob, or a local bundle's
+                    here = (resumed and target.holds(ranges, blob.digest, blob.size)) or (
+                        k >= 0 and local.fill(plan, k, blob, target.writer(iter(ranges)))
+                    )
+                if here:
                     self.counts.reused_bytes += blob.size
                     self.counts.reused_blobs += 1
+                    self.meter.advance(blob.size, reused=True)
                 else:
                     self._stream(blob, ranges, target)
         finally:
@@ -227,9 +241,11 @@ class _Fetch:
             raise self.fail(
                 f"blob {blob.digest[:19]} has {blob.size:,} bytes, its place another size"
             )
-        self.registry.stream_blob(blob.digest, blob.size, target.writer(iter(ranges)))
+        with self.meter.phase("transfer"):
+            self.registry.stream_blob(blob.digest, blob.size, target.writer(iter(ranges)))
         self.counts.moved_bytes += blob.size
         self.counts.moved_blobs += 1
+        self.meter.advance(blob.size)
 
     def _check_file(self, manifest: Manifest) -> None:
         h = hashlib.sha256()

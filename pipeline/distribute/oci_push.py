@@ -25,6 +25,7 @@ from pipeline.distribute.artifact import (
     tag_of,
 )
 from pipeline.distribute.blocks import Source, read_layout
+from pipeline.distribute.meter import Meter
 from pipeline.distribute.oci import Registry, parse_repo
 from pipeline.distribute.push import CheckedBundle
 from pipeline.format.bundle_folder import CACHE_FILE
@@ -64,34 +65,38 @@ class OciPushResult:
 class _Uploader:
     """Puts blobs into the repository once each, counting what moved and what was there."""
 
-    def __init__(self, registry: Registry, mount_from: list[str], dry_run: bool = False) -> None:
+    def __init__(
+        self, registry: Registry, mount_from: list[str], dry_run: bool, meter: Meter
+    ) -> None:
         self.registry, self.mount_from, self.seen = registry, mount_from, set()
         self.dry_run = dry_run  # count what would move; upload and mount nothing
+        self.meter = meter
 
     def put(self, media_type: str, data: bytes, counts: Transfer, title: str | None = None) -> Blob:
-        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        with self.meter.phase("hash"):
+            digest = "sha256:" + hashlib.sha256(data).hexdigest()
         blob = Blob(media_type, digest, len(data), title)
-        if digest in self.seen or self.registry.has_blob(digest) is not None:
-            counts.reused_bytes, counts.reused_blobs = (
-                counts.reused_bytes + len(data),
-                counts.reused_blobs + 1,
-            )
-        elif not self.dry_run and any(
-            self.registry.mount(digest, source) for source in self.mount_from
-        ):
-            counts.reused_bytes, counts.reused_blobs = (
-                counts.reused_bytes + len(data),
-                counts.reused_blobs + 1,
-            )
-        else:
-            if not self.dry_run:
+        with self.meter.phase("transfer"):
+            there = self._there(digest)
+            if not there and not self.dry_run:
                 self.registry.upload(digest, data)
-            counts.moved_bytes, counts.moved_blobs = (
-                counts.moved_bytes + len(data),
-                counts.moved_blobs + 1,
-            )
+        if there:
+            counts.reused_bytes += len(data)
+            counts.reused_blobs += 1
+        else:
+            counts.moved_bytes += len(data)
+            counts.moved_blobs += 1
         self.seen.add(digest)
+        self.meter.advance(len(data), reused=there)
         return blob
+
+    def _there(self, digest: str) -> bool:
+        """Whether the repository has the blob, or now has it mounted from --mount-from."""
+        if digest in self.seen or self.registry.has_blob(digest) is not None:
+            return True
+        return not self.dry_run and any(
+            self.registry.mount(digest, source) for source in self.mount_from
+        )
 
 
 def push_oci(
@@ -102,6 +107,7 @@ def push_oci(
     plain_http: bool = False,
     ca_bundle: str | None = None,
     dry_run: bool = False,
+    meter: Meter | None = None,
 ) -> OciPushResult:
     """Upload each validated bundle's missing blobs, then tag it; `dry_run`: only ask the
     registry which blobs it has, and count what would move (nothing is uploaded, mounted or
@@ -110,8 +116,9 @@ def push_oci(
     sources = [_same_host(ref, parse_repo(r)) for r in mount_from]
     registry = Registry(ref, plain_http=plain_http, ca_bundle=ca_bundle)
     result = OciPushResult(ref.url)
+    meter = meter or Meter()
     try:
-        uploader = _Uploader(registry, sources, dry_run)
+        uploader = _Uploader(registry, sources, dry_run, meter)
         for b in bundles:
             pushed = _push_one(registry, uploader, b, dry_run)
             result.artifacts.append(pushed)
@@ -130,11 +137,17 @@ def _same_host(ref, source) -> str:
     return source.name
 
 
+def _read(meter: Meter, read, *args) -> bytes:
+    with meter.phase("read"):
+        return read(*args)
+
+
 def _check_manifest_size(
     b: CheckedBundle, tag: str, plan, files: list[str], config_bytes: int, annotations: dict
-) -> None:
-    """Refuse, before any blob moves, an artifact whose manifest the registry would not take
-    (its length is known exactly: every digest has the same length, every size is known)."""
+) -> int:
+    """The artifact's bytes, its manifest included; PipelineError, before any blob moves, when
+    that manifest is over what a registry takes (its length is known exactly: every digest has
+    the same length and every size is known)."""
     zero = "sha256:" + "0" * 64
     layers = [Blob(FILE_TYPE, zero, (b.local / f).stat().st_size, f) for f in files]
     layers += [Blob(HEADER_TYPE, zero, len(plan.header))]
@@ -143,12 +156,14 @@ def _check_manifest_size(
         Blob(BLOCK_TYPE, zero, sum(n for _, n in plan.block_ranges(k))) for k in range(plan.blocks)
     ]
     size = len(manifest_body(Blob(CONFIG_TYPE, zero, config_bytes), layers, annotations))
+    total = size + config_bytes + sum(x.size for x in layers)
     if size > oci.MAX_MANIFEST_BYTES:
         raise PipelineError(
             f"bundle {b.repo_path}: its artifact manifest ({tag}) would be {size:,} bytes for "
             f"{plan.blocks:,} blocks, over the {oci.MAX_MANIFEST_BYTES:,} a registry accepts; "
             "nothing was uploaded: split the prefix into smaller ones"
         )
+    return total
 
 
 def _push_one(
@@ -167,13 +182,16 @@ def _push_one(
         "dev.mlx-prefix-bundles.cache-sha256": b.cache_sha256,
     }
     files = [f for f in SMALL_FILES if f in b.files]
-    _check_manifest_size(b, tag, plan, files, len(record), annotations)  # before any upload
+    size = _check_manifest_size(b, tag, plan, files, len(record), annotations)  # before uploads
+    up.meter.start(f"{name}@{version}", size)
     layers = [up.put(FILE_TYPE, (b.local / f).read_bytes(), counts, f) for f in files]
     layers.append(up.put(HEADER_TYPE, plan.header, counts))
     source = Source(b.local / CACHE_FILE, plan)
     try:
-        layers.append(up.put(REST_TYPE, source.rest(), counts))
-        layers += [up.put(BLOCK_TYPE, source.block(k), counts) for k in range(plan.blocks)]
+        layers.append(up.put(REST_TYPE, _read(up.meter, source.rest), counts))
+        layers += [
+            up.put(BLOCK_TYPE, _read(up.meter, source.block, k), counts) for k in range(plan.blocks)
+        ]
     finally:
         source.close()
     config = up.put(CONFIG_TYPE, record, counts)
@@ -181,7 +199,9 @@ def _push_one(
     if dry_run:  # the digest the registry would give it: its manifest's bytes
         digest = "sha256:" + hashlib.sha256(body).hexdigest()
     else:
-        digest = registry.put_manifest(tag, body)  # last: every blob it names is in
+        with up.meter.phase("transfer"):
+            digest = registry.put_manifest(tag, body)  # last: every blob it names is in
+    up.meter.finish()
     counts.moved_bytes += len(body)
     total = sum(x.size for x in layers) + config.size + len(body)
     return PushedArtifact(b, tag, digest, total, counts)

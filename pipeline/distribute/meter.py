@@ -1,0 +1,50 @@
+"""What a push or pull reports while it runs: bytes done of each artifact (for a progress bar) and
+seconds per phase (for the benchmark). No printing: the CLI gives a callback that does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+# callback(label, done bytes, total bytes, reused bytes, elapsed seconds)
+Report = Callable[[str, int, int, int, float], None]
+
+
+class Meter:
+    """Progress of the artifact moving now, and time spent per phase over the whole run."""
+
+    def __init__(self, report: Report | None = None) -> None:
+        self.report = report
+        self.seconds: dict[str, float] = {}
+        self.label, self.total, self.done, self.reused, self.started = "", 0, 0, 0, 0.0
+
+    def start(self, label: str, total: int) -> None:
+        self.label, self.total, self.done, self.reused = label, total, 0, 0
+        self.started = time.perf_counter()
+        self._tell()
+
+    def advance(self, n: int, reused: bool = False) -> None:
+        """n more bytes of the artifact are in place (moved, or already there when reused)."""
+        self.done = min(self.done + n, self.total)
+        self.reused += n if reused else 0
+        self._tell()
+
+    def finish(self) -> None:
+        self.done = self.total
+        self._tell()
+
+    def _tell(self) -> None:
+        if self.report is not None and self.total:
+            elapsed = time.perf_counter() - self.started
+            self.report(self.label, self.done, self.total, self.reused, elapsed)
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Add the time spent inside to `seconds[name]`."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
