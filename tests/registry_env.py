@@ -86,9 +86,16 @@ def write_htpasswd(path: Path, users: dict[str, str]) -> None:
         )
 
 
-def write_config(folder: Path, port: int, users: dict[str, str] | None) -> Path:
+def write_config(
+    folder: Path, port: int, users: dict[str, str] | None, token: TokenService | None = None
+) -> Path:
     auth = ""
-    if users:
+    if token:
+        auth = (
+            f"auth:\n  token:\n    realm: {token.realm}\n    service: {token.service}\n"
+            f"    issuer: {token.issuer}\n    rootcertbundle: {token.cert}\n"
+        )
+    elif users:
         write_htpasswd(folder / "htpasswd", users)
         auth = f"auth:\n  htpasswd:\n    realm: test-realm\n    path: {folder / 'htpasswd'}\n"
     config = folder / "config.yml"
@@ -118,12 +125,15 @@ def _wait_ready(host: str, process: subprocess.Popen, log: Path) -> None:
 
 
 @contextmanager
-def registry(folder: Path, users: dict[str, str] | None = None) -> Iterator[Registry]:
-    """A running registry storing under folder/storage; stopped (by its PID) on exit."""
+def registry(
+    folder: Path, users: dict[str, str] | None = None, token: TokenService | None = None
+) -> Iterator[Registry]:
+    """A running registry storing under folder/storage (basic auth for `users`, or bearer
+    tokens from `token`); stopped (by its PID) on exit."""
     require_tools(BINARY)
     folder.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    config = write_config(folder, port, users)
+    config = write_config(folder, port, users, token)
     log = folder / "registry.log"
     with open(log, "wb") as out:
         process = subprocess.Popen(
@@ -142,6 +152,111 @@ def registry(folder: Path, users: dict[str, str] | None = None) -> Iterator[Regi
             process.wait()
 
 
+class TokenService:
+    """A Docker-style token service on loopback (what a registry's `auth: token` trusts): GET
+    /token?service=..&scope=.. with basic credentials answers a JWT signed RS256 by a
+    self-signed certificate (the registry's rootcertbundle, sent in the `x5c` header) granting
+    what the scopes ask; wrong or no credentials get 401. Every request is recorded."""
+
+    service, issuer = "test-registry", "test-token-issuer"
+
+    def __init__(self, folder: Path, users: dict[str, str]) -> None:
+        import datetime
+
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import rsa
+        from cryptography.x509.oid import NameOID
+
+        self.users, self.requests = users, []
+        self.key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test token issuer")])
+        now = datetime.datetime.now(datetime.timezone.utc)
+        cert = (
+            x509.CertificateBuilder()
+            .subject_name(name)
+            .issuer_name(name)
+            .public_key(self.key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+            .sign(self.key, hashes.SHA256())
+        )
+        folder.mkdir(parents=True, exist_ok=True)
+        self.cert = folder / "token.crt"
+        self.cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        self.der = cert.public_bytes(serialization.Encoding.DER)
+
+    def jwt(self, user: str, scopes: list[str]) -> str:
+        import base64
+        import json
+        import secrets
+
+        from cryptography.hazmat.primitives import hashes
+        from cryptography.hazmat.primitives.asymmetric import padding
+
+        def b64(data: bytes) -> str:
+            return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+        access = []
+        for scope in scopes:
+            kind, _, rest = scope.partition(":")
+            name, _, actions = rest.rpartition(":")
+            access.append({"type": kind, "name": name, "actions": actions.split(",")})
+        now = int(time.time())
+        header = {"typ": "JWT", "alg": "RS256", "x5c": [base64.b64encode(self.der).decode()]}
+        claims = {"iss": self.issuer, "sub": user, "aud": self.service, "exp": now + 300,
+                  "nbf": now - 10, "iat": now, "jti": secrets.token_hex(8), "access": access}  # fmt: skip
+        signing = f"{b64(json.dumps(header).encode())}.{b64(json.dumps(claims).encode())}"
+        signature = self.key.sign(signing.encode(), padding.PKCS1v15(), hashes.SHA256())
+        return f"{signing}.{b64(signature)}"
+
+    @contextmanager
+    def running(self) -> Iterator[TokenService]:
+        import base64
+        import http.server
+        import json
+        import threading
+        import urllib.parse
+
+        service = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                query = urllib.parse.parse_qs(urllib.parse.urlparse(self.path).query)
+                scopes = [s for v in query.get("scope", []) for s in v.split(" ")]
+                auth = self.headers.get("authorization", "")
+                user, _, password = (
+                    base64.b64decode(auth[6:]).decode().partition(":")
+                    if auth.startswith("Basic ")
+                    else ("", "", "")
+                )
+                service.requests.append((user, scopes))
+                if not user or service.users.get(user) != password:
+                    self.send_response(401)
+                    self.end_headers()
+                    return
+                body = json.dumps({"token": service.jwt(user, scopes), "expires_in": 300})
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.end_headers()
+                self.wfile.write(body.encode())
+
+            def log_message(self, *args):
+                pass
+
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.realm = f"http://127.0.0.1:{server.server_address[1]}/token"
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            server.shutdown()
+            server.server_close()
+
+
 def corrupt(path: Path) -> None:
     """Flip the last byte of a stored blob (a tampered registry)."""
     data = bytearray(path.read_bytes())
@@ -150,4 +265,4 @@ def corrupt(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-__all__ = ["Registry", "corrupt", "registry"]
+__all__ = ["Registry", "TokenService", "corrupt", "registry"]

@@ -556,3 +556,35 @@ def test_transfer_text_counts_the_rate_over_what_moved():
     assert transfer_text(60 * mib, 100 * mib, 40 * mib, 2.0) == (
         "60.0/100.0 MiB (40.0 MiB already here), 10.0 MiB/s, ETA 4.0s"
     )
+
+
+# --- bearer tokens ------------------------------------------------------------------------------
+
+
+def test_bearer_token_auth_through_a_token_service(
+    tmp_path: Path, shop_bundle: Path, model: Path, capsys, monkeypatch
+):
+    """The real registry configured for token auth (`auth: token`, trusting a test certificate)
+    and a small loopback token service that signs JWTs with it: the client answers the 401's
+    Bearer challenge with a token for the scope it names (pull, then pull,push), credentials
+    from the environment; a wrong password is one line."""
+    from registry_env import TokenService
+
+    tokens = TokenService(tmp_path / "token", {"ci": "t0ken-pass"})
+    with tokens.running(), registry(tmp_path / "token-registry", token=tokens) as reg:
+        monkeypatch.setenv("PREFIX_BUNDLES_REGISTRY_USER", "ci")
+        monkeypatch.setenv("PREFIX_BUNDLES_REGISTRY_PASSWORD", "t0ken-pass")
+        assert main(["push", str(shop_bundle), "--repo", reg.repo()]) == 0
+        assert main(["pull", "--repo", reg.repo(), "--model", str(model)]) == 0
+        assert published(model) == [f"shop/1/{shop_bundle.name}"]
+        scopes = {s for user, asked in tokens.requests for s in asked if user == "ci"}
+        assert scopes >= {"repository:fleet/bundles:pull", "repository:fleet/bundles:pull,push"}
+        capsys.readouterr()
+
+        monkeypatch.setenv("PREFIX_BUNDLES_REGISTRY_PASSWORD", "wrong")
+        assert main(["pull", "--repo", reg.repo(), "--model", str(model)]) == 1
+        assert capsys.readouterr().err == (
+            f"error: registry {reg.host}: listing tags: not authorized (HTTP 401, as 'ci'); log "
+            "in with 'docker login' (read from ~/.docker/config.json) or set "
+            "PREFIX_BUNDLES_REGISTRY_USER and PREFIX_BUNDLES_REGISTRY_PASSWORD\n"
+        )

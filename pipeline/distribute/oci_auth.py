@@ -122,8 +122,11 @@ def auth_header(
         return {"authorization": basic(creds)} if creds else None
     if challenge.scheme != "bearer" or "realm" not in challenge.params:
         return None
-    params = {k: v for k, v in challenge.params.items() if k in ("service", "scope")}
-    params.setdefault("scope", f"repository:{ref.name}:pull,push")
+    # one `scope` parameter per scope, as Docker sends them (a challenge lists them spaced)
+    scopes = challenge.params.get("scope", f"repository:{ref.name}:pull,push").split()
+    params = [("scope", s) for s in scopes]
+    if "service" in challenge.params:
+        params.insert(0, ("service", challenge.params["service"]))
     headers = {"authorization": basic(creds)} if creds else {}
     try:
         r = client.get(challenge.params["realm"], params=params, headers=headers)
