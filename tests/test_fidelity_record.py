@@ -71,3 +71,40 @@ def test_quantized_bundle_records_whether_greedy_agreement_means_anything(
     f = fidelity(build_bundle(tmp_path, check=True))
     assert 0.0 < f["max_abs_logit_diff"] <= f["threshold"] and f["top2_margin"] > 0.0
     assert f["tie_within_tolerance"] == (f["top2_margin"] <= f["max_abs_logit_diff"])
+
+
+def test_a_full_precision_bundle_is_proven_by_its_bytes_with_one_probe_run(
+    tmp_path: Path, tiny_model: Path, monkeypatch
+):
+    """The read-back proves the written K/V are the builder's cache: no greedy run repeats that
+    proof; where the serving path is the builder's, one probe forward gives its margin."""
+    from pipeline.builder import fidelity as fidelity_module
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("a model run where the bytes already prove the result")
+
+    monkeypatch.setattr(fidelity_module, "continue_from", no_run)
+    write_definition(tmp_path, tiny_model)
+    f = fidelity(build_bundle(tmp_path, check=True))
+    assert f["checked"] and f["max_abs_logit_diff"] == 0.0 and f["greedy_match"]
+    assert f["probe"].endswith(fidelity_module.BYTE_PROOF) and f["greedy_tokens"] is None
+    assert f["serving"]["same_as_builder"] and f["serving"]["top2_margin"] == f["top2_margin"]
+
+
+def test_the_read_back_refuses_a_tensor_that_is_not_the_saved_one(tmp_path: Path):
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache, save_prompt_cache
+
+    from pipeline.builder.readback import read_back, saved_arrays
+    from pipeline.format.errors import BuildError
+    from pipeline.format.fingerprint import file_digests
+
+    layer = KVCache()
+    layer.update_and_fetch(mx.ones((1, 2, 3, 4)), mx.zeros((1, 2, 3, 4)))
+    path = tmp_path / "cache.safetensors"
+    save_prompt_cache(str(path), [layer], {"k": "v"})
+    expected = saved_arrays([layer])
+    assert read_back(path, expected) == file_digests(path)  # one read: the same digests
+    expected["0.1"] = expected["0.1"] + 1  # the values, as if the disk had changed them
+    with pytest.raises(BuildError, match=r"tensor 0\.1 as read back differs from the cache"):
+        read_back(path, expected)

@@ -367,7 +367,9 @@ def _carry_hash(key: str | None, published: Path, manifest: Manifest) -> None:
 def _produce(job: Job, bundles_root: Path, tmp: Path) -> tuple[Manifest, dict[str, Any]]:
     """Prefill and write the bundle into the staging folder `tmp`, validated."""
     d = job.target.definition
+    began = time.perf_counter()
     loaded = load_model(job.target.model_dir, d.spec.cache.compute_dtype)
+    load_seconds = time.perf_counter() - began
     cut = _stable_cut(job, loaded.tokenizer)
     check_context(d, len(cut.tokens), job.identity.shape)
     needed = estimate_bytes(
@@ -386,6 +388,7 @@ def _produce(job: Job, bundles_root: Path, tmp: Path) -> tuple[Manifest, dict[st
         "reused_tokens": parent.reused_tokens if parent else 0,
         "reuse": reuse_note,
         "parent_seconds": parent_seconds,
+        "load_seconds": round(load_seconds, 4),
     }
     if REFUSED_PARENT in reuse_note:  # a parent failed its spot check: the CLI warns
         report_extra["parent_warning"] = reuse_note
@@ -394,7 +397,9 @@ def _produce(job: Job, bundles_root: Path, tmp: Path) -> tuple[Manifest, dict[st
     # the builder never ships what the one validator refuses; the cache file's bytes were hashed
     # as read back from disk by write_cache (the memo keys that read by the file's stat), so the
     # self-check does not read and hash ~1 GB a second time
+    began = time.perf_counter()
     validate(tmp, job.identity, trust_memo=True)
+    report["self_check_seconds"] = round(time.perf_counter() - began, 4)  # not in the file
     return manifest, report
 
 
@@ -452,18 +457,25 @@ def _write(
         **report_extra,
     }
     try:
+        # the read-back compared the file's tensors with `final`: for full precision, the reference
+        exact = final is reference
+        began = time.perf_counter()
         digests = write_cache(tmp, final, cut.tokens, metadata)
+        report["write_seconds"] = round(time.perf_counter() - began, 4)  # save, read back
         held = [reference]
         del final, reference
         fidelity = FidelityInfo(checked=False)
+        began = time.perf_counter()
         if job.check:
             fidelity = run_checks(
                 loaded, job.target.model_dir, held, tmp / CACHE_FILE, cut.tokens,
                 cut.probe_tokens, d.spec, continued=parent is not None,
+                read_back_equal=exact,
             )  # fmt: skip
             if parent is not None:  # its reference run started from the parent too: say so
                 fidelity = continued_reference(fidelity, parent, inherited)
         held.clear()
+        report["check_seconds"] = round(time.perf_counter() - began, 4)
         facts = BuildFacts(
             job.identity, job.rendered, cut, layers, dtype_name(loaded.serving_dtype),
             job.builder, job.key, digests, parent,

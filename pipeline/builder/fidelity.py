@@ -50,9 +50,14 @@ def run_checks(
     probe: list[int],
     spec: PrefixDefinition,
     continued: bool = False,
+    read_back_equal: bool = False,
 ) -> FidelityInfo:
     """The fidelity record: the bundle as written against the builder's in-memory cache (raises
     beyond the bound), and against the serving path (recorded, never a refusal).
+
+    read_back_equal: the written file's tensors were read back byte-identical to held[0] (a full-
+    precision bundle: pipeline.builder.readback), which proves warm equals the builder's cache
+    exactly, so no model run repeats that proof (exact_checks).
 
     continued: the in-memory cache continued a parent's stored KV, so it is no cold prefill; the
     serving comparison then costs a cold prefill from token 0 and runs only when the definition
@@ -64,6 +69,8 @@ def run_checks(
     """
     if not probe:
         raise BuildError("fidelity check needs at least one probe token after the prefix")
+    if read_back_equal:
+        return exact_checks(loaded, model_dir, held, tokens, probe, spec, continued)
     steps = spec.check.greedy_tokens
     reference = held.pop()
     ref = continue_from(loaded, reference, probe, steps)
@@ -92,6 +99,65 @@ def run_checks(
         skipped = f"failed: the serving path cannot run on this builder ({detail})"
         return info.model_copy(update={"serving_skipped": skipped})
     return info.model_copy(update={"serving": serving_check(loaded, plan, cold, warm)})
+
+
+BYTE_PROOF = (
+    "none run: the written K/V were read back byte-identical to the builder's in-memory cache, "
+    "so warm from the bundle equals it exactly (every logit, every greedy token)"
+)
+
+
+def exact_checks(
+    loaded: LoadedModel, model_dir: Path, held: list[list[Any]], tokens: list[int],
+    probe: list[int], spec: PrefixDefinition, continued: bool = False,
+) -> FidelityInfo:  # fmt: skip
+    """The record of a bundle whose bytes are the builder's cache: difference 0 by that proof;
+    the serving comparison, where it runs, warm from those bytes (the probe's logits only when
+    the serving path is the builder's own: then it is the same proof)."""
+    reference = held.pop()
+    info = FidelityInfo(
+        checked=True, max_abs_logit_diff=0.0, threshold=threshold_for(spec), greedy_match=True,
+        probe=f"{len(probe)} tokens; {BYTE_PROOF}",
+        reference=builder_reference(loaded, spec.cache.prefill_step_size, continued),
+    )  # fmt: skip
+    plan = serving_plan(loaded, spec, continued)
+    if not plan.runs:
+        return info.model_copy(update={"serving_skipped": plan.skipped})
+    steps = spec.check.greedy_tokens
+    try:
+        serving = serving_model(loaded, model_dir, plan)
+        if plan.same_path:  # the cold prefill is the builder's: the same proof, plus the margin
+            return _same_path(loaded, plan, info, first_logits(serving, reference, probe))
+        warm = continue_from(serving, reference, probe, steps)
+        del reference
+        cold = continue_from(serving, _server_prefill(serving.model, tokens), probe, steps)
+    except (RuntimeError, ValueError) as exc:  # e.g. MLX's CPU gather_mm is float32-only (MoE)
+        detail = " ".join(str(exc).split())[:160]
+        skipped = f"failed: the serving path cannot run on this builder ({detail})"
+        return info.model_copy(update={"serving_skipped": skipped})
+    return info.model_copy(update={"serving": serving_check(loaded, plan, cold, warm)})
+
+
+def _same_path(
+    loaded: LoadedModel, plan: ServingPlan, info: FidelityInfo, logits: mx.array
+) -> FidelityInfo:
+    """The record where the serving path's cold prefill is the builder's own (whose bytes the
+    bundle holds): difference 0, the probe's top-2 margin measured."""
+    margin = top2_margin(logits)
+    tie = margin <= 0.0
+    check = ServingCheck(
+        dtype=dtype_name(loaded.serving_dtype), device=mx.default_device().type.name,
+        chunk_tokens=SERVER_CHUNK, same_as_builder=plan.same_path, max_abs_logit_diff=0.0,
+        greedy_match=True, top2_margin=margin, tie_within_tolerance=tie,
+    )  # fmt: skip
+    update = {"top2_margin": margin, "tie_within_tolerance": tie, "serving": check}
+    return info.model_copy(update=update)
+
+
+def first_logits(loaded: LoadedModel, cache: list[Any], probe: list[int]) -> mx.array:
+    """Next-token logits after `probe`, from a copy of `cache`."""
+    cache = fork_cache(cache)
+    return loaded.model(mx.array(probe)[None], cache=cache)[0, -1].astype(mx.float32)
 
 
 Run = tuple[mx.array, list[int]]  # next-token logits after the probe, greedy tokens after it

@@ -138,9 +138,9 @@ def _reserve(cache: list[Any], total: int) -> None:
 def _grown(buffer: mx.array, held: int, total: int) -> mx.array:
     """A buffer of `total` positions along axis 2 starting with the `held` ones of `buffer`."""
     b, heads, _, dim = buffer.shape
-    grown = mx.zeros((b, heads, total, dim), buffer.dtype)
-    grown[..., :held, :] = buffer[..., :held, :]
-    return grown
+    # one pass over the new buffer: the held positions copied, only the rest zero-filled
+    rest = mx.zeros((b, heads, total - held, dim), buffer.dtype)
+    return mx.concatenate([buffer[..., :held, :], rest], axis=2)
 
 
 def check_context(definition: Any, tokens: int, shape: ModelShape) -> None:

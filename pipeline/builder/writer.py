@@ -26,7 +26,7 @@ from pipeline.builder.bundles_tree import (
     remove_tree,
     rename,
 )
-from pipeline.format import memo
+from pipeline.builder.readback import read_back, saved_arrays
 from pipeline.format.bundle_folder import (
     CACHE_FILE,
     MANIFEST_FILE,
@@ -37,7 +37,7 @@ from pipeline.format.bundle_folder import (
 )
 from pipeline.format.cache_codec import write_cache as save_cache
 from pipeline.format.errors import BuildError, PipelineError
-from pipeline.format.fingerprint import FileDigests, file_digests, sha256_bytes
+from pipeline.format.fingerprint import FileDigests, sha256_bytes
 from pipeline.format.manifest import Manifest, manifest_bytes
 from pipeline.format.names import parse_index
 
@@ -87,13 +87,13 @@ def write_cache(
     tmp: Path, cache: list[Any], tokens: list[int], metadata: dict[str, str]
 ) -> FileDigests:
     """cache.safetensors (the installed mlx-lm's layout, the token ids in its metadata), and its
-    digests. The manifest records the layout (cache.layout, from builder.mlx_lm)."""
+    digests, from one read back that also proves every tensor holds `cache`'s bytes (BuildError
+    if not). The manifest records the layout (cache.layout, from builder.mlx_lm)."""
     user = {**metadata, "token_ids": json.dumps(tokens, separators=(",", ":"))}
     save_cache(tmp / CACHE_FILE, cache, user)
-    digests = file_digests(tmp / CACHE_FILE)  # read back from disk: what was written, hashed once
-    # the self-check may then trust this read (the file's stat key: any later change re-hashes)
-    memo.store(memo.stat_key(tmp / CACHE_FILE), digests.blake3)
-    return digests
+    # read back from disk once: what was written, hashed and compared; the memo keys the digest
+    # by the stat of what was read, so the self-check may trust it (a later change re-hashes)
+    return read_back(tmp / CACHE_FILE, saved_arrays(cache))
 
 
 def write_manifest(
