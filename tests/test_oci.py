@@ -588,3 +588,53 @@ def test_bearer_token_auth_through_a_token_service(
             "in with 'docker login' (read from ~/.docker/config.json) or set "
             "PREFIX_BUNDLES_REGISTRY_USER and PREFIX_BUNDLES_REGISTRY_PASSWORD\n"
         )
+
+
+# --- deploys pinned by digest -------------------------------------------------------------------
+
+
+def test_pull_lockfile_pins_by_the_digest_push_recorded(
+    reg: Registry, shop_bundle: Path, model: Path, tmp_path: Path, capsys
+):
+    """push --lockfile records the artifact digest in the version's entry; pull --lockfile
+    fetches that digest, whatever the tag points at now (here: another artifact of the same
+    bundle, re-tagged after the release)."""
+    from pipeline.format.lockfile import read_lock
+
+    lockfile = tmp_path / "prefixes.lock"
+    m = json.loads((shop_bundle / "manifest.json").read_text())
+    entry = {"version": 1, "content_sha256": m["prefix"]["content_sha256"],
+             "template_sha256": m["model"]["template_sha256"],
+             "models": {shop_bundle.name: m["model"]["fingerprint"]}}  # fmt: skip
+    lockfile.write_text(json.dumps({"lock_version": 1, "prefixes": {"shop": entry}}))
+    args = ["push", str(shop_bundle), "--repo", reg.repo(), "--lockfile", str(lockfile)]
+    assert main([*args, "--json"]) == 0
+    digest = document(PushReport, capsys.readouterr().out).bundles[0].digest
+    assert read_lock(lockfile).prefixes["shop"].artifacts == {shop_bundle.name: digest}
+
+    tag = tag_of("shop", 1, shop_bundle.name)
+    client = Client(parse_repo(reg.repo()))
+    body = json.loads(client.get_manifest(tag)[0])
+    body["annotations"]["re-tagged"] = "later"
+    moved = client.put_manifest(tag, json.dumps(body).encode())
+    client.close()
+    assert moved != digest
+
+    pull = ["pull", "--repo", reg.repo(), "--model", str(model), "--json"]
+    assert main([*pull, "--lockfile", str(lockfile)]) == 0
+    (b,) = document(PullReport, capsys.readouterr().out).bundles
+    assert (b.status, b.digest) == ("pulled", digest)
+    assert main(pull) == 0  # without the lockfile: the tag
+    assert document(PullReport, capsys.readouterr().out).bundles[0].digest == moved
+
+    assert main([*pull, "--lockfile", str(lockfile), "--prefix", "shop"]) == 1
+    assert capsys.readouterr().err == (
+        "error: --prefix and --lockfile both choose what to pull: pass one (the lockfile pins "
+        "every prefix it locks for the model)\n"
+    )
+    (tmp_path / "v2.lock").write_text(lockfile.read_text().replace('"version": 1', '"version": 2'))
+    assert main([*args[:-1], str(tmp_path / "v2.lock")]) == 1
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path / 'v2.lock'}: it locks shop@2, not the pushed shop@1; push the "
+        "bundles the lockfile names (build --locked), or drop --lockfile\n"
+    )

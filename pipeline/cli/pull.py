@@ -40,6 +40,13 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         metavar="NAME[@VERSION]",
         help="only this prefix (repeatable; default: every prefix, highest version)",
     )
+    p.add_argument(
+        "--lockfile",
+        type=Path,
+        metavar="FILE",
+        help="pull exactly the versions this prefixes.lock locks for the model (instead of "
+        "--prefix); OCI: by the artifact digest `push --lockfile` recorded, where it did",
+    )
     add_registry_options(p)
     add_json_option(p, "pull", version=2)
     add_trusted_key_option(p)
@@ -48,8 +55,9 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # --bundles not given (None): pull() puts them next to the model, in <model>/prefix-bundles
+    pins = _locked(args)
     if args.repo.startswith("oci://"):
-        result = _pull_oci(args)
+        result = _pull_oci(args, pins)
     else:
         from pipeline.distribute.pull import pull
 
@@ -67,7 +75,23 @@ def run(args: argparse.Namespace) -> int:
     return 1 if result.refused or result.failed else 0
 
 
-def _pull_oci(args: argparse.Namespace) -> PullResult:
+def _locked(args: argparse.Namespace) -> dict[str, str]:
+    """--lockfile: its versions become the --prefix list; returns its artifact digests."""
+    if not args.lockfile:
+        return {}
+    from pipeline.distribute.pull import locked_selection
+    from pipeline.format.errors import PipelineError
+
+    if args.prefix:
+        raise PipelineError(
+            "--prefix and --lockfile both choose what to pull: pass one (the lockfile pins "
+            "every prefix it locks for the model)"
+        )
+    args.prefix, pins = locked_selection(args.lockfile, args.model)
+    return pins
+
+
+def _pull_oci(args: argparse.Namespace, pins: dict[str, str]) -> PullResult:
     from pipeline.distribute.oci_pull import pull_oci
     from pipeline.format.errors import PipelineError
 
@@ -87,6 +111,7 @@ def _pull_oci(args: argparse.Namespace) -> PullResult:
         plain_http=args.plain_http,
         ca_bundle=str(args.ca_bundle) if args.ca_bundle else None,
         meter=Meter(None if args.json else transfer_progress("pull")),
+        pins=pins,
     )
 
 

@@ -48,6 +48,13 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         help="OCI: ask the registry which blobs it has and say what would move, in bytes; "
         "upload, mount and tag nothing",
     )
+    p.add_argument(
+        "--lockfile",
+        type=Path,
+        metavar="FILE",
+        help="OCI: record each pushed artifact's digest in this prefixes.lock (the entry of its "
+        "version), so that 'pull --lockfile' pins deploys by digest",
+    )
     add_json_option(p, "push", version=2)
     p.set_defaults(func=run)
 
@@ -98,6 +105,11 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if oci:
         return _run_oci(args, checked)
+    if args.lockfile:
+        raise PipelineError(
+            f"--lockfile records OCI artifact digests; {args.repo} is a hub repo (pin it by "
+            "its commit): leave --lockfile out"
+        )
     if args.dry_run:
         raise PipelineError(
             f"--dry-run is for an oci:// registry; {args.repo} is a hub repo (one commit of "
@@ -136,6 +148,8 @@ def _run_oci(args: argparse.Namespace, checked: list[CheckedBundle]) -> int:
         checked, args.repo, mount_from=args.mount_from, plain_http=args.plain_http, ca_bundle=ca,
         dry_run=args.dry_run, meter=meter,
     )  # fmt: skip
+    if args.lockfile and not args.dry_run:
+        _record_digests(args.lockfile, result.artifacts)
     verb = "would push" if args.dry_run else "pushed"
     if args.json:
         entries = [
@@ -166,6 +180,14 @@ def _run_oci(args: argparse.Namespace, checked: list[CheckedBundle]) -> int:
     print(f"{t.moved_bytes:,} bytes {moved} in {t.moved_blobs} blobs, {t.reused_bytes:,} bytes in "
           f"{t.reused_blobs} blobs already in the registry")  # fmt: skip
     return 0
+
+
+def _record_digests(lockfile: Path, artifacts: list) -> None:
+    from pipeline.format.lockfile import record_artifacts
+
+    for a in artifacts:
+        name, version, folder = a.bundle.repo_path.split("/")
+        record_artifacts(lockfile, name, int(version), {folder: a.digest})
 
 
 PLAIN_MIN_BYTES = 64 << 20  # plain progress lines only for artifacts this large

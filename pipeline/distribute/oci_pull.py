@@ -54,8 +54,10 @@ def pull_oci(
     plain_http: bool = False,
     ca_bundle: str | None = None,
     meter: Meter | None = None,
+    pins: dict[str, str] | None = None,
 ) -> PullResult:
-    """Fetch, check, validate and publish the bundles of an OCI repo that fit `model_dir`."""
+    """Fetch, check, validate and publish the bundles of an OCI repo that fit `model_dir`;
+    `pins` ({repo path: artifact digest}, from a lockfile) are fetched by digest, not by tag."""
     ref = parse_repo(repo)
     model_dir = Path(model_dir)
     root = Path(bundles_dir) if bundles_dir is not None else model_bundles_dir(model_dir)
@@ -65,6 +67,9 @@ def pull_oci(
     registry.meter = meter = meter or Meter()
     try:
         remote = [RemoteBundle(*p, ()) for t in registry.tags() if (p := parse_tag(t))]
+        pins = pins or {}
+        for path in sorted(set(pins) - {b.path for b in remote}):  # pinned, its tag pruned
+            remote.append(RemoteBundle(*_split(path), ()))
         result = PullResult(ref.url, None, None, None, model_dir, root)
         result.transfer = Transfer()
         chosen, result.skipped = select(remote, identity.model, wanted)
@@ -76,6 +81,7 @@ def pull_oci(
             try:
                 for b in chosen:
                     fetch = _Fetch(registry, b, staging / b.path, result.transfer)
+                    fetch.reference = pins.get(b.path, fetch.tag)
                     result.digests[b.path] = fetch.run(tuple(trusted_keys), local, resume)
             except BaseException:  # the bundles that arrived whole are kept for the next pull
                 for path, digest in result.digests.items():
@@ -90,6 +96,11 @@ def pull_oci(
     finally:
         registry.close()
     return result
+
+
+def _split(path: str) -> tuple[str, int, str]:
+    name, version, folder = path.split("/")
+    return name, int(version), folder
 
 
 class Resume:
@@ -133,7 +144,13 @@ class _Fetch:
         self.registry, self.b, self.dest, self.counts = registry, b, dest, counts
         self.meter = registry.meter
         self.tag = tag_of(b.name, b.version, b.folder)
-        self.where = f"bundle {b.path} from registry repo {registry.ref.url} (tag {self.tag})"
+        self.reference = self.tag  # or the digest a lockfile pins
+
+    @property
+    def where(self) -> str:
+        pinned = "tag" if self.reference == self.tag else "the lockfile's digest"
+        repo = self.registry.ref.url
+        return f"bundle {self.b.path} from registry repo {repo} ({pinned} {self.reference})"
 
     def fail(self, why: str) -> PipelineError:
         return PipelineError(f"{self.where}: {why}; {NOTHING}")
@@ -147,7 +164,7 @@ class _Fetch:
         return data
 
     def run(self, keys: tuple[PublicKey, ...], local: LocalBlocks, resume: Resume) -> str:
-        body, digest = self.registry.get_manifest(self.tag)
+        body, digest = self.registry.get_manifest(self.reference)  # a digest is checked
         self.counts.moved_bytes += len(body)
         parsed = parse_manifest(body, self.where)
         blobs = [parsed.config, *parsed.files, parsed.header, parsed.rest, *parsed.blocks]

@@ -129,6 +129,30 @@ def parse_wanted(prefixes: list[str] | None) -> dict[str, int | None] | None:
     return wanted
 
 
+def locked_selection(lockfile: Path, model_dir: Path) -> tuple[list[str], dict[str, str]]:
+    """What a lockfile pins for this model: (["name@version", ...], {repo path: artifact digest}
+    where `push --lockfile` recorded one)."""
+    from pipeline.format.lockfile import LockError, read_lock
+
+    if not Path(lockfile).is_file():
+        raise LockError(f"{lockfile}: lockfile not found; pass the prefixes.lock your build wrote")
+    fingerprint = identity_for(Path(model_dir)).model
+    prefixes, pins = [], {}
+    for name, entry in sorted(read_lock(Path(lockfile)).prefixes.items()):
+        for folder, fp in sorted(entry.models.items()):
+            if fp == fingerprint:
+                prefixes.append(f"{name}@{entry.version}")
+                if digest := (entry.artifacts or {}).get(folder):
+                    pins[f"{name}/{entry.version}/{folder}"] = digest
+    if not prefixes:
+        raise PipelineError(
+            f"{lockfile}: no prefix is locked for the model {model_dir} (fingerprint "
+            f"{fingerprint[:FINGERPRINT_CHARS]}); build for it and commit the lockfile, or pull "
+            "without --lockfile"
+        )
+    return prefixes, pins
+
+
 def select(
     remote: list[RemoteBundle], fingerprint: str, wanted: dict[str, int | None] | None
 ) -> tuple[list[RemoteBundle], list[Skipped]]:

@@ -27,6 +27,7 @@ from pipeline.format.regular_files import FileProblem, read_regular
 LOCK_NAME = "prefixes.lock"
 LOCK_VERSION = 1  # the lockfile layout this code reads and writes
 Hex64 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+Digest = Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")]
 
 
 class LockError(PipelineError):
@@ -40,6 +41,8 @@ class LockedPrefix(BaseModel):
     content_sha256: Hex64
     template_sha256: Hex64
     models: dict[str, Hex64]  # model folder (slug-fingerprint prefix) -> full model fingerprint
+    # model folder -> OCI artifact digest, recorded by `push --lockfile` (deploys pin by digest)
+    artifacts: dict[str, Digest] | None = None
 
 
 class Lockfile(BaseModel):
@@ -79,7 +82,8 @@ def read_lock(path: Path) -> Lockfile:
 def write_lock(path: Path, lock: Lockfile) -> None:
     """Write the lockfile atomically (sorted keys, trailing newline)."""
     path = Path(path)
-    text = json.dumps(lock.model_dump(mode="json"), sort_keys=True, indent=2) + "\n"
+    text = json.dumps(lock.model_dump(mode="json", exclude_none=True), sort_keys=True, indent=2)
+    text += "\n"
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         tmp.write_text(text)
@@ -124,7 +128,29 @@ def merge_entry(
             f"({now.content_sha256[:12]}.. there, {built.content_sha256[:12]}.. here); "
             f"bump version of {name} and build it again"
         )
-    return built.model_copy(update={"models": {**now.models, **built.models}})
+    artifacts = {**(now.artifacts or {}), **(built.artifacts or {})} or None
+    return built.model_copy(
+        update={"models": {**now.models, **built.models}, "artifacts": artifacts}
+    )
+
+
+def record_artifacts(path: Path, name: str, version: int, digests: dict[str, str]) -> None:
+    """Add {model folder: OCI artifact digest} to the entry of name@version, under the file
+    lock; LockError when the lockfile does not lock that version (push what it names)."""
+    from filelock import FileLock
+
+    path = Path(path)
+    with FileLock(str(path.with_name(f".{path.name}.lock"))):
+        lock = read_lock(path)
+        now = lock.prefixes.get(name)
+        if now is None or now.version != version:
+            found = f"locks {name}@{now.version}" if now else f"does not name {name}"
+            raise LockError(
+                f"{path}: it {found}, not the pushed {name}@{version}; push the bundles the "
+                "lockfile names (build --locked), or drop --lockfile"
+            )
+        entry = now.model_copy(update={"artifacts": {**(now.artifacts or {}), **digests}})
+        write_lock(path, lock.model_copy(update={"prefixes": {**lock.prefixes, name: entry}}))
 
 
 def locked_versions(path: Path) -> dict[str, int]:
