@@ -213,3 +213,234 @@ def test_the_vllm_trie_stores_nothing_while_warming(trie):
     assert len(trie.trie) == 1  # only the pinned bundle
     trie.trie.insert_cache({"model": 1}, [1, 2, 3], prefill(trie.model, [1, 2, 3])[0])
     assert len(trie.trie) == 2  # outside the warm-up it keeps entries (--prefix-trie-cache)
+
+
+# --- every other cache class a hook subclasses: one contract, one adapter per server ---------------
+# mlx_lm.server's LRUPromptCache is mlx-lm's own (installed here: the real class); omni's pool and
+# mlx-openai-server's LRU copy are stubs shaped like theirs (checked against the installed classes
+# by the slow test below), put where the hook imports them from.
+
+
+class StubPromptCache:
+    """omni's PromptCache (mlx_omni_server.chat.mlx.prompt_cache): tokens, cache, model_key."""
+
+    def __init__(self, tokens=None, cache=None, model_key: str = "") -> None:
+        self.tokens, self.cache, self.model_key = list(tokens or []), list(cache or []), model_key
+
+
+def stub_common_prefix_len(list1, list2) -> int:
+    n = min(len(list1), len(list2))
+    return next((i for i in range(n) if list1[i] != list2[i]), n)
+
+
+class StubPromptCachePool:
+    """omni's PromptCachePool: a list of entries (`.cache`), longest common prefix checkout
+    (the entry itself: omni trims a copy of it to the shared prefix), put_cache appends."""
+
+    def __init__(self, max_size: int = 8, ttl_seconds: float = 300.0) -> None:
+        self._entries: list = []
+
+    def get_cache(self, prompt_tokens, model_key):
+        self._evict_expired()
+        best = max(
+            (e for e in self._entries if e.cache.model_key == model_key),
+            key=lambda e: stub_common_prefix_len(e.cache.tokens, prompt_tokens),
+            default=None,
+        )
+        return best.cache if best is not None else StubPromptCache(model_key=model_key)
+
+    def put_cache(self, cache) -> None:
+        self._entries.append(SimpleNamespace(cache=cache))
+
+    def _evict_expired(self) -> None:
+        pass
+
+
+class StubOpenAILRU:
+    """mlx-openai-server's LRUPromptCache (app.utils.prompt_cache): mlx-lm's, without the model
+    argument; mlx-lm's own class keeps the entries."""
+
+    def __init__(self, max_size: int = 10) -> None:
+        from mlx_lm.models.cache import LRUPromptCache
+
+        self._lru = LRUPromptCache(max_size)
+
+    def fetch_nearest_cache(self, tokens_ids, *, allowed_sources=None):
+        return self._lru.fetch_nearest_cache("m", tokens_ids)
+
+    def insert_cache(self, tokens_ids, prompt_cache, *, cache_type="assistant", source="nonbatch"):
+        self._lru.insert_cache("m", tokens_ids, prompt_cache, cache_type=cache_type)
+
+    def clear(self) -> None:
+        self._lru = type(self._lru)(self._lru.max_size)
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+
+def covered_by(cache, rest, tokens) -> int:
+    return 0 if cache is None else len(tokens) - len(rest)
+
+
+def mlx_lm_adapter(mounted):
+    """mlx_lm.server's BundledPromptCache over mlx-lm's real LRUPromptCache."""
+    from pipeline.runtime.servers.mlx_lm import bundled_prompt_cache_class
+
+    cache = bundled_prompt_cache_class(mounted, "m")(10)
+    key = ("m", None, None)
+    return SimpleNamespace(
+        store=lambda t, c: cache.insert_cache(key, t, c),
+        fetch=lambda t: covered_by(*cache.fetch_nearest_cache(key, t), t),
+        warm_store=None,  # its warm-up runs beside the request path (manager.warm_up)
+    )
+
+
+def omni_adapter(mounted, monkeypatch):
+    """omni's PinnedPromptCachePool over the pool stub (a checkout's tokens: what it serves)."""
+    import sys
+    import types
+
+    from pipeline.runtime.servers import mlx_omni
+
+    names = ["mlx_omni_server", "mlx_omni_server.chat", "mlx_omni_server.chat.mlx"]
+    for name in names:
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    cache_module = types.ModuleType("mlx_omni_server.chat.mlx.prompt_cache")
+    cache_module.PromptCache, cache_module.common_prefix_len = (
+        StubPromptCache,
+        stub_common_prefix_len,
+    )
+    pool_module = types.ModuleType("mlx_omni_server.chat.mlx.prompt_cache_pool")
+    pool_module.PromptCachePool = StubPromptCachePool
+    monkeypatch.setitem(sys.modules, cache_module.__name__, cache_module)
+    monkeypatch.setitem(sys.modules, pool_module.__name__, pool_module)
+    monkeypatch.setattr(mlx_omni, "model_folder", lambda key: mounted.model.resolve())
+    pool = mlx_omni.pinned_pool_class(mounted)()
+
+    def fetch(tokens):
+        out = pool.get_cache(tokens, "m")
+        shared = stub_common_prefix_len(out.tokens, tokens)
+        return min(shared, len(tokens) - 1) if out.cache else 0  # omni trims to the shared part
+
+    return SimpleNamespace(
+        store=lambda t, c: pool.put_cache(StubPromptCache(t, c, "m")),
+        fetch=fetch,
+        warm_store=lambda t, c: pool.put_cache(StubPromptCache(t, c, "m")),
+        stored=lambda: len(pool._entries),
+    )
+
+
+def openai_adapter(mounted, monkeypatch):
+    """mlx-openai-server's PinnedPromptCache over its LRU stub."""
+    import sys
+    import types
+
+    for name in ("app", "app.utils"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    module = types.ModuleType("app.utils.prompt_cache")
+    module.LRUPromptCache = StubOpenAILRU
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    from pipeline.runtime.servers.mlx_openai import pinned_cache_class
+
+    cache = pinned_cache_class(mounted)()
+    return SimpleNamespace(
+        store=lambda t, c: cache.insert_cache(t, c),
+        fetch=lambda t: covered_by(*cache.fetch_nearest_cache(t), t),
+        warm_store=None,  # its warm-up entries are dropped at the first client's lookup
+        cache=cache,
+    )
+
+
+ADAPTERS = ["mlx-lm", "mlx-omni-server", "mlx-openai-server"]
+
+
+@pytest.fixture(params=ADAPTERS)
+def hooked(request, monkeypatch, tiny_model):
+    model = llama_model(hidden=128, heads=4)
+    prefix = ids(24)
+    manager = PromptCacheManager()
+    manager.pin(BUNDLE_KEY, prefix, prefill(model, prefix)[0], "shop@1")
+    mounted = SimpleNamespace(
+        manager=manager, model=tiny_model, covered=lambda t: manager.covered(BUNDLE_KEY, t)
+    )
+    if request.param == "mlx-lm":
+        adapter = mlx_lm_adapter(mounted)
+    elif request.param == "mlx-omni-server":
+        adapter = omni_adapter(mounted, monkeypatch)
+    else:
+        adapter = openai_adapter(mounted, monkeypatch)
+    adapter.server, adapter.prefix, adapter.model, adapter.manager = (
+        request.param, prefix, model, manager,
+    )  # fmt: skip
+    return adapter
+
+
+def test_every_hooked_cache_hands_out_the_bundle_and_leaves_a_token(hooked):
+    assert hooked.fetch([*hooked.prefix, 7, 8]) == len(hooked.prefix)
+    assert hooked.fetch(list(hooked.prefix)) == len(hooked.prefix) - 1  # an exact hit
+
+
+def test_every_hooked_cache_prefers_its_own_longer_entry(hooked):
+    longer = [*hooked.prefix, *ids(10)]
+    hooked.store(longer, prefill(hooked.model, longer)[0])
+    assert hooked.fetch([*longer, 5]) == len(longer)
+
+
+def test_every_hooked_cache_holds_its_own_lossy_entry_to_the_rule_also_after_a_remount(hooked):
+    """An entry the server stored after a request continued a 4-bit bundle: a request sharing
+    only its opening tokens is not served from it, while the bundle is pinned and after a remount
+    removed it (the entry itself is quantized: its lossiness travels with it)."""
+    lossy = ids(30)
+    hooked.manager.pin(BUNDLE_KEY, lossy, quantized_bundle(hooked.model, lossy), "q@1")
+    hooked.store(lossy, quantized_bundle(hooked.model, lossy))
+    opening = [*lossy[:3], 99, 98]
+    assert hooked.fetch(opening) == 0
+    hooked.manager.unpin(BUNDLE_KEY, "q@1")  # a remount replaced or removed it
+    assert hooked.fetch(opening) == 0
+    assert hooked.fetch([*lossy, 99]) == len(lossy)  # its whole share: allowed
+
+
+def test_no_hooked_cache_keeps_the_warm_up_request(hooked):
+    warm = [*hooked.prefix, 5, 6]
+    warm_up.WARMING.set()
+    try:
+        if hooked.warm_store is not None:
+            hooked.warm_store(warm, prefill(hooked.model, warm)[0])
+        else:
+            hooked.fetch(warm)  # the warm-up's lookup (openai: marks what follows as its own)
+            hooked.store(warm, prefill(hooked.model, warm)[0])
+    finally:
+        warm_up.WARMING.clear()
+    if hooked.server == "mlx-omni-server":
+        assert hooked.stored() == 0
+    elif hooked.server == "mlx-openai-server":
+        hooked.fetch([*warm, 1])
+        assert len(hooked.cache) == 0  # dropped at the first client's lookup
+
+
+@pytest.mark.slow
+def test_the_pool_and_lru_stubs_have_the_methods_and_parameters_of_the_installed_classes():
+    import servers_env
+
+    code = (
+        "import inspect, json\n"
+        "from mlx_omni_server.chat.mlx.prompt_cache import PromptCache\n"
+        "from mlx_omni_server.chat.mlx.prompt_cache_pool import PromptCachePool\n"
+        "from app.utils.prompt_cache import LRUPromptCache\n"
+        "s = lambda f: list(inspect.signature(f).parameters)\n"
+        "print(json.dumps({'pool': {n: s(getattr(PromptCachePool, n)) for n in "
+        "('__init__', 'get_cache', 'put_cache', '_evict_expired')}, "
+        "'cache': s(PromptCache), "
+        "'lru': {n: s(getattr(LRUPromptCache, n)) for n in "
+        "('fetch_nearest_cache', 'insert_cache', 'clear', '__len__')}}))\n"
+    )
+    python = servers_env.servers_python()
+    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    real = json.loads(done.stdout.strip().splitlines()[-1])
+    shape = lambda f: list(inspect.signature(f).parameters)  # noqa: E731
+    for name, params in real["pool"].items():
+        assert params == shape(getattr(StubPromptCachePool, name)), name
+    assert real["cache"] == shape(StubPromptCache)
+    for name, params in real["lru"].items():
+        assert params == shape(getattr(StubOpenAILRU, name)), name

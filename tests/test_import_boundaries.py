@@ -266,14 +266,33 @@ def test_no_server_module_imports_serve_and_no_hook_imports_another():
     assert problems == []
 
 
-def test_every_server_the_format_names_has_one_hook_declaring_its_address():
+def test_every_server_the_format_names_has_one_hook_declaring_what_it_differs_by():
+    """A hook module defines `Hook`, a ServerHook for its server's name, declaring its package
+    and address, overriding only the declared points, with their signatures (so the one start-up
+    sequence can call any hook the same way)."""
     import importlib
+    import inspect
 
     from pipeline.format.manifest import SERVER_NAMES
-    from pipeline.runtime.servers import HOOKS
+    from pipeline.runtime.servers import HOOKS, hook_for
+    from pipeline.runtime.servers.hook import ServerHook
 
     assert tuple(HOOKS) == SERVER_NAMES
-    for module in HOOKS.values():
-        source = (ROOT / (module.replace(".", "/") + ".py")).read_text()
-        assert "\nADDRESS = (" in source and "\ndef run(" in source, module
+    points = {n for n in vars(ServerHook) if not n.startswith("_")} | set(
+        ServerHook.__annotations__
+    )
+    for name, module in HOOKS.items():
+        hook = hook_for(name)
+        assert isinstance(hook, ServerHook) and hook.name == name, module
+        assert isinstance(hook.package, str) and isinstance(hook.address, tuple), module
+        declared = {n for n in vars(type(hook)) if not n.startswith("_")}
+        assert declared <= points, f"{module} declares {declared - points}"
+        for point in declared & set(vars(ServerHook)):
+            ours, base = getattr(type(hook), point), getattr(ServerHook, point)
+            if callable(base):
+                shape = lambda f: [
+                    (p.name, p.kind) for p in inspect.signature(f).parameters.values()
+                ]  # noqa: E731
+                assert shape(ours) == shape(base), f"{module}.{point}"
+        assert not hasattr(importlib.import_module(module), "run"), module
     assert importlib.import_module("pipeline.runtime.serve").__all__ == ["serve"]

@@ -328,6 +328,15 @@ def test_a_bind_failure_after_the_server_started_its_threads_still_exits_1(
 # --- startup tells the truth (issue 28.4) -----------------------------------------------------------
 
 
+def unusable_reason(bundle, rest: list[str]) -> str | None:
+    """Why mlx_lm.server run with `rest` would not use `bundle` (its hook's declared rule)."""
+    from pipeline.runtime.servers.mlx_lm import Hook
+    from pipeline.runtime.servers.options import ServeOptions
+
+    options = ServeOptions("mlx-lm", Path("model"), Path("bundles"), tuple(rest), (), True)
+    return Hook().unusable(bundle, options)
+
+
 @pytest.mark.parametrize(
     "option", [("--adapter-path", "adapters"), ("--draft-model", "draft")], ids=lambda o: o[0]
 )
@@ -335,7 +344,6 @@ def test_a_bundle_the_options_would_never_use_is_not_counted_and_strict_refuses(
     shop_bundle: Path, tiny_model: Path, tmp_path: Path, option
 ):
     from pipeline.runtime import PromptCacheManager, mount
-    from pipeline.runtime.servers.mlx_lm import unusable_reason
     from pipeline.runtime.servers.startup import BUNDLE_KEY, drop_unusable
 
     manager = PromptCacheManager()
@@ -361,7 +369,6 @@ def test_kv_bits_other_than_the_bundles_is_not_used_and_the_log_says_each_precis
     shop_bundle: Path, tiny_model: Path
 ):
     from pipeline.runtime import mount
-    from pipeline.runtime.servers.mlx_lm import unusable_reason
 
     (b,) = mount(tiny_model, shop_bundle).bundles
     assert b.precision == f"full precision ({b.manifest.cache.dtype})"

@@ -14,6 +14,7 @@ import json
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from mlx_lm import load
@@ -184,7 +185,8 @@ def test_the_hook_hands_each_path_its_form_and_never_lets_an_unbatchable_layer_t
     odd = ChunkedKVCache(chunk_size=64)
     odd.update_and_fetch(mx.zeros((1, 2, 40, 64)), mx.zeros((1, 2, 40, 64)))  # 40 tokens
     manager.pin(BUNDLE_KEY, list(range(100, 140)), [odd], "odd@1")
-    prompt_cache = bundled_prompt_cache_class(manager, "m")(10)
+    mounted = SimpleNamespace(manager=manager)
+    prompt_cache = bundled_prompt_cache_class(mounted, "m")(10)
     model = ("m", None, None)
 
     cache, rest = prompt_cache.fetch_nearest_cache(model, [*range(40), 7])  # batched path

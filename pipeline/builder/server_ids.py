@@ -23,7 +23,7 @@ from pipeline.format.errors import BuildError, PipelineError
 from pipeline.format.manifest import RequestInfo, RequestMessage
 from pipeline.runtime.servers.tokens import (
     ANTHROPIC_SERVERS,
-    PACKAGES,
+    hook_of,
     model_type,
     request_body,
     request_ids,
@@ -79,7 +79,7 @@ def versions(server: str) -> str:
         return importlib.metadata.version(server)
     except importlib.metadata.PackageNotFoundError:
         raise BuildError(
-            f"servers: {server} is not installed in this Python environment ({PACKAGES[server]} "
+            f"servers: {server} is not installed in this Python environment ({hook_of(server).package} "
             f"cannot be imported), so its own request code cannot give the bundle's ids; "
             f"install it here (\"pip install 'mlx-prefix-bundles[{server}]'\") or remove it"
         ) from None

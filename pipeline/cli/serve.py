@@ -108,7 +108,6 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.runtime.serve import serve
 
     try:
-        _check_snapshots(args)
         return serve(args, args.passthrough, args.argv)
     except (PipelineError, OSError) as exc:
         if not _lingering_threads():
@@ -121,22 +120,6 @@ def run(args: argparse.Namespace) -> int:
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
         os._exit(1)
-
-
-def _check_snapshots(args: argparse.Namespace) -> None:
-    """--snapshots only where the server's hook declares it can list and restore its entries."""
-    import importlib
-
-    from pipeline.runtime.servers import HOOKS
-
-    if args.snapshots is None:
-        return
-    hook = importlib.import_module(HOOKS[args.server])
-    if not getattr(hook, "SNAPSHOTS", False):
-        raise PipelineError(
-            f"--snapshots is not supported with --server {args.server} yet (so far only with "
-            "the default server, mlx-lm); serve without --snapshots, or with --server mlx-lm"
-        )
 
 
 def _lingering_threads() -> list[threading.Thread]:

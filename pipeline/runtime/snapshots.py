@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import logging
 import re
+import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -237,4 +238,53 @@ class Snapshots:
             return "of a cache kind not saved", 0
 
 
-__all__ = ["DEFAULT_BUDGET", "Entry", "Snapshots", "parse_size"]
+def open_snapshots(options: Any, mounted: Any, server: str) -> Snapshots:
+    """serve --snapshots DIR (`options`: ServeOptions): lock the folder, restore its newest set
+    after the bundles `mounted`, and make SIGTERM stop the server gracefully (as SIGINT does) so
+    that the entries are saved."""
+    budget = parse_size(options.snapshot_budget)
+    template = options.passed("--chat-template")
+    snapshots = Snapshots(options.snapshots, budget, options.model, template, server)
+    snapshots.restore([b.tokens for b in mounted.result.bundles])
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+    return snapshots
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    """SIGTERM as SIGINT: the server stops its HTTP server and joins its threads. A second
+    SIGTERM (a supervisor and its wrapper both sending one) is ignored, so it cannot cut the stop
+    short; SIGKILL still can (the previous snapshot set then stays)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    log.info("SIGTERM: stopping, then saving snapshots (SIGKILL keeps the previous set)")
+    raise KeyboardInterrupt
+
+
+def with_snapshots(
+    own: Callable[[list[int]], tuple[Any, list[int]]],
+    snapshots: Snapshots,
+    covered: Callable[[list[int]], int],
+    server: str,
+) -> Callable[[list[int]], tuple[Any, list[int]]]:
+    """The server's own fetch, or a restored snapshot where it covers more than both the
+    server's own entry and every pinned bundle (`covered`; a tie goes to those: a snapshot never
+    beats an exact bundle). A server entry sharing its opening with a lossy snapshot is held to
+    its rule."""
+
+    def fetch(tokens: list[int]) -> tuple[Any, list[int]]:
+        cache, rest = own(tokens)
+        held = len(tokens) - len(rest) if cache is not None else 0
+        if cache is not None and held < snapshots.lossy_floor(tokens):
+            cache, rest, held = None, tokens, 0
+        found, keep, name = snapshots.fetch(tokens, max(held, covered(tokens)))
+        if found is None:
+            return cache, rest
+        log.info(
+            "%s request: snapshot %s covers %d of %d prompt tokens", server, name, keep, len(tokens)
+        )
+        return found, list(tokens[keep:])
+
+    return fetch
+
+
+__all__ = ["DEFAULT_BUDGET", "Entry", "Snapshots", "open_snapshots", "parse_size", "with_snapshots"]

@@ -21,18 +21,29 @@ def main() -> None:
     from mlx_omni_server.chat.openai.router import router
 
     from pipeline.cli import parse_args
-    from pipeline.runtime.servers.mlx_omni import prepare, warm_up_app
-    from pipeline.runtime.servers.startup import passed_option
+    from pipeline.runtime.servers.mlx_omni import Hook
+    from pipeline.runtime.servers.options import ServeOptions
+    from pipeline.runtime.servers.startup import serve
 
-    args = parse_args(sys.argv[1:])
-    port = int(passed_option(args.passthrough, "--port") or 10240)  # omni's default port
-    mounted = prepare(args, args.passthrough, sys.argv[1:])
     app = FastAPI()
     app.include_router(router)
     app.include_router(models_router)
     app.get("/health")(lambda: {"status": "ok"})
-    warm_up_app(app, mounted, args)
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+
+    class ChatRoute(Hook):
+        """omni's hook, serving this chat-only app instead of omni's whole one."""
+
+        def _app(self) -> FastAPI:
+            return app
+
+        def launch(self, mounted: object, options: ServeOptions) -> int:
+            port = int(options.passed("--port") or 10240)  # omni's default port
+            uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+            return 0
+
+    args = parse_args(sys.argv[1:])
+    hook = ChatRoute()
+    serve(hook, ServeOptions.from_args(args, args.passthrough, sys.argv[1:], hook.warm_up))
 
 
 if __name__ == "__main__":

@@ -1,59 +1,134 @@
 """`serve` (the default server): mlx_lm.server with bundles mounted before the first request is
 accepted.
 
-Errors are raised (PipelineError); the CLI (pipeline.cli.serve) parses options and prints.
-
-The hook replaces three names in mlx_lm.server before its main() runs: `LRUPromptCache` (a
-subclass that answers from the mounted bundles when they cover more of the prompt than the
-server's own entries, and hands the batched path only caches it can merge), `ModelProvider`
-(optional warm-up) and `ResponseGenerator` (a dead generation thread ends the process; the prompt
-cache is told which path fetches). Everything else (options, HTTP, generation) is mlx_lm.server's.
-
-With `--snapshots DIR` (SNAPSHOTS: this hook supports them) the prompt cache also answers from the
-snapshots restored at startup (pipeline.runtime.snapshots), stamps each entry it stores, and at a
-graceful stop (SIGTERM, SIGINT) its entries are listed (`listed_entries`) and saved.
+The hook replaces names in mlx_lm.server before its main() runs: `LRUPromptCache` (a subclass
+answering from the mounted bundles and restored snapshots under the one lookup rule, handing the
+batched path only caches it can merge), `ModelProvider` (warm-up, then the port opens) and
+`ResponseGenerator` (a dead generation thread ends the process; a request whose sampling settings
+would kill that thread is refused alone; the prompt cache is told which path fetches).
+Everything else (options, HTTP, generation) is mlx_lm.server's.
 """
 
 from __future__ import annotations
 
 import _thread
-import argparse
 import logging
 import signal
 import sys
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 from pipeline.format.errors import PipelineError
 from pipeline.runtime.lookup import lookup
-from pipeline.runtime.mount import MountedBundle
-from pipeline.runtime.prompt_cache import PromptCacheManager, at_least_one_left, is_lossy
+from pipeline.runtime.prompt_cache import at_least_one_left
+from pipeline.runtime.servers.hook import ServerHook
+from pipeline.runtime.servers.lru_cache import evaluate, lru_entries, stamp
+from pipeline.runtime.servers.options import ServeOptions
 from pipeline.runtime.servers.startup import (
     BUNDLE_KEY,
-    check_tokenization,
+    Mounted,
     describe,
     hard_exit,
     hub_cache_or_none,
-    passed_option,
-    start,
 )
-from pipeline.runtime.snapshot_store import Entry
-from pipeline.runtime.snapshots import Snapshots, parse_size
+from pipeline.runtime.snapshots import Snapshots, with_snapshots
 
 log = logging.getLogger("prefix-bundles")
 SERVER = "mlx_lm.server"
-ADDRESS = ("127.0.0.1", 8080)  # where it binds when its options do not say
-SNAPSHOTS = True  # serve --snapshots: this hook lists and restores its server's entries
 
 
-def bundled_prompt_cache_class(
-    manager: PromptCacheManager, model_path: str, snapshots: Snapshots | None = None
-) -> type:
-    """A LRUPromptCache subclass that also answers from the bundles pinned in `manager` (and the
-    restored `snapshots`), and hands the batched path only caches it can merge (see
-    pipeline.runtime.batching)."""
+class Hook(ServerHook):
+    name, package, address, snapshots = "mlx-lm", "mlx_lm.server", ("127.0.0.1", 8080), True
+
+    def refused(self, options: ServeOptions) -> dict[str, str]:
+        if options.snapshots is None:
+            return {}
+        why = "the server's entries then belong to a model the snapshots do not record"
+        return {
+            "--adapter-path": f"with --snapshots: {why}",
+            "--draft-model": f"with --snapshots: {why}",
+        }
+
+    def unusable(self, bundle: Any, options: ServeOptions) -> str | None:
+        for option, what in (("--adapter-path", "an adapter"), ("--draft-model", "a draft model")):
+            if options.passed(option):
+                return (
+                    f"{option} serves the model with {what}, whose prompt cache differs from the "
+                    "bundle's (mlx_lm.server keys its cache by model, adapter and draft model)"
+                )
+        bits, built = options.passed("--kv-bits"), bundle.manifest.cache.kv_bits
+        if bits is not None and built is not None and str(built) != bits:
+            return (
+                f"--kv-bits {bits} asks for {bits}-bit KV but the bundle holds {built}-bit KV, which "
+                "mlx_lm would continue as it is (it never re-quantizes a quantized cache); build it "
+                f"with kv_bits = {bits}, or without kv_bits so the server quantizes it"
+            )
+        return None
+
+    @staticmethod
+    def request_ids(tokenizer: Any, body: dict[str, Any], model_type: str) -> list[int]:
+        from mlx_lm.server import ResponseGenerator  # its _tokenize, on stand-ins
+
+        cli = SimpleNamespace(chat_template_args={})
+        generator = SimpleNamespace(model_provider=SimpleNamespace(cli_args=cli, processor=None))
+        request = SimpleNamespace(
+            request_type="chat", messages=body["messages"], tools=body.get("tools"),
+            role_mapping=body.get("role_mapping"),
+        )  # fmt: skip
+        args = SimpleNamespace(chat_template_kwargs=body.get("chat_template_kwargs"))
+        return ResponseGenerator._tokenize(generator, tokenizer, request, args)[0]
+
+    @staticmethod
+    def encode_text(tokenizer: Any, text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    def install(self, mounted: Mounted, options: ServeOptions, snapshots: Any = None) -> None:
+        import mlx_lm.server as server
+
+        self.death, self.ready = GenerationDeath(), threading.Event()
+        self.cache_class = bundled_prompt_cache_class(mounted, str(options.model), snapshots)
+        server.LRUPromptCache = self.cache_class
+        self.provider = warming_model_provider_class(mounted, self.ready)
+        server.ModelProvider = self.provider
+        open_port_when_ready(server, self.ready, self.death)
+        server.ResponseGenerator = guarded_response_generator_class(self.death)
+        server.scan_cache_dir = hub_cache_or_none(server.scan_cache_dir)
+
+    def warm_up_server(self, mounted: Mounted, options: ServeOptions) -> None:
+        # measured (bench case servers): first request / hit 1.35x without, 0.92x with
+        self.provider.enabled = True
+
+    def launch(self, mounted: Mounted, options: ServeOptions) -> int:
+        import mlx_lm.server as server
+
+        sys.argv = ["mlx_lm.server", "--model", str(options.model), *options.rest]
+        try:
+            server.main()
+        except KeyboardInterrupt:
+            if self.death.cause is None:
+                raise
+        if self.death.cause is not None:
+            raise self.death.error()
+        return 0
+
+    def entries(self, mounted: Mounted, snapshots: Snapshots) -> list[Any]:
+        if not self.cache_class.instances:
+            return []
+        key = (str(mounted.model), None, None)  # mlx_lm.server's key: (model, adapter, draft)
+        return lru_entries(self.cache_class.instances[0], key, mounted, snapshots, SERVER)
+
+    def clients_send(self, options: ServeOptions) -> str:
+        return f"{options.model} (or none: mlx_lm.server answers with its model)"
+
+
+def bundled_prompt_cache_class(mounted: Mounted, model_path: str, snapshots: Any = None) -> type:
+    """mlx_lm.server's LRUPromptCache, also answering from the bundles pinned in `mounted` (and
+    the restored `snapshots`); the batched path gets only caches it can merge."""
     from mlx_lm.server import LRUPromptCache
+
+    manager = mounted.manager
 
     class BundledPromptCache(LRUPromptCache):
         single_path = False  # True while the ResponseGenerator serves a request on its own
@@ -65,93 +140,20 @@ def bundled_prompt_cache_class(
             BundledPromptCache.instances.append(self)
 
         def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
-            own = super().fetch_nearest_cache
+            fetch = lambda t: super(BundledPromptCache, self).fetch_nearest_cache(model, t)  # noqa: E731
             if model != (model_path, None, None) or not tokens:
-                return at_least_one_left(lambda t: own(model, t), tokens)
-            fetch = lambda t: own(model, t)  # noqa: E731
+                return at_least_one_left(fetch, tokens)
             if snapshots is not None:
-                fetch = with_snapshots(fetch, snapshots, manager)
+                fetch = with_snapshots(fetch, snapshots, mounted.covered, SERVER)
             return lookup(SERVER, manager, BUNDLE_KEY, tokens, fetch, not self.single_path)
 
         def insert_cache(self, model: Any, tokens: list[int], *args: Any, **kwargs: Any) -> None:
             super().insert_cache(model, tokens, *args, **kwargs)
-            if snapshots is not None:
-                # on the generation thread: its arrays are lazy on that thread's stream, which
-                # the main thread that saves them at a stop cannot evaluate
+            if snapshots is not None:  # evaluated on the generation thread that made it
                 evaluate(args[0] if args else kwargs.get("prompt_cache"))
-                self.stamps[tuple(tokens)] = snapshots.tick()
-                if len(self.stamps) > 4 * max(len(self), 16):  # forget evicted entries' stamps
-                    live = {tuple(t) for lru in self._lru._lrus.values() for _, t in lru}
-                    self.stamps = {k: v for k, v in self.stamps.items() if k in live}
+                stamp(self, tokens, snapshots.tick())
 
     return BundledPromptCache
-
-
-def evaluate(cache: Any) -> None:
-    """Evaluate every array a prompt cache holds, on this thread."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    states = [layer.state for layer in cache or []]
-    mx.eval([a for _, a in tree_flatten(states) if isinstance(a, mx.array)])
-
-
-def with_snapshots(own: Any, snapshots: Snapshots, manager: PromptCacheManager) -> Any:
-    """The server's own fetch, or a restored snapshot where it covers more than both the
-    server's own entry and every pinned bundle (a tie goes to those: a snapshot never beats an
-    exact bundle). A server entry sharing its opening with a lossy snapshot is held to its rule."""
-
-    def fetch(tokens: list[int]) -> tuple[Any, list[int]]:
-        cache, rest = own(tokens)
-        covered = len(tokens) - len(rest) if cache is not None else 0
-        if cache is not None and covered < snapshots.lossy_floor(tokens):
-            cache, rest, covered = None, tokens, 0
-        bundle = manager.covered(BUNDLE_KEY, tokens)
-        found, keep, name = snapshots.fetch(tokens, max(covered, bundle))
-        if found is None:
-            return cache, rest
-        log.info(
-            "%s request: snapshot %s covers %d of %d prompt tokens", SERVER, name, keep, len(tokens)
-        )
-        return found, list(tokens[keep:])
-
-    return fetch
-
-
-def listed_entries(
-    prompt_cache: Any, model_key: Any, manager: PromptCacheManager, snapshots: Snapshots,
-    bundles: list[Any],
-) -> list[tuple[int, Entry]]:  # fmt: skip
-    """mlx_lm.server's own prompt-cache entries for the served model, with their recency stamps
-    (mlx-lm 0.32's LRUPromptCache keeps (model, tokens) per cache type in `_lru._lrus` and the
-    entries in `_trie`). Tokens are cut to what the cache holds (a last sampled token was never
-    fed to it); lossiness is recorded as the lookup rule sees it now."""
-    listed = []
-    for cache_type, lru in prompt_cache._lru._lrus.items():
-        for model, tokens in list(lru):
-            if model != model_key:
-                continue
-            cache = prompt_cache._trie.get(model, tokens).prompt_cache
-            offsets = {getattr(layer, "offset", None) for layer in cache}
-            held = offsets.pop() if len(offsets) == 1 else None
-            if not isinstance(held, int) or held > len(tokens) or held < 1:
-                continue
-            ids = list(tokens[:held])
-            lossy = (
-                is_lossy(cache)
-                or manager.lossy_floor(BUNDLE_KEY, ids) > 0
-                or snapshots.lossy_floor(ids) > 0
-            )
-            source = f"mlx_lm.server prompt cache ({cache_type})"
-            stamp = prompt_cache.stamps.get(tuple(tokens), 0)
-            listed.append((stamp, Entry(ids, cache, source, lossy, continued_from(ids, bundles))))
-    return listed
-
-
-def continued_from(ids: list[int], bundles: list[Any]) -> str | None:
-    """NAME@VERSION of the longest mounted bundle whose tokens open `ids`."""
-    heads = [b for b in bundles if len(b.tokens) <= len(ids) and ids[: len(b.tokens)] == b.tokens]
-    return max(heads, key=lambda b: len(b.tokens)).name if heads else None
 
 
 class GenerationDeath:
@@ -240,15 +242,14 @@ def sampling_problem(generation_args: Any, provider: Any) -> str | None:
     return None
 
 
-def warming_model_provider_class(
-    manager: PromptCacheManager, enabled: bool, ready: threading.Event
-) -> type:
-    """mlx_lm.server's ModelProvider, warming up from the longest mounted bundle once the default model
-    is loaded (in the generation thread, before it takes the first request); `ready` is set
-    after, warm-up or not (the port opens then: open_port_when_ready)."""
+def warming_model_provider_class(mounted: Mounted, ready: threading.Event) -> type:
+    """mlx_lm.server's ModelProvider, warming up (when `enabled`) from the longest mounted bundle
+    once the default model is loaded (in the generation thread, before it takes the first
+    request); `ready` is set after, warm-up or not (the port opens then: open_port_when_ready)."""
     from mlx_lm.server import ModelProvider
 
     class WarmingModelProvider(ModelProvider):
+        enabled = False  # serve's --warm-up (Hook.warm_up_server)
         warmed = False
 
         def load_default(self) -> None:
@@ -259,12 +260,12 @@ def warming_model_provider_class(
                 ready.set()
 
         def _warm_up(self) -> None:
-            if not enabled or self.warmed or self.model is None:
+            if not self.enabled or self.warmed or self.model is None:
                 return
             self.warmed = True
             start = time.perf_counter()
             try:
-                source = manager.warm_up(BUNDLE_KEY, self.model)
+                source = mounted.manager.warm_up(BUNDLE_KEY, self.model)
             except Exception as exc:  # optional: a failed warm-up must not stop the server
                 log.warning("warm-up failed (%s); serving without it", describe(exc))
                 return
@@ -305,84 +306,3 @@ def try_it(host: str, port: int) -> str:
         f"try: curl -s http://{where}:{port}/v1/chat/completions -H 'Content-Type: "
         f"application/json' -d '{body}'"
     )
-
-
-def unusable_reason(bundle: MountedBundle, rest: list[str]) -> str | None:
-    """Why mlx_lm.server, run with these options, would never use (or would misuse) a valid
-    bundle; None when it will use it as built."""
-    for option, what in (("--adapter-path", "an adapter"), ("--draft-model", "a draft model")):
-        if passed_option(rest, option):
-            return (
-                f"{option} serves the model with {what}, whose prompt cache differs from the "
-                "bundle's (mlx_lm.server keys its cache by model, adapter and draft model)"
-            )
-    bits, built = passed_option(rest, "--kv-bits"), bundle.manifest.cache.kv_bits
-    if bits is not None and built is not None and str(built) != bits:
-        return (
-            f"--kv-bits {bits} asks for {bits}-bit KV but the bundle holds {built}-bit KV, which "
-            "mlx_lm would continue as it is (it never re-quantizes a quantized cache); build it "
-            f"with kv_bits = {bits}, or without kv_bits so the server quantizes it"
-        )
-    return None
-
-
-def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
-    """Mount, install the hook, then hand over to mlx_lm.server's own main."""
-    mounted = start(args, rest, argv, unusable=lambda b: unusable_reason(b, rest))
-    check_tokenization("mlx-lm", mounted)
-    manager = mounted.manager
-    snapshots = start_snapshots(args, rest, mounted)
-
-    import mlx_lm.server as server
-
-    death, ready = GenerationDeath(), threading.Event()
-    cache_class = bundled_prompt_cache_class(manager, args.model, snapshots)
-    server.LRUPromptCache = cache_class
-    # default on (bench case servers: first request / hit 1.35x without, 0.92x with)
-    server.ModelProvider = warming_model_provider_class(manager, args.warm_up is not False, ready)
-    open_port_when_ready(server, ready, death)
-    server.ResponseGenerator = guarded_response_generator_class(death)
-    server.scan_cache_dir = hub_cache_or_none(server.scan_cache_dir)
-    sys.argv = ["mlx_lm.server", "--model", args.model, *rest]
-    try:
-        server.main()
-    except KeyboardInterrupt:
-        if death.cause is None:
-            raise
-    if death.cause is not None:
-        raise death.error()
-    if snapshots is not None and cache_class.instances:  # a graceful stop: the server has joined
-        listed = listed_entries(
-            cache_class.instances[0], (args.model, None, None), manager, snapshots,
-            mounted.result.bundles,
-        )  # fmt: skip
-        snapshots.save(listed, lambda ids: manager.covered(BUNDLE_KEY, ids))
-    return 0
-
-
-def start_snapshots(args: argparse.Namespace, rest: list[str], mounted: Any) -> Snapshots | None:
-    """With --snapshots: lock the folder, restore its newest set after the bundles, and make
-    SIGTERM stop the server gracefully (as SIGINT does) so that the entries are saved."""
-    if getattr(args, "snapshots", None) is None:
-        return None
-    if passed_option(rest, "--adapter-path") or passed_option(rest, "--draft-model"):
-        raise PipelineError(
-            "--snapshots with --adapter-path or --draft-model: the server's entries then belong "
-            "to a model the snapshots do not record; serve without one of them"
-        )
-    budget = parse_size(getattr(args, "snapshot_budget", None) or "2GiB")
-    template = passed_option(rest, "--chat-template")
-    snapshots = Snapshots(args.snapshots, budget, args.model, template, "mlx-lm")
-    snapshots.restore([b.tokens for b in mounted.result.bundles])
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _interrupt)
-    return snapshots
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    """SIGTERM as SIGINT: mlx_lm.server stops its HTTP server and joins its generation thread.
-    A second SIGTERM (a supervisor and its wrapper both sending one) is ignored, so it cannot cut
-    the stop short; SIGKILL still can (the previous snapshot set then stays)."""
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    log.info("SIGTERM: stopping, then saving snapshots (SIGKILL keeps the previous set)")
-    raise KeyboardInterrupt

@@ -11,29 +11,87 @@ snapshot is that folder).
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 from functools import cache
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
-from pipeline.format.errors import PipelineError
 from pipeline.runtime.servers import warm_up
-from pipeline.runtime.servers.startup import (
-    BUNDLE_KEY,
-    Mounted,
-    check_tokenization,
-    hub_cache_or_none,
-    log_request,
-    passed_option,
-    require,
-    start,
-)
+from pipeline.runtime.servers.hook import ServerHook
+from pipeline.runtime.servers.options import ServeOptions
+from pipeline.runtime.servers.startup import BUNDLE_KEY, Mounted, hub_cache_or_none, log_request
+from pipeline.runtime.servers.tokens import quiet
 
 log = logging.getLogger("prefix-bundles")
 SERVER = "mlx-omni-server"
-ADDRESS = ("0.0.0.0", 10240)  # where it binds when its options do not say
+
+
+class Hook(ServerHook):
+    name, package, address = SERVER, "mlx_omni_server", ("0.0.0.0", 10240)
+
+    def refused(self, options: ServeOptions) -> dict[str, str]:
+        if options.passed("--workers") in (None, "1"):
+            return {}
+        why = "each worker is a new process the hook does not reach; run one worker"
+        return {"--workers": why}
+
+    @staticmethod
+    def request_ids(tokenizer: Any, body: dict[str, Any], model_type: str) -> list[int]:
+        from mlx_omni_server.chat.mlx.chat_generator import ChatGenerator
+        from mlx_omni_server.chat.mlx.tools.chat_template import ChatTemplate
+        from mlx_omni_server.chat.openai.openai_adapter import OpenAIAdapter
+        from mlx_omni_server.chat.openai.schema import ChatCompletionRequest
+
+        body.setdefault("model", "model")
+        if "chat_template_kwargs" in body:  # omni reads template kwargs from extra_body
+            body["extra_body"] = body.pop("chat_template_kwargs")
+        generator = SimpleNamespace(chat_template=ChatTemplate(model_type, tokenizer))
+        with quiet("mlx_omni"):  # it logs every request's messages and tools
+            params = OpenAIAdapter._prepare_generation_params(
+                SimpleNamespace(_default_max_tokens=1), ChatCompletionRequest(**body)
+            )
+            prompt = ChatGenerator._prepare_prompt(
+                generator, params["messages"], params["tools"], params["template_kwargs"]
+            )
+        return tokenizer.encode(prompt)
+
+    def install(self, mounted: Mounted, options: ServeOptions, snapshots: Any = None) -> None:
+        """Every ChatGenerator's pool (created lazily, looked up by module attribute) is ours."""
+        from mlx_omni_server.chat.mlx import prompt_cache_pool
+        from mlx_omni_server.chat.openai.models import models_service
+
+        prompt_cache_pool.PromptCachePool = pinned_pool_class(mounted)
+        # its /v1/models lists the hub cache, and fails on a host that has none
+        models_service.scan_cache_dir = hub_cache_or_none(models_service.scan_cache_dir)
+        log.info(
+            "%s: requests whose model is %s (or resolves to it) reuse the bundles",
+            SERVER,
+            mounted.model,
+        )
+
+    def warm_up_server(self, mounted: Mounted, options: ServeOptions) -> None:
+        """Before the port opens: omni loads the model (it would on the first request naming it)
+        and runs the longest bundle's request through its chat route. The request names the model
+        as --model gives it; a client spelling the folder differently gets a ChatGenerator of its
+        own from omni, loaded on its first request."""
+        warm_up.through_app(self._app(), SERVER, mounted, lambda: str(options.model))
+
+    def launch(self, mounted: Mounted, options: ServeOptions) -> int:
+        from mlx_omni_server.main import start
+
+        sys.argv = ["mlx-omni-server", *options.rest]
+        start()
+        return 0
+
+    def _app(self) -> Any:
+        from mlx_omni_server.main import app
+
+        return app
+
+    def clients_send(self, options: ServeOptions) -> str:
+        return f"{options.model} (omni loads the model a request names)"
 
 
 @cache
@@ -102,55 +160,3 @@ def pinned_pool_class(mounted: Mounted) -> type:
                 super().put_cache(cache)
 
     return PinnedPromptCachePool
-
-
-def install(mounted: Mounted) -> None:
-    """Every ChatGenerator's pool (created lazily, looked up by module attribute) is ours."""
-    from mlx_omni_server.chat.mlx import prompt_cache_pool
-
-    prompt_cache_pool.PromptCachePool = pinned_pool_class(mounted)
-    from mlx_omni_server.chat.openai.models import models_service
-
-    # its /v1/models lists the hub cache, and fails on a host that has none
-    models_service.scan_cache_dir = hub_cache_or_none(models_service.scan_cache_dir)
-
-
-def prepare(args: argparse.Namespace, rest: list[str], argv: list[str]) -> Mounted:
-    """Everything before omni starts: mount, check tokenization, install the pool."""
-    require("mlx_omni_server", SERVER)
-    if passed_option(rest, "--workers") not in (None, "1"):
-        raise PipelineError(
-            f"serve --server {SERVER}: --workers is not supported: each worker is a new process "
-            "the hook does not reach; run one worker"
-        )
-    mounted = start(args, rest, argv)
-    check_tokenization(SERVER, mounted)
-    install(mounted)
-    log.info(
-        "%s: requests whose model is %s (or resolves to it) reuse the bundles",
-        SERVER,
-        mounted.model,
-    )
-    return mounted
-
-
-def warm_up_app(app: Any, mounted: Mounted, args: argparse.Namespace) -> None:
-    """Before the port opens: omni loads the model (it would on the first request naming it) and
-    runs the longest bundle's request through its chat route (servers/warm_up.py). The request
-    names the model as --model gives it; a client that spells the folder differently gets a
-    ChatGenerator of its own from omni, loaded on its first request."""
-    if args.warm_up is not False:  # default on (bench: first request / hit)
-        warm_up.through_app(app, SERVER, mounted, lambda: str(args.model))
-
-
-def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
-    """Mount, hook, then mlx-omni-server's own command line (models load per request)."""
-    mounted = prepare(args, rest, argv)
-    from mlx_omni_server.main import app
-    from mlx_omni_server.main import start as omni_start
-
-    warm_up_app(app, mounted, args)
-
-    sys.argv = ["mlx-omni-server", *rest]
-    omni_start()
-    return 0

@@ -12,36 +12,89 @@ original entry point.
 
 from __future__ import annotations
 
-import argparse
+import asyncio
 import json
 import logging
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from pipeline.runtime.lookup import lookup
 from pipeline.runtime.servers import warm_up
-from pipeline.runtime.servers.startup import (
-    BUNDLE_KEY,
-    Mounted,
-    check_tokenization,
-    mount_for,
-    passed_option,
-    refuse_options,
-    require,
-    setup_logging,
-    start,
-)
+from pipeline.runtime.servers.hook import ServerHook
+from pipeline.runtime.servers.options import ServeOptions
+from pipeline.runtime.servers.startup import BUNDLE_KEY, Mounted, mount_for, setup_logging
 
 log = logging.getLogger("prefix-bundles")
 SERVER = "mlx-openai-server"
-ADDRESS = ("0.0.0.0", 8000)  # where it binds when its options do not say
-ENV = "PREFIX_BUNDLES_OPENAI_MOUNT"  # serve's mount options, JSON, for the spawned child
-UNSUPPORTED = {
-    "--config": "serve mounts bundles for the one model folder given as --model",
-    "--model-path": "serve passes --model as mlx-openai-server's --model-path",
-}
+ENV = "PREFIX_BUNDLES_OPENAI_MOUNT"  # serve's options and what it validated, for the child
+
+
+class Hook(ServerHook):
+    name, package, address = SERVER, "app.handler.mlx_lm", ("0.0.0.0", 8000)
+    unsupported = {
+        "--config": "serve mounts bundles for the one model folder given as --model",
+        "--model-path": "serve passes --model as mlx-openai-server's --model-path",
+    }
+    # measured to make its first request slower (bench case servers, n=3: 0.85 s with it, 0.70 s
+    # without): off by default here, unlike on every other server
+    warm_up = False
+    live = False  # the model process serves from its own mount: SIGHUP and --admin-port are its
+
+    def chat_template(self, options: ServeOptions) -> str | None:
+        path = options.passed("--chat-template-file")
+        return Path(path).read_text() if path else None
+
+    @staticmethod
+    def request_ids(tokenizer: Any, body: dict[str, Any], model_type: str) -> list[int]:
+        from app.handler.mlx_lm import MLXLMHandler
+        from app.models.mlx_lm import MLX_LM
+        from app.schemas.openai import ChatCompletionRequest
+
+        body.setdefault("model", "model")
+        handler = MLXLMHandler.__new__(MLXLMHandler)  # its methods, none of its model or workers
+        handler.__dict__.update(kv_bits=None, kv_group_size=64, quantized_kv_start=0)
+        handler.__dict__.update(message_converter=None, _disable_batching=True)
+        prepare = MLXLMHandler._prepare_text_request(handler, ChatCompletionRequest(**body))
+        messages, params = asyncio.run(prepare)
+        messages = MLXLMHandler.refine_messages(handler, messages)
+        model = SimpleNamespace(tokenizer=tokenizer)
+        kwargs = params.get("chat_template_kwargs", {})
+        return MLX_LM.encode_prompt(model, MLX_LM.create_input_prompt(model, messages, kwargs))
+
+    def install(self, mounted: Mounted, options: ServeOptions, snapshots: Any = None) -> None:
+        """The model process mounts exactly what this one validated and logged (`validated`)."""
+        from app.core import handler_process
+
+        validated = {str(b.path): b.manifest.cache.file_sha256 for b in mounted.result.bundles}
+        os.environ[ENV] = json.dumps(
+            {
+                "options": options.to_json(),
+                "template": mounted.chat_template,
+                "validated": validated,
+            }
+        )
+        handler_process._handler_worker = child_worker
+        for b in mounted.result.bundles:  # this process only serves HTTP: the child has its own
+            mounted.manager.unpin(BUNDLE_KEY, b.name)
+
+    def warm_up_server(self, mounted: Mounted, options: ServeOptions) -> None:
+        """In the model process (child_worker): options.warm_up travels with the options."""
+
+    def launch(self, mounted: Mounted, options: ServeOptions) -> int:
+        from app.cli import cli
+
+        sys.argv = [
+            "mlx-openai-server",
+            "launch",
+            "--model-path",
+            str(options.model),
+            *options.rest,
+        ]
+        cli()
+        return 0
 
 
 def pinned_cache_class(mounted: Mounted) -> type:
@@ -83,17 +136,12 @@ def child_worker(model_cfg: dict[str, Any], *rest: Any) -> None:
     ensure_fast_blas()  # a spawned child imports mlx afresh: OpenBLAS first, as serve does
     from app.core import handler_process
 
-    options = json.loads(os.environ[ENV])
     setup_logging(None)
-    template, validated = options.pop("chat_template"), options.pop("validated")
-    model = Path(options["model"])
-    if Path(str(model_cfg.get("model_path", ""))).resolve() == model.resolve():
-        options.update(model=model, bundles=Path(options["bundles"]))
-        for key in ("lockfile", "admin_token_file"):
-            if options[key] is not None:
-                options[key] = Path(options[key])
-        mounted = mount_for(argparse.Namespace(**options), template)
-        keep_what_serve_validated(mounted, validated)
+    handed = json.loads(os.environ[ENV])
+    options = ServeOptions.from_json(handed["options"])
+    if Path(str(model_cfg.get("model_path", ""))).resolve() == options.model.resolve():
+        mounted = mount_for(options, handed["template"])
+        keep_what_serve_validated(mounted, handed["validated"])
         install(mounted)
         log.info(
             "%s: %d bundle(s) pinned in the handler process %d",
@@ -101,10 +149,8 @@ def child_worker(model_cfg: dict[str, Any], *rest: Any) -> None:
             len(mounted.result.bundles),
             os.getpid(),
         )
-        # default off here, unlike on every other server: measured to make its first request
-        # slower (bench case servers, n=3: 0.85 s with it, 0.70 s without); --warm-up runs it
-        if options["warm_up"] is True:
-            warm_up_handler(mounted, model_cfg.get("served_model_name") or str(model))
+        if options.warm_up:
+            warm_up_handler(mounted, model_cfg.get("served_model_name") or str(options.model))
     handler_process._handler_worker(model_cfg, *rest)  # the child's module is not patched
 
 
@@ -149,53 +195,3 @@ def warm_up_handler(mounted: Mounted, model: str) -> None:
         return ready
 
     MLXLMHandler.initialize = initialize
-
-
-def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
-    """Validate here (logs, --strict), hand the options to the child, run mlx-openai-server."""
-    require("app.handler.mlx_lm", SERVER)
-    refuse_options(rest, SERVER, UNSUPPORTED)
-    template_file = passed_option(rest, "--chat-template-file")
-    template = Path(template_file).read_text() if template_file else None
-    # the handler child serves from its own mount: SIGHUP and --admin-port are its (live)
-    mounted = start(args, rest, argv, template, live=False)
-    check_tokenization(SERVER, mounted)
-    if args.warm_up is None:
-        log.info(
-            "%s: no warm-up by default (measured: its first request is slower with one); "
-            "--warm-up runs it",
-            SERVER,
-        )
-    options = {
-        k: str(v) if isinstance(v, Path) else v
-        for k, v in vars(args).items()
-        if k
-        in (
-            "model",
-            "bundles",
-            "strict",
-            "verify_full",
-            "lockfile",
-            "trusted_key",
-            "admin_port",
-            "admin_token_file",
-            "warm_up",
-        )
-    }
-    options["trusted_key"] = [str(p) for p in options.get("trusted_key") or []]
-    options["chat_template"] = template
-    # what this process validated and logged: the handler mounts exactly that
-    options["validated"] = {
-        str(b.path): b.manifest.cache.file_sha256 for b in mounted.result.bundles
-    }
-    os.environ[ENV] = json.dumps(options)
-    del mounted  # the child mounts its own copy; this process only serves HTTP
-
-    from app.core import handler_process
-
-    handler_process._handler_worker = child_worker
-    from app.cli import cli
-
-    sys.argv = ["mlx-openai-server", "launch", "--model-path", str(args.model), *rest]
-    cli()
-    return 0

@@ -1,12 +1,81 @@
-"""The options serve checks before anything is loaded: the server's own (passed through), its
-address, and the admin endpoint's. Every problem is a PipelineError, one line, nothing loaded."""
+"""serve's options as one immutable value (`ServeOptions`), and the checks made before anything is
+loaded: the server's own options (passed through), its address, the admin endpoint's. Every
+problem is a PipelineError, one line, nothing loaded."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from pipeline.format.errors import PipelineError
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    """Everything serve was told, read once from the command line; nothing changes it after."""
+
+    server: str
+    model: Path
+    bundles: Path  # default: <model>/prefix-bundles
+    rest: tuple[str, ...]  # the server's own options, passed through
+    argv: tuple[str, ...]  # serve's whole command line (re-executed for huge pages)
+    warm_up: bool  # resolved: the user's choice, else the hook's default
+    strict: bool = False
+    verify_full: bool = False
+    lockfile: Path | None = None
+    trusted_keys: tuple[Path, ...] = ()
+    huge_pages: str = "off"
+    admin_port: int | None = None
+    admin_token_file: Path | None = None
+    snapshots: Path | None = None
+    snapshot_budget: str = "2GiB"
+
+    @classmethod
+    def from_args(
+        cls, args: argparse.Namespace, rest: list[str], argv: list[str], warm_up: bool
+    ) -> ServeOptions:
+        """serve's parsed command line; `warm_up`: the hook's default where none was given."""
+        from pipeline.runtime.mount import model_bundles_dir
+
+        given = lambda name, default=None: getattr(args, name, default)  # noqa: E731
+        chosen = given("warm_up")
+        return cls(
+            server=given("server") or "mlx-lm",
+            model=Path(args.model),
+            bundles=Path(given("bundles") or model_bundles_dir(args.model)),
+            rest=tuple(rest),
+            argv=tuple(argv),
+            warm_up=warm_up if chosen is None else bool(chosen),
+            strict=bool(given("strict")),
+            verify_full=bool(given("verify_full")),
+            lockfile=given("lockfile"),
+            trusted_keys=tuple(given("trusted_key") or ()),
+            huge_pages=given("huge_pages", "off"),
+            admin_port=given("admin_port"),
+            admin_token_file=given("admin_token_file"),
+            snapshots=given("snapshots"),
+            snapshot_budget=given("snapshot_budget") or "2GiB",
+        )
+
+    def passed(self, name: str) -> str | None:
+        """The value of a server option passed through, if any."""
+        return passed_option(list(self.rest), name)
+
+    def to_json(self) -> str:
+        """For a process the server spawns (mlx-openai-server's model process)."""
+        return json.dumps(asdict(self), default=str)
+
+    @classmethod
+    def from_json(cls, text: str) -> ServeOptions:
+        values = json.loads(text)
+        for name in ("model", "bundles", "lockfile", "admin_token_file", "snapshots"):
+            values[name] = None if values[name] is None else Path(values[name])
+        values["trusted_keys"] = tuple(Path(p) for p in values["trusted_keys"])
+        values["rest"], values["argv"] = tuple(values["rest"]), tuple(values["argv"])
+        return cls(**values)
 
 
 def passed_option(rest: list[str], name: str) -> str | None:
@@ -51,20 +120,20 @@ def port_number(option: str, text: object) -> int:
     return port
 
 
-def check_admin(args: argparse.Namespace) -> None:
+def check_admin(options: ServeOptions) -> None:
     """The admin endpoint's options, before anything is loaded: its port in range and free,
     its token file readable."""
     from pipeline.runtime.admin import HOST, read_token
 
-    if getattr(args, "admin_token_file", None) is not None:
-        if getattr(args, "admin_port", None) is None:
+    if options.admin_token_file is not None:
+        if options.admin_port is None:
             raise PipelineError("--admin-token-file needs --admin-port N (the endpoint it guards)")
-        read_token(args.admin_token_file)
-    if getattr(args, "admin_port", None) is None:
+        read_token(options.admin_token_file)
+    if options.admin_port is None:
         return
     import socket
 
-    port = port_number("--admin-port", args.admin_port)
+    port = port_number("--admin-port", options.admin_port)
     try:
         with socket.socket() as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -99,4 +168,12 @@ def check_port(address: tuple[str, int], rest: list[str]) -> None:
         ) from None
 
 
-__all__ = ["check_admin", "check_port", "passed_option", "port_number", "refuse_options", "require"]
+__all__ = [
+    "ServeOptions",
+    "check_admin",
+    "check_port",
+    "passed_option",
+    "port_number",
+    "refuse_options",
+    "require",
+]

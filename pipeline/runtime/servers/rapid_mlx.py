@@ -13,52 +13,64 @@ not seen.
 
 from __future__ import annotations
 
-import argparse
 import logging
 import sys
 from typing import Any
 
 from pipeline.runtime.servers import warm_up
+from pipeline.runtime.servers.hook import ServerHook
 from pipeline.runtime.servers.memory_cache import pinned_memory_cache_class
-from pipeline.runtime.servers.startup import (
-    Mounted,
-    check_tokenization,
-    passed_option,
-    refuse_options,
-    require,
-    start,
-)
+from pipeline.runtime.servers.options import ServeOptions
+from pipeline.runtime.servers.startup import Mounted
 
 log = logging.getLogger("prefix-bundles")
 SERVER = "rapid-mlx"
-ADDRESS = ("127.0.0.1", 8000)  # where it binds when its options do not say
-UNSUPPORTED = {
-    "--models-config": "serve mounts bundles for the one model folder given as --model",
-    "--mllm": "bundles hold text-model caches; multimodal routing is not hooked",
-    "--use-paged-cache": "its paged prefix cache is not hooked; bundles answer through the default "
-    "memory-aware prefix cache",
-    "--no-memory-aware-cache": "its legacy prefix cache is not hooked; bundles answer through the "
-    "default memory-aware prefix cache",
-    "--disable-prefix-cache": "with no prefix cache rapid-mlx looks nothing up, bundles included",
-}
 REFUSED_ROUTES = ("/v1/cache/import",)
 
 
-def install(mounted: Mounted) -> None:
-    """Patch rapid-mlx's scheduler cache; its persistence off, its cache import refused."""
-    from rapid_mlx import scheduler, server
+class Hook(ServerHook):
+    name, package, address = SERVER, "rapid_mlx", ("127.0.0.1", 8000)
+    unsupported = {
+        "--models-config": "serve mounts bundles for the one model folder given as --model",
+        "--mllm": "bundles hold text-model caches; multimodal routing is not hooked",
+        "--use-paged-cache": "its paged prefix cache is not hooked; bundles answer through the "
+        "default memory-aware prefix cache",
+        "--no-memory-aware-cache": "its legacy prefix cache is not hooked; bundles answer through "
+        "the default memory-aware prefix cache",
+        "--disable-prefix-cache": "with no prefix cache rapid-mlx looks nothing up, bundles included",
+    }
+    # request_ids: none to call (it renders inline in its route); warm-up checks its ids through its app
 
-    scheduler.MemoryAwarePrefixCache = pinned_memory_cache_class(
-        mounted, scheduler.MemoryAwarePrefixCache, SERVER
-    )
-    server._automatic_prefix_cache_persistence_enabled = lambda: False
-    log.info(
-        "%s: its own on-disk prefix cache is neither restored nor saved under serve (not checked "
-        "by the validator: identified by model name, KV dtype and file metadata, not weights or "
-        "template)",
-        SERVER,
-    )
-    refuse_cache_import(server.app)
+    def install(self, mounted: Mounted, options: ServeOptions, snapshots: Any = None) -> None:
+        """Patch rapid-mlx's scheduler cache; its persistence off, its cache import refused."""
+        from rapid_mlx import scheduler, server
+
+        scheduler.MemoryAwarePrefixCache = pinned_memory_cache_class(
+            mounted, scheduler.MemoryAwarePrefixCache, SERVER
+        )
+        server._automatic_prefix_cache_persistence_enabled = lambda: False
+        log.info(
+            "%s: its own on-disk prefix cache is neither restored nor saved under serve (not "
+            "checked by the validator: identified by model name, KV dtype and file metadata, not "
+            "weights or template)",
+            SERVER,
+        )
+        refuse_cache_import(server.app)
+
+    def warm_up_server(self, mounted: Mounted, options: ServeOptions) -> None:
+        from rapid_mlx import server
+
+        model = self.clients_send(options)
+        served = lambda: server._model_name or model  # noqa: E731 - the name it checks requests against
+        headers = warm_up.api_key_headers(options.passed("--api-key"))
+        warm_up.through_app(server.app, SERVER, mounted, served, headers)
+
+    def launch(self, mounted: Mounted, options: ServeOptions) -> int:
+        from rapid_mlx.cli import main
+
+        sys.argv = ["rapid-mlx", "serve", str(options.model), *options.rest]
+        main()
+        return 0
 
 
 def refuse_cache_import(app: Any) -> None:
@@ -74,24 +86,3 @@ def refuse_cache_import(app: Any) -> None:
             )
             return JSONResponse({"error": {"message": message, "type": "forbidden"}}, 403)
         return await call_next(request)
-
-
-def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
-    """Mount, hook, then rapid-mlx's own `serve` command line with --model as its MODEL."""
-    require("rapid_mlx", SERVER)
-    refuse_options(rest, SERVER, UNSUPPORTED)
-    mounted = start(args, rest, argv)
-    check_tokenization(SERVER, mounted)
-    install(mounted)
-    if args.warm_up is not False:  # default on (bench: first request / hit)
-        from rapid_mlx import server
-
-        model = passed_option(rest, "--served-model-name") or str(args.model)
-        served = lambda: server._model_name or model  # noqa: E731 - the name it checks requests against
-        headers = warm_up.api_key_headers(passed_option(rest, "--api-key"))
-        warm_up.through_app(server.app, SERVER, mounted, served, headers)
-    from rapid_mlx.cli import main
-
-    sys.argv = ["rapid-mlx", "serve", str(args.model), *rest]
-    main()
-    return 0

@@ -1,14 +1,14 @@
-"""The start-up every wrapped server shares: logging, huge pages, mount and validate, drop what the
-server's options cannot use, log it, live remount (SIGHUP, --admin-port), the tokenization check.
+"""The start-up every wrapped server shares, in one function (`serve`), and its steps: logging,
+huge pages, mount and validate, drop what the server's options cannot use, log it, live remount
+(SIGHUP, --admin-port), the tokenization check, snapshots, install, warm-up, the server's run.
 
 The bundles are validated by the one validator (pipeline.runtime.mount) and pinned into a
-PromptCacheManager; each server's hook module then hands that manager's caches to the server's
-own prompt cache. Nothing here imports a server or a hook.
+PromptCacheManager; the server's hook (pipeline.runtime.servers.hook) then hands that manager's
+caches to the server's own prompt cache. Nothing here imports a server or a hook.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import logging
 import os
@@ -28,10 +28,18 @@ from pipeline.format.lockfile import locked_versions
 from pipeline.format.signature import read_trusted_keys
 from pipeline.runtime.hugepages import ensure_huge_pages
 from pipeline.runtime.lookup import log_request
-from pipeline.runtime.mount import MountedBundle, MountResult, model_bundles_dir, mount
+from pipeline.runtime.mount import MountedBundle, MountResult, mount
 from pipeline.runtime.prompt_cache import PromptCacheManager
 from pipeline.runtime.remount import Remounter
-from pipeline.runtime.servers.options import passed_option, refuse_options, require
+from pipeline.runtime.servers.hook import ServerHook
+from pipeline.runtime.servers.options import (
+    ServeOptions,
+    check_admin,
+    check_port,
+    passed_option,
+    refuse_options,
+    require,
+)
 from pipeline.runtime.servers.tokens import model_type, request_parity
 
 log = logging.getLogger("prefix-bundles")
@@ -45,9 +53,7 @@ __all__ = [
     "log_request",
     "mount_for",
     "passed_option",
-    "refuse_options",
-    "require",
-    "start",
+    "serve",
 ]
 
 
@@ -68,6 +74,44 @@ class Mounted:
         return self.manager.covered(BUNDLE_KEY, tokens)
 
 
+def serve(hook: ServerHook, options: ServeOptions) -> int:
+    """Everything serve runs in a wrapped server's process, in order. Options are checked before
+    anything is loaded; a bundle is mounted only through the one validator; the hook only
+    installs its cache subclass, arranges the warm-up, and starts its server."""
+    if options.snapshots is not None and not hook.snapshots:
+        raise PipelineError(
+            f"--snapshots is not supported with --server {hook.name} yet (so far only with "
+            "the default server, mlx-lm); serve without --snapshots, or with --server mlx-lm"
+        )
+    require(hook.package, hook.name)
+    refuse_options(list(options.rest), hook.name, hook.refused(options))
+    check_port(hook.address, list(options.rest))
+    check_admin(options)
+    setup_logging(options.passed("--log-level"))
+    ensure_huge_pages(options.huge_pages, list(options.argv))
+    template = hook.chat_template(options)
+    mounted = mount_for(options, template, lambda b: hook.unusable(b, options), hook.live)
+    check_tokenization(hook, mounted)
+    snapshots = open_snapshots(hook, options, mounted) if options.snapshots else None
+    hook.install(mounted, options, snapshots)
+    if options.warm_up:
+        hook.warm_up_server(mounted, options)
+    else:
+        log.info("no warm-up (%s's default: off; --warm-up runs it)", hook.name)
+    log.info("%s: clients send the model id %s", hook.name, hook.clients_send(options))
+    code = hook.launch(mounted, options)
+    if snapshots is not None:  # a graceful stop: the server has joined its threads
+        snapshots.save(hook.entries(mounted, snapshots), mounted.covered)
+    return code
+
+
+def open_snapshots(hook: ServerHook, options: ServeOptions, mounted: Mounted) -> Any:
+    """--snapshots: lock the folder, restore its newest set after the bundles."""
+    from pipeline.runtime.snapshots import open_snapshots as open_folder
+
+    return open_folder(options, mounted, hook.name)
+
+
 def setup_logging(level: str | None) -> None:
     logging.basicConfig(
         level=getattr(logging, (level or "INFO").upper(), logging.INFO),
@@ -76,58 +120,42 @@ def setup_logging(level: str | None) -> None:
 
 
 def mount_for(
-    args: argparse.Namespace,
+    options: ServeOptions,
     chat_template: str | None = None,
     unusable: Callable[[MountedBundle], str | None] | None = None,
     live: bool = True,
 ) -> Mounted:
-    """Validate and mount the bundles for args.model, drop those the server would not use
+    """Validate and mount the bundles for the model, drop those the server would not use
     (`unusable` says why), log them; PipelineError under --strict. `live`: this process serves
-    from them, so SIGHUP and --admin-port re-mount them (serve.live_remount)."""
-    if args.bundles is None:
-        args.bundles = model_bundles_dir(args.model)
+    from them, so SIGHUP and --admin-port re-mount them (live_remount)."""
     check_mlx_lm()
     manager = PromptCacheManager()
-    options = mount_options(args, chat_template)
+    read_options = mount_options(options, chat_template)
     result = mount(
-        args.model,
-        args.bundles,
-        skip_refused=not args.strict,
+        options.model,
+        options.bundles,
+        skip_refused=not options.strict,
         manager=manager,
         model_key=BUNDLE_KEY,
-        **options(),
+        **read_options(),
     )
     if unusable is not None:
         drop_unusable(result, manager, unusable)
     log_mounts(result)
-    if args.strict and result.unused:
+    if options.strict and result.unused:
         path, reason = result.unused[0]
         raise PipelineError(f"--strict: bundle {path} would not be used: {reason}")
-    if args.strict and not result.bundles:
-        raise PipelineError(f"--strict: no bundle for {args.model} was found in {args.bundles}")
+    if options.strict and not result.bundles:
+        raise PipelineError(
+            f"--strict: no bundle for {options.model} was found in {options.bundles}"
+        )
     if live:
-        live_remount(args, result, manager, options, unusable or (lambda b: None))
-    return Mounted(Path(args.model), manager, result, chat_template, args.strict)
+        live_remount(options, result, manager, read_options, unusable or (lambda b: None))
+    return Mounted(options.model, manager, result, chat_template, options.strict)
 
 
-def start(
-    args: argparse.Namespace,
-    rest: list[str],
-    argv: list[str],
-    chat_template: str | None = None,
-    unusable: Callable[[MountedBundle], str | None] | None = None,
-    live: bool = True,
-) -> Mounted:
-    """Logging, huge pages (may re-execute), then mount: the common start of every hook. The
-    bundles are checked against `chat_template` (text) or the one --chat-template passes."""
-    setup_logging(passed_option(rest, "--log-level"))
-    ensure_huge_pages(args.huge_pages, argv)
-    template = chat_template or passed_option(rest, "--chat-template")
-    return mount_for(args, template, unusable, live)
-
-
-def check_tokenization(server: str, mounted: Mounted) -> dict[str, int]:
-    """Run each bundle's recorded request (its prefix and a user turn) through `server`'s own
+def check_tokenization(hook: ServerHook, mounted: Mounted) -> dict[str, int]:
+    """Run each bundle's recorded request (its prefix and a user turn) through the server's own
     request code (or, for bundles without one, re-encode its text the server's way); one warning
     per bundle the server's first request will not reuse whole, PipelineError under --strict
     (`mounted.strict`).
@@ -137,10 +165,10 @@ def check_tokenization(server: str, mounted: Mounted) -> dict[str, int]:
     reusable = mounted.reusable
     for b in mounted.result.bundles:
         try:
-            p = request_parity(server, tokenizer, b, kind)
+            p = request_parity(hook.name, tokenizer, b, kind)
         except PipelineError as exc:  # the server refuses the recorded request (another API)
             p = None
-            line = f"{b.name}: not checked against {server}'s own request code: {exc}"
+            line = f"{b.name}: not checked against {hook.name}'s own request code: {exc}"
         if p is not None:
             reusable[b.name] = p.reusable
             if p.reason is None:
@@ -171,19 +199,19 @@ def check_mlx_lm() -> str:
     return version
 
 
-def mount_options(args: argparse.Namespace, chat_template: str | None) -> Callable[[], dict]:
+def mount_options(options: ServeOptions, chat_template: str | None) -> Callable[[], dict]:
     """mount's options from serve's own, read afresh on each call (a remount re-reads the
     lockfile a deploy may have updated)."""
 
-    def options() -> dict:
+    def read() -> dict:
         return {
             "chat_template": chat_template,
-            "verify_full": args.verify_full,
-            "versions": locked_versions(args.lockfile) if args.lockfile else None,
-            "trusted_keys": read_trusted_keys(getattr(args, "trusted_key", None) or []),
+            "verify_full": options.verify_full,
+            "versions": locked_versions(options.lockfile) if options.lockfile else None,
+            "trusted_keys": read_trusted_keys(list(options.trusted_keys)),
         }
 
-    return options
+    return read
 
 
 def drop_unusable(
@@ -232,7 +260,7 @@ def log_mounts(result: MountResult) -> None:
 
 
 def live_remount(
-    args: argparse.Namespace,
+    serve_options: ServeOptions,
     result: MountResult,
     manager: PromptCacheManager,
     options: Callable[[], dict],
@@ -246,11 +274,12 @@ def live_remount(
     from pipeline.runtime.admin import read_token, start_admin
 
     def reload() -> MountResult:
-        return mount(args.model, args.bundles, skip_refused=True, **options())
+        return mount(serve_options.model, serve_options.bundles, skip_refused=True, **options())
 
     remounter = Remounter(result, manager, BUNDLE_KEY, reload, unusable)
-    if getattr(args, "admin_port", None) is not None:
-        start_admin(args.admin_port, read_token(getattr(args, "admin_token_file", None)), remounter)
+    if serve_options.admin_port is not None:
+        token = read_token(serve_options.admin_token_file)
+        start_admin(serve_options.admin_port, token, remounter)
 
     def run() -> None:
         try:

@@ -1,15 +1,6 @@
-"""How each server turns a request body into token ids, by the server's own code.
-
-`request_ids` runs a request through the installed server's own request models, message and
-tool conversion, template call and encode step (stand-ins carry only the tokenizer where the
-server's step is a method): mlx_lm.server's `ResponseGenerator._tokenize`; vllm-mlx 0.6's
-`ChatCompletionRequest` / `AnthropicRequest` + `anthropic_to_openai`, `_prepare_chat_messages`,
-`convert_tools_for_template` and `SimpleEngine._render_chat_prompt`; mlx-omni-server 0.5's
-`ChatCompletionRequest`, `OpenAIAdapter._prepare_generation_params` and
-`ChatGenerator._prepare_prompt`; mlx-openai-server 1.8's `ChatCompletionRequest`,
-`MLXLMHandler._prepare_text_request` / `refine_messages` and `MLX_LM.create_input_prompt`. Only
-vllm-mlx's encode rule is inline in its engine (add special tokens unless the text starts with
-BOS); it is `encode_text` here.
+"""How a server turns a request body into token ids, asked of the server's own code (each hook's
+`request_ids`: pipeline.runtime.servers.<hook>), and what is server-neutral about it: request
+bodies as clients send them, the Anthropic detection, the comparison with a bundle's ids.
 
 `parity` is the fallback for bundles that carry no request (built before requests were
 recorded): it re-encodes the bundle's text as the server encodes a rendered prompt.
@@ -17,7 +8,6 @@ recorded): it re-encodes the bundle's text as the server encodes a rendered prom
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import json
 import logging
@@ -25,34 +15,29 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from pipeline.format.errors import PipelineError
 
 ANTHROPIC_SERVERS = ("vllm-mlx",)  # servers whose /v1/messages route request_ids follows
 ANTHROPIC_ROUTES = ("vllm-mlx", "rapid-mlx")  # servers that serve /v1/messages at all
-PACKAGES = {
-    "mlx-lm": "mlx_lm.server",
-    "vllm-mlx": "vllm_mlx.server",
-    "mlx-omni-server": "mlx_omni_server.chat.openai.openai_adapter",
-    "mlx-openai-server": "app.handler.mlx_lm",
-}
 # the servers whose request code can be called (rapid-mlx renders inline in its route: its ids are
 # checked through its own app at serve startup, pipeline.runtime.servers.warm_up)
-SERVER_NAMES: tuple[str, ...] = tuple(PACKAGES)
+SERVER_NAMES: tuple[str, ...] = ("mlx-lm", "vllm-mlx", "mlx-omni-server", "mlx-openai-server")
+
+
+def hook_of(server: str) -> Any:
+    """The hook of a server named as the format names it; PipelineError for another name."""
+    from pipeline.runtime.servers import HOOKS, hook_for
+
+    if server not in HOOKS:
+        raise PipelineError(f"unknown server {server!r}; choose one of {', '.join(HOOKS)}")
+    return hook_for(server)
 
 
 def encode_text(server: str, tokenizer: Any, text: str) -> list[int]:
     """Token ids for rendered text, encoded the way `server` encodes a rendered prompt."""
-    if server == "mlx-lm":
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    if server == "vllm-mlx":
-        bos = getattr(tokenizer, "bos_token", None)
-        add_special = bos is None or not text.startswith(bos)
-        return list(tokenizer.encode(text, add_special_tokens=add_special))
-    # omni, mlx-openai-server, rapid-mlx (its scheduler encodes): the tokenizer's default
-    return list(tokenizer.encode(text))
+    return hook_of(server).encode_text(tokenizer, text)
 
 
 def is_anthropic(body: dict[str, Any]) -> bool:
@@ -98,28 +83,31 @@ def request_body(
 
 def request_ids(server: str, tokenizer: Any, body: dict[str, Any], model_type: str) -> list[int]:
     """The token ids `server` computes for a request body (OpenAI chat completions, or Anthropic
-    messages on ANTHROPIC_SERVERS), through the installed server's own code. `tokenizer` is
-    mlx-lm's TokenizerWrapper with the template the server would use; `model_type` is the model's
-    config.json model_type (omni picks its tool format by it). PipelineError when the server is
-    not installed here or refuses the request."""
+    messages on ANTHROPIC_SERVERS), through the installed server's own code (its hook's
+    `request_ids`). `tokenizer` is mlx-lm's TokenizerWrapper with the template the server would
+    use; `model_type` is the model's config.json model_type (omni picks its tool format by it).
+    PipelineError when the server is not installed here or refuses the request."""
     import importlib.util
 
-    if server not in PACKAGES:
-        raise PipelineError(f"unknown server {server!r}; choose one of {', '.join(SERVER_NAMES)}")
-    if importlib.util.find_spec(PACKAGES[server].split(".")[0]) is None:
+    hook = hook_of(server)
+    if server not in SERVER_NAMES:
+        raise PipelineError(
+            f"{server}'s request code cannot be called short of its app; choose one of "
+            f"{', '.join(SERVER_NAMES)}"
+        )
+    if importlib.util.find_spec(hook.package.split(".")[0]) is None:
         raise PipelineError(
             f"{server} is not installed in this Python environment, so its own request code "
             f"cannot be run; install it (\"pip install 'mlx-prefix-bundles[{server}]'\") here"
         )
     body = copy.deepcopy(body)  # servers change messages in place
-    anthropic = is_anthropic(body)
-    if anthropic and server not in ANTHROPIC_SERVERS:
+    if is_anthropic(body) and server not in ANTHROPIC_SERVERS:
         raise PipelineError(
             f"{server}: an Anthropic messages request is not served through a route serve checks; "
             f"give an OpenAI chat-completions body (Anthropic form: {', '.join(ANTHROPIC_SERVERS)})"
         )
     try:
-        return [int(t) for t in _PATHS[server](tokenizer, body, model_type)]
+        return [int(t) for t in hook.request_ids(tokenizer, body, model_type)]
     except PipelineError:
         raise
     except Exception as exc:  # the server's own validation: its message, on one line
@@ -127,73 +115,8 @@ def request_ids(server: str, tokenizer: Any, body: dict[str, Any], model_type: s
         raise PipelineError(f"{server} refuses the request: {text[:300]}") from None
 
 
-def _mlx_lm(tokenizer: Any, body: dict[str, Any], model_type: str) -> list[int]:
-    from mlx_lm.server import ResponseGenerator
-
-    cli = SimpleNamespace(chat_template_args={})
-    generator = SimpleNamespace(model_provider=SimpleNamespace(cli_args=cli, processor=None))
-    request = SimpleNamespace(
-        request_type="chat",
-        messages=body["messages"],
-        tools=body.get("tools"),
-        role_mapping=body.get("role_mapping"),
-    )
-    args = SimpleNamespace(chat_template_kwargs=body.get("chat_template_kwargs"))
-    return ResponseGenerator._tokenize(generator, tokenizer, request, args)[0]
-
-
-def vllm_request(body: dict[str, Any]) -> Any:
-    """vllm-mlx's ChatCompletionRequest for a body, an Anthropic one through its own converter."""
-    from vllm_mlx.api.models import ChatCompletionRequest
-
-    body = {"model": "model", **body}
-    if not is_anthropic(body):
-        return ChatCompletionRequest(**body)
-    from vllm_mlx.api.anthropic_adapter import anthropic_to_openai
-    from vllm_mlx.api.anthropic_models import AnthropicRequest
-
-    return anthropic_to_openai(AnthropicRequest(**{"max_tokens": 1, **body}))
-
-
-def _vllm_mlx(tokenizer: Any, body: dict[str, Any], model_type: str) -> list[int]:
-    from vllm_mlx import server
-    from vllm_mlx.api.tool_calling import convert_tools_for_template
-    from vllm_mlx.engine.simple import SimpleEngine
-
-    request = vllm_request(body)
-    engine = SimpleNamespace(is_mllm=False, preserve_native_tool_format=False)
-    messages = server._prepare_chat_messages(engine, request.messages)[0]
-    tools = None
-    if request.tools and request.tool_choice != "none":
-        tools = convert_tools_for_template(request.tools)
-    stand_in = SimpleNamespace(_model=SimpleNamespace(tokenizer=tokenizer), _model_name="model")
-    kwargs = dict(request.chat_template_kwargs or {})
-    prompt = SimpleEngine._render_chat_prompt(stand_in, messages, tools, kwargs, None)[0]
-    return encode_text("vllm-mlx", tokenizer, prompt)
-
-
-def _omni(tokenizer: Any, body: dict[str, Any], model_type: str) -> list[int]:
-    from mlx_omni_server.chat.mlx.chat_generator import ChatGenerator
-    from mlx_omni_server.chat.mlx.tools.chat_template import ChatTemplate
-    from mlx_omni_server.chat.openai.openai_adapter import OpenAIAdapter
-    from mlx_omni_server.chat.openai.schema import ChatCompletionRequest
-
-    body.setdefault("model", "model")
-    if "chat_template_kwargs" in body:  # omni reads template kwargs from extra_body
-        body["extra_body"] = body.pop("chat_template_kwargs")
-    generator = SimpleNamespace(chat_template=ChatTemplate(model_type, tokenizer))
-    with _quiet("mlx_omni"):
-        params = OpenAIAdapter._prepare_generation_params(
-            SimpleNamespace(_default_max_tokens=1), ChatCompletionRequest(**body)
-        )
-        prompt = ChatGenerator._prepare_prompt(
-            generator, params["messages"], params["tools"], params["template_kwargs"]
-        )
-    return tokenizer.encode(prompt)
-
-
 @contextmanager
-def _quiet(name: str) -> Iterator[None]:
+def quiet(name: str) -> Iterator[None]:
     """A server logger above INFO for a moment (omni logs every request's messages and tools)."""
     logger = logging.getLogger(name)
     level = logger.level
@@ -202,31 +125,6 @@ def _quiet(name: str) -> Iterator[None]:
         yield
     finally:
         logger.setLevel(level)
-
-
-def _openai_server(tokenizer: Any, body: dict[str, Any], model_type: str) -> list[int]:
-    from app.handler.mlx_lm import MLXLMHandler
-    from app.models.mlx_lm import MLX_LM
-    from app.schemas.openai import ChatCompletionRequest
-
-    body.setdefault("model", "model")
-    handler = MLXLMHandler.__new__(MLXLMHandler)  # its methods, none of its model or workers
-    handler.__dict__.update(kv_bits=None, kv_group_size=64, quantized_kv_start=0)
-    handler.__dict__.update(message_converter=None, _disable_batching=True)
-    prepare = MLXLMHandler._prepare_text_request(handler, ChatCompletionRequest(**body))
-    messages, params = asyncio.run(prepare)
-    messages = MLXLMHandler.refine_messages(handler, messages)
-    model = SimpleNamespace(tokenizer=tokenizer)
-    prompt = MLX_LM.create_input_prompt(model, messages, params.get("chat_template_kwargs", {}))
-    return MLX_LM.encode_prompt(model, prompt)
-
-
-_PATHS = {
-    "mlx-lm": _mlx_lm,
-    "vllm-mlx": _vllm_mlx,
-    "mlx-omni-server": _omni,
-    "mlx-openai-server": _openai_server,
-}
 
 
 def model_type(model_dir: Path) -> str:
@@ -276,7 +174,7 @@ def request_parity(server: str, tokenizer: Any, bundle: Any, model_type: str) ->
     request = bundle.manifest.request
     ids = [int(t) for t in bundle.tokens]
     # rapid-mlx: no request code to call short of its app (warm_up checks a bundle through it)
-    if request is None or server not in _PATHS:
+    if request is None or server not in SERVER_NAMES:
         return parity(server, tokenizer, ids)
     messages = [m.model_dump() for m in request.messages] + [PROBE_TURN]
     tools = None if request.tools_json is None else json.loads(request.tools_json)
@@ -298,7 +196,7 @@ def ids_parity(server: str, tokenizer: Any, bundle: Any, theirs: Sequence[int], 
     )
     fix = (
         f'add "{server}" to the definition\'s servers and rebuild'
-        if server in _PATHS
+        if server in SERVER_NAMES
         else f"build the definition so its text renders as {server} renders it"
     )
     why = (

@@ -10,33 +10,106 @@ it does on its own; the bundles are only an extra answer to its lookups.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import sys
+from functools import cache
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from pipeline.runtime.lookup import lookup_source
 from pipeline.runtime.servers import usage, warm_up
+from pipeline.runtime.servers.hook import ServerHook
 from pipeline.runtime.servers.memory_cache import pinned_memory_cache_class
-from pipeline.runtime.servers.startup import (
-    BUNDLE_KEY,
-    Mounted,
-    check_tokenization,
-    passed_option,
-    refuse_options,
-    require,
-    start,
-)
+from pipeline.runtime.servers.options import ServeOptions
+from pipeline.runtime.servers.startup import BUNDLE_KEY, Mounted
+from pipeline.runtime.servers.tokens import is_anthropic
 
 log = logging.getLogger("prefix-bundles")
 SERVER = "vllm-mlx"
-ADDRESS = ("127.0.0.1", 8000)  # where it binds when its options do not say
-UNSUPPORTED = {
-    "--models-config": "serve mounts bundles for the one model folder given as --model",
-    "--mllm": "bundles hold text-model caches; multimodal routing is not hooked",
+BATCHED_UNSUPPORTED = {  # with --continuous-batching: prefix caches other than the one hooked
+    "--use-paged-cache": "its paged BlockAwarePrefixCache is not hooked; bundles answer through "
+    "the default memory-aware prefix cache",
+    "--no-memory-aware-cache": "its legacy PrefixCacheManager is not hooked; bundles answer "
+    "through the default memory-aware prefix cache",
+    "--disable-prefix-cache": "with no prefix cache vllm-mlx looks nothing up, bundles included",
 }
+CACHE_OFF = {  # options under which SimpleEngine 0.6.0 builds a fresh cache for every request
+    "--enable-mtp": "multi-token prediction",
+    "--max-kv-size": "a bounded KV size (its own RotatingKVCache)",
+    "--specprefill-draft-model": "a speculative-prefill draft model",
+}
+
+
+class Hook(ServerHook):
+    name, package, address = SERVER, "vllm_mlx", ("127.0.0.1", 8000)
+    unsupported = {
+        "--models-config": "serve mounts bundles for the one model folder given as --model",
+        "--mllm": "bundles hold text-model caches; multimodal routing is not hooked",
+    }
+
+    def refused(self, options: ServeOptions) -> dict[str, str]:
+        return {**self.unsupported, **(BATCHED_UNSUPPORTED if batched(options) else {})}
+
+    def unusable(self, bundle: Any, options: ServeOptions) -> str | None:
+        return None if batched(options) else unusable_reason(options.model, options.rest)
+
+    @staticmethod
+    def request_ids(tokenizer: Any, body: dict[str, Any], model_type: str) -> list[int]:
+        from vllm_mlx import server
+        from vllm_mlx.api.tool_calling import convert_tools_for_template
+        from vllm_mlx.engine.simple import SimpleEngine
+
+        request = vllm_request(body)
+        engine = SimpleNamespace(is_mllm=False, preserve_native_tool_format=False)
+        messages = server._prepare_chat_messages(engine, request.messages)[0]
+        tools = None
+        if request.tools and request.tool_choice != "none":
+            tools = convert_tools_for_template(request.tools)
+        stand_in = SimpleNamespace(_model=SimpleNamespace(tokenizer=tokenizer), _model_name="model")
+        kwargs = dict(request.chat_template_kwargs or {})
+        prompt = SimpleEngine._render_chat_prompt(stand_in, messages, tools, kwargs, None)[0]
+        return Hook.encode_text(tokenizer, prompt)
+
+    @staticmethod
+    def encode_text(tokenizer: Any, text: str) -> list[int]:
+        bos = getattr(tokenizer, "bos_token", None)  # its engine's rule: special tokens unless BOS
+        return list(
+            tokenizer.encode(text, add_special_tokens=bos is None or not text.startswith(bos))
+        )
+
+    def install(self, mounted: Mounted, options: ServeOptions, snapshots: Any = None) -> None:
+        keep_own_disk_cache_off()
+        (install_batched if batched(options) else install_simple)(mounted)
+
+    def warm_up_server(self, mounted: Mounted, options: ServeOptions) -> None:
+        warm_up_before_serving(mounted, self.clients_send(options), options)
+
+    def launch(self, mounted: Mounted, options: ServeOptions) -> int:
+        from vllm_mlx.cli import main
+
+        sys.argv = ["vllm-mlx", "serve", str(options.model), *options.rest]
+        main()
+        return 0
+
+
+def batched(options: ServeOptions) -> bool:
+    """--continuous-batching: its BatchedEngine (scheduler and memory-aware prefix cache)."""
+    return "--continuous-batching" in options.rest
+
+
+def vllm_request(body: dict[str, Any]) -> Any:
+    """vllm-mlx's ChatCompletionRequest for a body, an Anthropic one through its own converter."""
+    from vllm_mlx.api.models import ChatCompletionRequest
+
+    body = {"model": "model", **body}
+    if not is_anthropic(body):
+        return ChatCompletionRequest(**body)
+    from vllm_mlx.api.anthropic_adapter import anthropic_to_openai
+    from vllm_mlx.api.anthropic_models import AnthropicRequest
+
+    return anthropic_to_openai(AnthropicRequest(**{"max_tokens": 1, **body}))
 
 
 def SNAPSHOT_SLACK(system: int) -> int:  # noqa: N802 - a rule, named as the constant it was
@@ -125,15 +198,6 @@ def pinned_trie_class(mounted: Mounted) -> type:
     return PinnedTrie
 
 
-BATCHED_UNSUPPORTED = {  # with --continuous-batching: prefix caches other than the one hooked
-    "--use-paged-cache": "its paged BlockAwarePrefixCache is not hooked; bundles answer through "
-    "the default memory-aware prefix cache",
-    "--no-memory-aware-cache": "its legacy PrefixCacheManager is not hooked; bundles answer through "
-    "the default memory-aware prefix cache",
-    "--disable-prefix-cache": "with no prefix cache vllm-mlx looks nothing up, bundles included",
-}
-
-
 def install_batched(mounted: Mounted) -> None:
     """Patch vllm-mlx's continuous-batching scheduler so its prefix cache answers from bundles."""
     from vllm_mlx import scheduler
@@ -170,7 +234,7 @@ def keep_own_disk_cache_off() -> None:
     server._save_prefix_cache_to_disk = not_saved
 
 
-def install(mounted: Mounted) -> None:
+def install_simple(mounted: Mounted) -> None:
     """Patch vllm-mlx's SimpleEngine so its prompt trie exists and answers from the bundles."""
     from vllm_mlx.engine.simple import SimpleEngine
 
@@ -238,14 +302,8 @@ def route_text_chat_through_the_cache(engine_class: type) -> None:
     engine_class.chat = chat
 
 
-CACHE_OFF = {  # options under which SimpleEngine 0.6.0 builds a fresh cache for every request
-    "--enable-mtp": "multi-token prediction",
-    "--max-kv-size": "a bounded KV size (its own RotatingKVCache)",
-    "--specprefill-draft-model": "a speculative-prefill draft model",
-}
-
-
-def unusable_reason(model: Path, rest: list[str]) -> str | None:
+@cache
+def unusable_reason(model: Path, rest: tuple[str, ...]) -> str | None:
     """Why vllm-mlx's SimpleEngine would never reuse a bundle for this model with these options,
     asked of its own probe (the model built from config.json, without weights); None when it will."""
     from vllm_mlx.engine.simple import SimpleEngine
@@ -265,7 +323,7 @@ def unusable_reason(model: Path, rest: list[str]) -> str | None:
     return None
 
 
-def warm_up_before_serving(mounted: Mounted, model: str, rest: list[str]) -> None:
+def warm_up_before_serving(mounted: Mounted, model: str, options: ServeOptions) -> None:
     """One request of the longest bundle's form through vllm-mlx's app before the port opens
     (servers/warm_up.py); SimpleEngine's system snapshots it makes are dropped after."""
     from vllm_mlx import server
@@ -277,28 +335,6 @@ def warm_up_before_serving(mounted: Mounted, model: str, rest: list[str]) -> Non
         before = set(snapshots)
         return lambda: [snapshots.pop(key, None) for key in set(snapshots) - before]
 
-    headers = warm_up.api_key_headers(passed_option(rest, "--api-key"))
+    headers = warm_up.api_key_headers(options.passed("--api-key"))
     served = lambda: server._model_name or model  # noqa: E731 - the name it checks requests against
     warm_up.through_app(server.app, SERVER, mounted, served, headers, leave_no_snapshot)
-
-
-def run(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
-    """Mount, hook, then vllm-mlx's own `serve` command line with --model as its MODEL."""
-    require("vllm_mlx", SERVER)
-    refuse_options(rest, SERVER, UNSUPPORTED)
-    batched = any(a == "--continuous-batching" for a in rest)
-    if batched:
-        refuse_options(rest, f"{SERVER} --continuous-batching", BATCHED_UNSUPPORTED)
-    reason = None if batched else unusable_reason(args.model, rest)
-    mounted = start(args, rest, argv, unusable=lambda b: reason)
-    check_tokenization(SERVER, mounted)
-    keep_own_disk_cache_off()
-    (install_batched if batched else install)(mounted)
-    if args.warm_up is not False:  # default on (bench: first request / hit)
-        model = passed_option(rest, "--served-model-name") or str(args.model)
-        warm_up_before_serving(mounted, model, rest)
-    from vllm_mlx.cli import main
-
-    sys.argv = ["vllm-mlx", "serve", str(args.model), *rest]
-    main()
-    return 0
