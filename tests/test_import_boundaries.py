@@ -266,12 +266,18 @@ def test_no_server_module_imports_serve_and_no_hook_imports_another():
     assert problems == []
 
 
+def shape(function) -> list:
+    """A function's parameters as a caller sees them: names and kinds."""
+    import inspect
+
+    return [(p.name, p.kind) for p in inspect.signature(function).parameters.values()]
+
+
 def test_every_server_the_format_names_has_one_hook_declaring_what_it_differs_by():
     """A hook module defines `Hook`, a ServerHook for its server's name, declaring its package
     and address, overriding only the declared points, with their signatures (so the one start-up
     sequence can call any hook the same way)."""
     import importlib
-    import inspect
 
     from pipeline.format.manifest import SERVER_NAMES
     from pipeline.runtime.servers import HOOKS, hook_for
@@ -290,9 +296,6 @@ def test_every_server_the_format_names_has_one_hook_declaring_what_it_differs_by
         for point in declared & set(vars(ServerHook)):
             ours, base = getattr(type(hook), point), getattr(ServerHook, point)
             if callable(base):
-                shape = lambda f: [
-                    (p.name, p.kind) for p in inspect.signature(f).parameters.values()
-                ]  # noqa: E731
                 assert shape(ours) == shape(base), f"{module}.{point}"
         assert not hasattr(importlib.import_module(module), "run"), module
     assert importlib.import_module("pipeline.runtime.serve").__all__ == ["serve"]
