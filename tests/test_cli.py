@@ -37,11 +37,75 @@ def test_inspect_shows_stability_fidelity_and_validity(shop_bundle: Path, tiny_m
     out = capsys.readouterr().out
     manifest = json.loads((shop_bundle / MANIFEST_FILE).read_text())
     count = manifest["tokens"]["count"]
-    assert f"rendered_tokens={count}, stable_tokens={count}" in out
-    assert "max_abs_logit_diff=0.0" in out and "greedy_match=True" in out
+    assert f"  tokens:    {count:,} (all stable), ids sha256 " in out
+    assert "  fidelity:  max |logit diff| 0 <= 0, greedy match True\n" in out
     assert "You are the support assistant of a small bookshop" in out
     assert "  ok   chat template         " in out and "FAIL" not in out
-    assert out.endswith(f"valid for {tiny_model}: yes\n")
+    assert out.endswith(
+        f"valid for {tiny_model}: yes\n"
+        f"next: serve it: prefix-bundles serve --model {tiny_model} --bundles "
+        f"{shop_bundle.parents[2]}\n"
+    )
+
+
+def test_inspect_is_aligned_tables_and_says_what_it_did_not_check(shop_bundle: Path, capsys):
+    """The whole text without --model: the manifest's summary, the files with their sizes, every
+    check (identity and signature shown as not made, never as ok), the verdict's scope and the
+    command to run next."""
+    from pipeline.format.validate import CHECKS
+
+    assert main(["inspect", str(shop_bundle)]) == 0
+    m = json.loads((shop_bundle / MANIFEST_FILE).read_text())
+    p, t, mo, c, b = m["prefix"], m["tokens"], m["model"], m["cache"], m["builder"]
+    sizes = {f.name: f.stat().st_size for f in shop_bundle.iterdir()}
+    kib = sizes["cache.safetensors"] / 1024
+    assert 1 <= kib < 1024  # the tiny model's cache: shown in KiB
+    files = [("file", "bytes", "size", "")] + [
+        (name, f"{n:,}", f"{n / 1024:,.1f} KiB" if n >= 1024 else f"{n} B", "")
+        for name, n in sorted(sizes.items())
+    ]
+    files = [
+        (*f[:3], "informational, outside the checksums" if f[0] == "build-report.json" else "")
+        for f in files
+    ]
+    w = [max(len(f[i]) for f in files) for i in range(3)]
+    details = dict(CHECKS)
+    expected = [
+        f"bundle {shop_bundle}",
+        f"  prefix:    shop@1, content sha256 {p['content_sha256'][:16]}..",
+        f"  tokens:    {t['count']:,} (all stable), ids sha256 {t['ids_sha256'][:16]}..",
+        f"  model:     tiny, fingerprint {mo['fingerprint'][:16]}.., tokenizer "
+        f"{mo['tokenizer_fingerprint'][:16]}.., template {mo['template_sha256'][:16]}.. (model's)",
+        f"  cache:     2 layers (2 x KVCache), float32, KV not quantized, chunks of 2,048, layout "
+        f"{c['layout']}, {kib:,.1f} KiB",
+        "  fidelity:  max |logit diff| 0 <= 0, greedy match True",
+        f"  builder:   pipeline {b['pipeline']}, mlx {b['mlx']}, mlx-lm {b['mlx_lm']}, "
+        f"{b['device']}, float32 compute",
+        f"  text:      {m['text']['chars']:,} chars, sha256 {m['text']['sha256'][:16]}..",
+        f"  preview:   {json.dumps(m['text']['preview'], ensure_ascii=False)}",
+        f"  build key: {m['build_key']}",
+        "  signature: none (unsigned)",
+        "files:",
+        *(f"  {a:<{w[0]}}  {n:>{w[1]}}  {h:<{w[2]}}  {why}".rstrip() for a, n, h, why in files),
+        "checks (integrity only: no --model given):",
+        "  stat check                 detail",
+        *(
+            {
+                "signature": "  --   signature             not checked: no --trusted-key given",
+                "identity": "  --   identity              not checked: no --model given (the "
+                "recorded fingerprints were compared with nothing)",
+            }.get(name, f"  ok   {name:<21} {detail}")
+            for name, detail in CHECKS
+        ),
+    ]
+    out = capsys.readouterr().out.splitlines()
+    info = [line for line in out if line.startswith("  info ")]
+    assert out == [*expected, *info, "valid (integrity only): yes", (
+        f"next: compare its fingerprints with the model you serve: prefix-bundles inspect "
+        f"{shop_bundle} --model DIR"
+    )]  # fmt: skip
+    assert [line.split()[1] for line in info] == ["stability", "fidelity", "serving", "reuse"]
+    assert details["identity"] not in "\n".join(out)  # the check not made is never shown as ok
 
 
 def test_inspect_json_is_the_manifest(shop_bundle: Path, capsys):
@@ -92,7 +156,10 @@ def test_inspect_explains_why_a_bundle_is_invalid(
     out = capsys.readouterr().out
     assert "  FAIL model weights/config  model weights/config mismatch (bundle expects " in out
     assert "  ok   tokenizer             " in out and "  ok   chat template         " in out
-    assert out.endswith(f"valid for {tiny_model_other_weights}: no\n")
+    assert out.endswith(
+        f"valid for {tiny_model_other_weights}: no\n"
+        f"next: build it for this model: prefix-bundles build shop --model {tiny_model_other_weights}\n"
+    )
 
 
 def test_demo_builds_verifies_and_mounts_every_definition(project: Path, tiny_model: Path):
@@ -264,3 +331,92 @@ def test_version_names_the_release_and_the_bundle_formats(capsys):
         main(["--version"])
     assert info.value.code == 0
     assert capsys.readouterr().out.endswith(f" {__version__} (bundle format 3; reads 2, 3)\n")
+
+
+def test_the_eta_counts_attention_growth_on_synthetic_chunks(monkeypatch, capsys):
+    """Chunks whose cost grows with position (1e-4 s a token × (1 + end / 2,000)), a prior twice
+    too high (4,096): each ETA within 20 % of the truth (2.95, 2.32, 1.49, 0.44 s), where tokens
+    left at the rate so far said 1.41 s at first (-52 %)."""
+    import itertools
+    from types import SimpleNamespace
+
+    import pipeline.cli.common as common
+
+    clock = itertools.count()  # one second between calls: every line is printed
+    monkeypatch.setattr(common, "time", SimpleNamespace(perf_counter=lambda: float(next(clock))))
+    report = common.progress("shop@1 -> tiny", crossover=4096)
+    report(0, 9000, 0.0, 0)
+    elapsed, start = 0.0, 0
+    for end in (2048, 4096, 6144, 8192, 9000):
+        elapsed += 1e-4 * (end - start) * (1 + end / 2000)
+        report(end, 9000, round(elapsed, 6), 0)
+        start = end
+    assert capsys.readouterr().err.splitlines() == [
+        "shop@1 -> tiny: prefill 9000 tokens",
+        "shop@1 -> tiny: prefill 2048/9000 tokens, 4,941 tok/s, ETA 2.4s",
+        "shop@1 -> tiny: prefill 4096/9000 tokens, 3,943 tok/s, ETA 2.1s",
+        "shop@1 -> tiny: prefill 6144/9000 tokens, 3,281 tok/s, ETA 1.4s",
+        "shop@1 -> tiny: prefill 8192/9000 tokens, 2,809 tok/s, ETA 0.4s",
+        "shop@1 -> tiny: prefill 9000/9000 tokens, 2,678 tok/s, ETA 0.0s",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("config", "crossover"),
+    [
+        # the test models' shapes (pipeline.testmodels.model.SPECS): tiny, small, bench
+        ({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 128}, 400.0),
+        ({"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 768}, 1792.0),
+        ({"hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 3072}, 4096.0),
+        ({"hidden_size": 1024}, 4096.0),  # sizes missing: the default
+    ],
+)  # fmt: skip
+def test_the_eta_prior_comes_from_the_models_config(config: dict, crossover: float):
+    from pipeline.cli.eta import crossover_from_config
+
+    assert crossover_from_config(config) == crossover
+
+
+def test_server_env_dry_run_prints_the_pinned_commands(tmp_path: Path, capsys):
+    from pipeline.cli.server_env import PTH_FILE
+
+    venv = tmp_path / "venv"
+    assert main(["server-env", "rapid-mlx", str(venv), "--dry-run"]) == 0
+    pip = f"{venv}/bin/python -m pip install -q --disable-pip-version-check"
+    in_venv = sys.prefix != sys.base_prefix
+    pth = f"printf '%s\\n' {sys.prefix} > {venv}/lib/python3.*/site-packages/{PTH_FILE}"
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"{sys.executable} -m venv --system-site-packages {venv}"
+    assert lines[1 + in_venv] == (
+        f"{pip} 'mlx-lm>=0.31.3,<0.32' fastapi uvicorn 'starlette>=1.0.1' python-multipart psutil "
+        "prometheus-client loguru 'openai>=2.21,<3' openai-harmony tiktoken pyyaml tomli-w rich "
+        "tabulate jsonschema referencing argcomplete websockets mcp 'dill>=0.4,<0.5' "
+        "'xxhash>=3.6,<4'"
+    )
+    assert lines[2 + in_venv] == f"{pip} --no-deps rapid-mlx==0.16.10"
+    assert lines[3 + in_venv] == f"{pip} --no-deps -e {ROOT}"  # this checkout, editable
+    assert len(lines) == 4 + in_venv and (not in_venv or lines[1].startswith(pth[:20]))
+    assert not venv.exists()  # nothing made
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["rapid", "d"], "server-env: unknown server 'rapid'; choose from vllm-mlx, mlx-omni-server, mlx-openai-server, rapid-mlx; did you mean 'rapid-mlx'?"),
+        (["mlx-lm", "d"], "server-env: unknown server 'mlx-lm'; choose from vllm-mlx, mlx-omni-server, mlx-openai-server, rapid-mlx; mlx-lm needs none: it runs in this environment"),
+        (["vllm-mlx", "rapid-mlx", "d"], "server-env: vllm-mlx and rapid-mlx cannot share a virtual environment (both ship a package named vllm_mlx); make one for each"),
+    ],
+)  # fmt: skip
+def test_server_env_refuses_what_it_cannot_make(argv: list, message: str, tmp_path: Path, capsys):
+    assert main(["server-env", *argv, "--dry-run"]) == 1
+    assert capsys.readouterr().err == f"error: {message}\n"
+
+
+def test_server_env_leaves_a_folder_that_is_not_a_venv_alone(tmp_path: Path, capsys):
+    (tmp_path / "keep.txt").write_text("mine")
+    assert main(["server-env", "vllm-mlx", str(tmp_path), "--replace"]) == 1
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"error: server-env: {tmp_path} exists and is not a virtual environment (no "
+        "pyvenv.cfg); it was left as it is: name another DIR"
+    )
+    assert (tmp_path / "keep.txt").read_text() == "mine"

@@ -37,6 +37,7 @@ COMMANDS = (
     "serve",
     "keygen",
     "sign",
+    "server_env",
 )
 DEFAULT_PREFIXES = Path("prefixes")
 # `pull` and `serve` put or look for bundles in <model>/prefix-bundles unless --bundles is given.
@@ -49,8 +50,11 @@ USES_GLOBALS = {
     "build": BOTH, "verify": BUNDLES, "inspect": NONE, "list": BOTH, "prune": BOTH,
     "new": PREFIXES, "match": BUNDLES, "push": NONE, "pull": BUNDLES, "schema": NONE,
     "demo": BOTH, "demo-model": NONE, "serve": BUNDLES, "keygen": NONE, "sign": NONE,
+    "server-env": NONE,
 }  # fmt: skip
-MODULE_COMMANDS = {"listing": ("list",), "demo": ("demo", "demo-model")}
+MODULE_COMMANDS = {
+    "listing": ("list",), "demo": ("demo", "demo-model"), "server_env": ("server-env",)
+}  # fmt: skip
 
 
 def global_options(suppress: bool, only: set[str] = BOTH) -> argparse.ArgumentParser:

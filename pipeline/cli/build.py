@@ -169,7 +169,8 @@ def run(args: argparse.Namespace) -> int:
         elif not blas_status().active:  # slow: worth a line without -v
             warn(blas_status().notice)
         record = lambda o: done.append(_record(args, o))  # noqa: E731
-        build_all(definitions, plan, record, progress, args.fail_fast, broken, **options)
+        bars = _progress_bars(definitions, plan)
+        build_all(definitions, plan, record, bars, args.fail_fast, broken, **options)
     except (PipelineError, OSError) as exc:
         if args.json:
             failures = getattr(exc, "failures", None)  # every definition's error, not the summary
@@ -179,6 +180,30 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(_report(args, done, None))
     return 0
+
+
+def _progress_bars(definitions: list, plan):
+    """progress(label), each target's ETA given its model's cost (pipeline.cli.eta)."""
+    from pipeline.cli.eta import crossover_for_model
+
+    folders = model_folders(definitions, plan.prefixes, plan.model)
+    return lambda label: progress(label, crossover_for_model(folders.get(label)))
+
+
+def model_folders(definitions: list, prefixes: Path, model: Path | None) -> dict[str, Path]:
+    """Each target's local model folder by its progress label ('name@version -> slug'), read
+    ahead of the build for its config.json; hub models have none here (a default cost then)."""
+    from pipeline.builder.definition import model_slug, slugify
+
+    root, folders = Path(prefixes).resolve().parent, {}
+    for d in definitions:
+        head = f"{d.name}@{d.version} -> "
+        if model is not None:
+            folders[head + slugify(Path(model).resolve().name)] = Path(model)
+        for spec in [] if model is not None else d.spec.models:
+            if spec.path is not None:
+                folders[head + model_slug(spec)] = root / spec.path
+    return folders
 
 
 def _record(args: argparse.Namespace, outcome) -> BuiltTarget:

@@ -69,27 +69,46 @@ def emit(args: argparse.Namespace, report: Any, print_text: Callable[[Any], None
         print_text(report)
 
 
-def progress(label: str):
+def progress(label: str, crossover: float | None = None):
     """Prefill progress on stderr: a rich bar on a terminal, else plain lines (CI logs).
 
     Plain lines: the size first, an ETA after the first chunk, then at most one every 0.5 s.
-    Tokens reused from a parent are shown as reused; the rate counts prefilled tokens only.
+    Tokens reused from a parent are shown as reused; the rate counts prefilled tokens only. The
+    ETA counts attention's growth with position (pipeline.cli.eta; `crossover`: its prior, from
+    the model's config).
     """
-    return _bar(label) if sys.stderr.isatty() else _lines(label)
+    from pipeline.cli.eta import DEFAULT_CROSSOVER, PrefillEta
+
+    eta = PrefillEta(crossover or DEFAULT_CROSSOVER)
+    return _bar(label, eta=eta) if sys.stderr.isatty() else _lines(label, eta)
 
 
-def progress_text(done: int, total: int, elapsed: float, reused: int = 0) -> str:
-    """'16/40 tokens, 1,600 tok/s, ETA 0.0s', or the size alone before the first chunk ran."""
+def progress_text(
+    done: int, total: int, elapsed: float, reused: int = 0, eta: float | None = None
+) -> str:
+    """'16/40 tokens, 1,600 tok/s, ETA 0.0s', or the size alone before the first chunk ran.
+
+    `eta`: the seconds left as a cost model says; without one, tokens left at the rate so far.
+    """
     of_them = f" ({reused:,} reused)" if reused else ""
     if done <= reused:  # nothing prefilled yet: no rate, so no ETA
         todo = f"{total - reused} of {total}" if reused else f"{total}"
         return f"{todo} tokens{of_them}"
     rate = (done - reused) / max(elapsed, 1e-9)
-    eta = (total - done) / max(rate, 1e-9)
+    if eta is None:
+        eta = (total - done) / max(rate, 1e-9)
     return f"{done}/{total} tokens{of_them}, {rate:,.0f} tok/s, ETA {eta:.1f}s"
 
 
-def _bar(label: str, console: Any = None):
+def _text(eta: Any, done: int, total: int, elapsed: float, reused: int) -> str:
+    """The progress text, the ETA model told of this call first."""
+    if eta is None:
+        return progress_text(done, total, elapsed, reused)
+    eta.update(done, elapsed)
+    return progress_text(done, total, elapsed, reused, eta.remaining(total))
+
+
+def _bar(label: str, console: Any = None, eta: Any = None):
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn
 
@@ -99,7 +118,7 @@ def _bar(label: str, console: Any = None):
     task: list = []
 
     def report(done: int, total: int, elapsed: float, reused: int = 0) -> None:
-        text = progress_text(done, total, elapsed, reused)
+        text = _text(eta, done, total, elapsed, reused)
         if not task:  # starts at the reused tokens: they are not progress of this prefill
             task.append(bar.add_task(f"{label}: prefill", total=total, completed=done, text=text))
             bar.start()
@@ -110,16 +129,16 @@ def _bar(label: str, console: Any = None):
     return report
 
 
-def _lines(label: str):
+def _lines(label: str, eta: Any = None):
     last: list[float | None] = [None]  # when the last rate line was printed
 
     def report(done: int, total: int, elapsed: float, reused: int = 0) -> None:
         now = time.perf_counter()
         first = done <= reused
+        text = _text(eta, done, total, elapsed, reused)  # every chunk counts, printed or not
         if not first and done < total and last[0] is not None and now - last[0] < 0.5:
             return
         last[0] = None if first else now
-        text = progress_text(done, total, elapsed, reused)
         print(f"{label}: prefill {text}", file=sys.stderr, flush=True)
 
     return report

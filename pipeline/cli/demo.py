@@ -34,8 +34,12 @@ def run_demo_model(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from pipeline.builder.demo import run_demo
+    from pipeline.cli.eta import crossover_for_model
 
-    rows = run_demo(args.prefixes, args.bundles, DEMO_MODEL, progress=progress)
+    crossover = crossover_for_model(DEMO_MODEL)  # the ETA's cost prior
+    rows = run_demo(
+        args.prefixes, args.bundles, DEMO_MODEL, progress=lambda label: progress(label, crossover)
+    )
     header = f"{'prefix':<22}{'tokens':>8}{'bytes':>13}{'prefill s':>11}{'mount ms':>10}  status"
     print(header)
     print("-" * len(header))

@@ -1,0 +1,254 @@
+"""`server-env`: the virtual environment a wrapped server runs in.
+
+vllm-mlx, mlx-omni-server, mlx-openai-server and rapid-mlx pin mlx-lm >=0.31,<0.32 while this tool
+runs on 0.32, so each runs from a venv of its own: mlx-lm 0.31 over the packages of the Python that
+runs this command (mlx, transformers: --system-site-packages, plus this environment's own
+site-packages when it is itself a venv), the server without its dependencies (vllm-mlx's pull in
+CUDA torch; omni's and mlx-openai-server's fail on Linux: mflux needs a CUDA mlx), what its serving
+path imports, and this project. The pins are the versions CI tests (docs/servers.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import sysconfig
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+from pipeline import __version__
+from pipeline.cli.common import note
+from pipeline.format.errors import PipelineError
+
+MLX_LM = "mlx-lm>=0.31.3,<0.32"
+# what vllm-mlx's serve path, omni's chat path and mlx-openai-server's handler import
+SERVING = (
+    "fastapi", "uvicorn", "starlette>=1.0.1", "python-multipart", "psutil", "prometheus-client",
+    "loguru", "openai>=2.21,<3", "openai-harmony", "dill>=0.4,<0.5", "xxhash>=3.6,<4",
+)  # fmt: skip
+# mlx-openai-server's handler imports outlines, which imports torch: the CPU wheel
+OUTLINES = ("outlines>=1.1.1,<1.2", "torch==2.13.0")
+# what rapid-mlx's text serving path imports (not torch, torchvision, opencv, mlx-vlm, mflux)
+RAPID_SERVING = (
+    *SERVING[:9], "tiktoken", "pyyaml", "tomli-w", "rich", "tabulate", "jsonschema", "referencing",
+    "argcomplete", "websockets", "mcp", *SERVING[9:],
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """One server: its pinned package (installed without dependencies), what its serving path
+    needs, and the modules that prove it imports."""
+
+    package: str
+    needs: tuple[str, ...]
+    imports: tuple[str, ...]
+
+
+RECIPES = {
+    "vllm-mlx": Recipe("vllm-mlx==0.6.0", SERVING, ("vllm_mlx.cli", "vllm_mlx.server")),
+    "mlx-omni-server": Recipe(
+        "mlx-omni-server==0.5.3", SERVING, ("mlx_omni_server.chat.mlx.chat_generator",)
+    ),
+    "mlx-openai-server": Recipe(
+        "mlx-openai-server==1.8.1",
+        SERVING + OUTLINES,
+        ("app.handler.mlx_lm", "app.utils.prompt_cache", "outlines.processors"),
+    ),
+    "rapid-mlx": Recipe(
+        "rapid-mlx==0.16.10",
+        RAPID_SERVING,
+        ("rapid_mlx.cli", "rapid_mlx.scheduler", "rapid_mlx.server"),
+    ),
+}
+HOOK_MODULES = {
+    "vllm-mlx": "vllm_mlx",
+    "mlx-omni-server": "mlx_omni",
+    "mlx-openai-server": "mlx_openai",
+    "rapid-mlx": "rapid_mlx",
+}
+# rapid-mlx ships a package named vllm_mlx of its own: the two cannot share a venv
+APART = {frozenset({"vllm-mlx", "rapid-mlx"})}
+PTH_FILE = "prefix-bundles-base.pth"
+
+
+def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
+    p = sub.add_parser(
+        "server-env",
+        parents=parents,
+        help="make the virtual environment a wrapped server runs in (its pinned versions)",
+        description="Make DIR a virtual environment for `serve --server NAME`: mlx-lm 0.31 (the "
+        "servers pin <0.32), the server at the version CI tests, what its serving path imports, "
+        "and this project; then run DIR/bin/prefix-bundles serve --server NAME ... An existing "
+        "DIR that already imports them is kept.",
+    )
+    p.add_argument(
+        "server",
+        nargs="+",
+        metavar="NAME",
+        help=f"one or more of {', '.join(RECIPES)} (vllm-mlx and rapid-mlx each need a venv "
+        "of their own)",
+    )
+    p.add_argument("dir", type=Path, metavar="DIR", help="the virtual environment to make")
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the commands; run and write nothing"
+    )
+    p.add_argument(
+        "--replace",
+        action="store_true",
+        help="remove DIR first when it is a virtual environment that lacks them (default: refuse)",
+    )
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    servers = checked_servers(args.server)
+    venv = Path(args.dir)
+    commands = plan(servers, venv)
+    if args.dry_run:
+        for command in commands:
+            print(shell_line(command))
+        return 0
+    if (venv / "bin" / "python").exists() and _imports(servers, venv):
+        print(f"{venv} already has {', '.join(servers)}; nothing to do")
+        return 0
+    _clear(venv, args.replace)
+    for command in commands:
+        note(f"running {shell_line(command)}")
+        if command[0] == "write-pth":
+            _write_pth(Path(command[1]), command[2:])
+        elif subprocess.run(command).returncode != 0:
+            raise PipelineError(
+                f"server-env: {shlex.join(command[:6])} ... failed (its output is above); "
+                f"fix that and run the command again with --replace"
+            )
+    if not _imports(servers, venv, show=True):
+        raise PipelineError(f"server-env: {venv} was made but does not import {', '.join(servers)}")
+    print(f"made {venv}: run {venv}/bin/prefix-bundles serve --server {servers[0]} --model DIR ...")
+    return 0
+
+
+def checked_servers(names: list[str]) -> list[str]:
+    """The server names, each known (with a did-you-mean) and none that must live apart."""
+    for name in names:
+        if name not in RECIPES:
+            close = difflib.get_close_matches(name, list(RECIPES), n=1)
+            guess = f"; did you mean '{close[0]}'?" if close else ""
+            mlx_lm = "; mlx-lm needs none: it runs in this environment" if name == "mlx-lm" else ""
+            raise PipelineError(
+                f"server-env: unknown server {name!r}; choose from {', '.join(RECIPES)}"
+                f"{mlx_lm or guess}"
+            )
+    for pair in APART:
+        if pair <= set(names):
+            raise PipelineError(
+                "server-env: vllm-mlx and rapid-mlx cannot share a virtual environment (both ship "
+                "a package named vllm_mlx); make one for each"
+            )
+    return list(dict.fromkeys(names))
+
+
+def plan(servers: list[str], venv: Path) -> list[list[str]]:
+    """The commands that make the venv, in order (`write-pth`: a file this command writes)."""
+    python = str(venv / "bin" / "python")
+    pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+    needs = list(dict.fromkeys(n for s in servers for n in RECIPES[s].needs))
+    commands = [[sys.executable, "-m", "venv", "--system-site-packages", str(venv)]]
+    if sys.prefix != sys.base_prefix:  # a venv's --system-site-packages are its base's, not ours
+        commands.append(["write-pth", str(_site_packages(venv)), *_own_site_packages()])
+    commands.append([*pip, MLX_LM, *needs])
+    commands.append([*pip, "--no-deps", *(RECIPES[s].package for s in servers)])
+    commands.append([*pip, "--no-deps", *_this_project()])
+    return commands
+
+
+def shell_line(command: list[str]) -> str:
+    """A command as a shell line (`write-pth FILE FOLDER...`: the printf that writes it)."""
+    if command[0] == "write-pth":
+        folders = " ".join(shlex.quote(f) for f in command[2:])
+        return f"printf '%s\\n' {folders} > {shlex.quote(command[1])}"
+    return shlex.join(command)
+
+
+def _this_project() -> list[str]:
+    """How to install this very project: its source folder when installed from one, else its
+    release."""
+    try:
+        url = json.loads(metadata.distribution("mlx-prefix-bundles").read_text("direct_url.json"))
+    except (metadata.PackageNotFoundError, TypeError, ValueError):
+        url = None
+    if isinstance(url, dict) and str(url.get("url", "")).startswith("file://"):
+        path = url["url"].removeprefix("file://")
+        return ["-e", path] if url.get("dir_info", {}).get("editable") else [path]
+    return [f"mlx-prefix-bundles=={__version__}"]
+
+
+def _own_site_packages() -> list[str]:
+    paths = sysconfig.get_paths()
+    return list(dict.fromkeys([paths["purelib"], paths["platlib"]]))
+
+
+def _site_packages(venv: Path) -> Path:
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    return venv / "lib" / version / "site-packages" / PTH_FILE
+
+
+def _write_pth(path: Path, folders: list[str]) -> None:
+    """This environment's site-packages after the venv's own: its mlx-lm 0.31 comes first."""
+    path.write_text("".join(f"{f}\n" for f in folders), encoding="utf-8")
+
+
+def _clear(venv: Path, replace: bool) -> None:
+    """Refuse a DIR that exists, unless --replace and it is a venv."""
+    if not venv.exists():
+        return
+    if not replace:
+        raise PipelineError(
+            f"server-env: {venv} exists but does not import what the servers need; pass "
+            "--replace to make it again, or name another DIR"
+        )
+    if not (venv / "pyvenv.cfg").is_file():
+        raise PipelineError(
+            f"server-env: {venv} exists and is not a virtual environment (no pyvenv.cfg); "
+            "it was left as it is: name another DIR"
+        )
+    shutil.rmtree(venv)
+
+
+def check_script(servers: list[str]) -> str:
+    """Python that proves the venv: mlx-lm 0.31, each server's modules and its hook import."""
+    modules = [m for s in servers for m in RECIPES[s].imports]
+    modules += [f"pipeline.runtime.servers.{HOOK_MODULES[s]}" for s in servers]
+    names = ["mlx-lm", *(RECIPES[s].package.split("==")[0] for s in servers)]
+    return "\n".join(
+        [
+            "import importlib",
+            "from importlib import metadata",
+            "import mlx_lm",
+            "assert mlx_lm.__version__.startswith('0.31.'), mlx_lm.__version__",
+            f"for m in {modules!r}:",
+            "    importlib.import_module(m)",
+            f"print(', '.join(f'{{n}} {{metadata.version(n)}}' for n in {names!r}))",
+        ]
+    )
+
+
+def _imports(servers: list[str], venv: Path, show: bool = False) -> bool:
+    """Whether the venv's Python imports everything (its versions printed with `show`)."""
+    proc = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", check_script(servers)],
+        capture_output=True,
+        text=True,
+    )
+    if show:
+        lines = (proc.stdout or proc.stderr).strip().splitlines()
+        print(
+            lines[-1] if lines else f"{venv}/bin/python exited {proc.returncode}", file=sys.stderr
+        )
+    return proc.returncode == 0
