@@ -4,7 +4,9 @@
 #   examples/deploy.sh BUNDLES MODEL [HOST] > verify.json
 #
 #   BUNDLES  a bundles folder holding <name>/<version>/<slug>-<fingerprint>/ bundles: `build`'s
-#            output, or the release workflow's `prefix-bundles` artifact unpacked
+#            output, or the release workflow's `prefix-bundles` artifact unpacked; or an OCI
+#            repository, oci://HOST[:PORT]/NAMESPACE/NAME, that CI pushed them to: the target
+#            then pulls them itself (only the blocks it lacks move; checked, published atomically)
 #   MODEL    the model folder on the target: the one the server's --model names
 #   HOST     an ssh destination (user@host); omitted: deploy on this machine
 #
@@ -13,7 +15,9 @@
 # (default prefix-bundles-serve.service, see examples/prefix-bundles-serve.service; set it empty to
 # tell none); ACTION, what to tell it: reload (default: the unit's ExecReload sends SIGHUP, serve
 # remounts the bundles while it keeps serving, no cold start) or restart; SYSTEMCTL (default
-# "sudo systemctl").
+# "sudo systemctl"). From a registry: LOCKFILE, a prefixes.lock on the target that `push
+# --lockfile` recorded digests in (pull exactly those artifacts); registry credentials as `pull`
+# reads them on the target (`docker login`, or PREFIX_BUNDLES_REGISTRY_USER/_PASSWORD).
 #
 # The bundles go to MODEL/prefix-bundles/, the folder `serve --model MODEL` mounts and
 # `verify --model MODEL` checks when no bundle is named. stdout is verify's JSON report. When
@@ -42,8 +46,9 @@ live=$model/prefix-bundles
 previous=$model/.prefix-bundles.previous
 failed=$model/.prefix-bundles.failed
 
-if [[ ! -d $bundles ]]; then
-  echo "error: $bundles is not a folder; pass a bundles folder (build output or the unpacked artifact)" >&2
+if [[ $bundles != oci://* && ! -d $bundles ]]; then
+  echo "error: $bundles is not a folder; pass a bundles folder (build output or the unpacked" \
+    "artifact) or an oci://HOST/NAMESPACE/NAME registry repository" >&2
   exit 2
 fi
 
@@ -64,8 +69,23 @@ on_target rm -rf "$previous" "$failed"
 on_target mkdir -p "$live"
 on_target cp -al "$live" "$previous"
 
-log "copying $bundles/ to ${host:+$host:}$live/"
-rsync -a --delete --exclude=.staging/ "$bundles/" "${host:+$host:}$live/"
+if [[ $bundles == oci://* ]]; then
+  log "pulling from $bundles into ${host:+$host:}$live/"
+  if [[ -n ${LOCKFILE:-} ]]; then
+    pull() { on_target "$python" "$project/build.py" pull --repo "$bundles" --model "$model" --lockfile "$LOCKFILE" >&2; }
+  else
+    pull() { on_target "$python" "$project/build.py" pull --repo "$bundles" --model "$model" >&2; }
+  fi
+  if ! pull; then
+    on_target rm -rf "$previous"
+    echo "error: pull failed (see the error line above); nothing was published, $live is as it" \
+      "was; the server was not told" >&2
+    exit 1
+  fi
+else
+  log "copying $bundles/ to ${host:+$host:}$live/"
+  rsync -a --delete --exclude=.staging/ "$bundles/" "${host:+$host:}$live/"
+fi
 
 log "verifying every bundle in $live against $model"
 if ! on_target "$python" "$project/build.py" verify --json --model "$model"; then

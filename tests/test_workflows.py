@@ -212,8 +212,10 @@ def test_the_scan_finds_what_each_file_runs():
     assert all({"--locked", "--json"} <= set(argv) for argv in builds)
     shards = sorted(argv[argv.index("--shard") + 1] for argv in builds)
     assert shards == ["1/2", "2/2"]  # the matrix covers every shard of N, each once
+    deploy = [i.argv for i in example_invocations() if i.where == DEPLOY.name]
+    assert deploy[-1] == ("verify", "--json", "--model", PLACEHOLDER)
+    assert {d[:5] for d in deploy[:-1]} == {("pull", "--repo", PLACEHOLDER, "--model", PLACEHOLDER)}
     examples = {i.where: i.argv for i in example_invocations()}
-    assert examples[DEPLOY.name] == ("verify", "--json", "--model", PLACEHOLDER)
     assert examples[UNIT.name][:3] == ("serve", "--model", "/srv/models/Qwen3-0.6B")
     assert "--strict" in examples[UNIT.name]
 
@@ -290,7 +292,7 @@ def test_release_verify_groups_and_summary_read_build_json(
 # --- deploy.sh, for real, on this machine -----------------------------------------------------
 
 
-def _deploy(bundles: Path, model: Path) -> subprocess.CompletedProcess:
+def _deploy(bundles: Path | str, model: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PROJECT": str(ROOT), "PYTHON": sys.executable, "SERVICE": ""}
     return subprocess.run(
         ["bash", str(DEPLOY), str(bundles), str(model)], env=env, capture_output=True, text=True
@@ -323,3 +325,32 @@ def test_deploy_copies_verifies_and_puts_back_the_old_bundles_on_a_refusal(
     assert hashlib.sha256((deployed / CACHE_FILE).read_bytes()).hexdigest() == good
     assert (model / ".prefix-bundles.failed").is_dir()
     assert not (model / ".prefix-bundles.previous").exists()
+
+
+@pytest.mark.skipif(
+    shutil.which("rsync") is None or sys.platform != "linux",
+    reason="deploy.sh targets Linux hosts (GNU cp -al) and needs rsync",
+)
+def test_deploy_from_a_registry_pulls_verifies_and_keeps_the_old_bundles_on_a_failure(
+    shop_bundle: Path, tiny_model: Path, tmp_path: Path
+):
+    """The registry route: CI pushed to a real docker-registry on loopback; deploy.sh pulls on
+    the target (only new blocks move, published atomically), then verifies."""
+    from registry_env import registry
+
+    from pipeline.cli import main
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    deployed = model / "prefix-bundles" / shop_bundle.relative_to(shop_bundle.parents[2])
+    with registry(tmp_path / "registry") as reg:
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main(["push", str(shop_bundle), "--repo", reg.repo()]) == 0
+        done = _deploy(reg.repo(), model)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout)["totals"] == {"ok": 1, "refused": 0}
+        assert (deployed / CACHE_FILE).read_bytes() == (shop_bundle / CACHE_FILE).read_bytes()
+        failed = _deploy(reg.repo("fleet/empty"), model)  # nothing there for this model
+    assert failed.returncode == 1
+    assert "error: pull failed" in failed.stderr and "the server was not told" in failed.stderr
+    assert (deployed / CACHE_FILE).is_file() and not (model / ".prefix-bundles.previous").exists()
