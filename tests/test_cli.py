@@ -365,10 +365,10 @@ def test_the_eta_counts_attention_growth_on_synthetic_chunks(monkeypatch, capsys
     ("config", "crossover"),
     [
         # the test models' shapes (pipeline.testmodels.model.SPECS): tiny, small, bench
-        ({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 128}, 400.0),
-        ({"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 768}, 1792.0),
-        ({"hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 3072}, 4096.0),
-        ({"hidden_size": 1024}, 4096.0),  # sizes missing: the default
+        ({"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 128}, 146.0),
+        ({"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 768}, 320.0),
+        ({"hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 3072}, 608.0),
+        ({"hidden_size": 1024}, 608.0),  # sizes missing: the default
     ],
 )  # fmt: skip
 def test_the_eta_prior_comes_from_the_models_config(config: dict, crossover: float):

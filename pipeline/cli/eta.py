@@ -17,12 +17,15 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# The measured crossover over the one counted in FLOPs: c = CROSSOVER_PER_FLOP * P / (2 * H * d)
-# + CROSSOVER_FLOOR, with P a layer's weights and H * d its attention width (bench/case_eta.py).
-CROSSOVER_PER_FLOP = 1.0
-CROSSOVER_FLOOR = 256.0
-# Without a config: a mid-sized model's crossover (Qwen3-0.6B's, FLOP-counted).
-DEFAULT_CROSSOVER = 4096.0
+# c = CROSSOVER_PER_FLOP * P / (2 * H * d) + CROSSOVER_FLOOR, P a layer's weights and H * d its
+# attention width: P / (2 * H * d) is the crossover counted in FLOPs. MLX's CPU attention costs
+# several times more per FLOP than the BLAS matmuls (its softmax and mask are plain passes over
+# the n x end scores): chunks timed at 2k-17k positions here gave c ~ 200-250 for the "small"
+# test model (FLOP-counted 1,536) and ~180-480 for Qwen3-0.6B's shapes (3,840), both under load.
+CROSSOVER_PER_FLOP = 0.125
+CROSSOVER_FLOOR = 128.0
+# Without a config: Qwen3-0.6B's shapes, as above.
+DEFAULT_CROSSOVER = 608.0
 # How far (in ln c) the chunks may pull c from its prior: a factor e costs as much as a chunk
 # whose time the fit misses by sqrt(PRIOR_WEIGHT), about 14 %.
 PRIOR_WEIGHT = 0.02

@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         for command in commands:
             print(shell_line(command))
         return 0
-    if (venv / "bin" / "python").exists() and _imports(servers, venv):
+    if (venv / "bin" / "python").exists() and _imports(servers, venv, show=True):
         print(f"{venv} already has {', '.join(servers)}; nothing to do")
         return 0
     _clear(venv, args.replace)
@@ -129,7 +129,10 @@ def run(args: argparse.Namespace) -> int:
                 f"fix that and run the command again with --replace"
             )
     if not _imports(servers, venv, show=True):
-        raise PipelineError(f"server-env: {venv} was made but does not import {', '.join(servers)}")
+        raise PipelineError(
+            f"server-env: {venv} was made but does not import {', '.join(servers)}: run "
+            f"{venv}/bin/python -c 'import {RECIPES[servers[0]].imports[0]}' to see why"
+        )
     print(f"made {venv}: run {venv}/bin/prefix-bundles serve --server {servers[0]} --model DIR ...")
     return 0
 
@@ -246,8 +249,8 @@ def _imports(servers: list[str], venv: Path, show: bool = False) -> bool:
         capture_output=True,
         text=True,
     )
-    if show:
-        lines = (proc.stdout or proc.stderr).strip().splitlines()
+    if show and proc.returncode == 0:
+        lines = proc.stdout.strip().splitlines()
         print(
             lines[-1] if lines else f"{venv}/bin/python exited {proc.returncode}", file=sys.stderr
         )
