@@ -135,19 +135,16 @@ def test_mlx_openai_servers_handler_mounts_only_what_serve_validated(
     import logging
 
     from pipeline.runtime import mount
-    from pipeline.runtime.servers.mlx_openai import keep_what_serve_validated
     from pipeline.runtime.servers.startup import Mounted
 
     manager = PromptCacheManager()
     result = mount(tiny_model, [shop_bundle], manager=manager, model_key=BUNDLE_KEY)
     mounted = Mounted(tiny_model, manager, result)
     request = [*result.bundles[0].tokens, 1]
-    keep_what_serve_validated(
-        mounted, {str(shop_bundle): result.bundles[0].manifest.cache.file_sha256}
-    )
+    mounted.keep_validated(mounted.validated(), "mlx-openai-server", "the handler process")
     assert manager.covered(BUNDLE_KEY, request) > 0
     with caplog.at_level(logging.WARNING, logger="prefix-bundles"):
-        keep_what_serve_validated(mounted, {str(shop_bundle): "0" * 64})
+        mounted.keep_validated({str(shop_bundle): "0" * 64}, "mlx-openai-server", "the handler")
     assert mounted.result.bundles == [] and manager.covered(BUNDLE_KEY, request) == 0
     assert "changed after serve validated it" in caplog.text
 
@@ -444,3 +441,33 @@ def test_the_pool_and_lru_stubs_have_the_methods_and_parameters_of_the_installed
     assert real["cache"] == shape(StubPromptCache)
     for name, params in real["lru"].items():
         assert params == shape(getattr(StubOpenAILRU, name)), name
+
+
+@pytest.mark.parametrize(
+    "server, rest, where, model",
+    [
+        ("mlx-lm", (), "127.0.0.1:8080", "models/m"),
+        ("vllm-mlx", ("--served-model-name", "shop"), "127.0.0.1:8000", "shop"),
+        ("rapid-mlx", ("--port", "9001"), "127.0.0.1:9001", "models/m"),
+        ("mlx-omni-server", (), "127.0.0.1:10240", "models/m"),  # it binds 0.0.0.0
+        ("mlx-openai-server", ("--host", "10.0.0.2"), "10.0.0.2:8000", "models/m"),
+    ],
+)
+def test_every_server_says_which_model_id_clients_send_and_how_to_try_it(
+    server: str, rest: tuple, where: str, model: str
+):
+    from pathlib import Path
+
+    from pipeline.runtime.servers import hook_for
+    from pipeline.runtime.servers.options import ServeOptions
+    from pipeline.runtime.servers.startup import try_it
+
+    options = ServeOptions(server, Path("models/m"), Path("b"), rest, (), True)
+    body = json.dumps(
+        {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}
+    )
+    url = f"http://{where}/v1/chat/completions"
+    assert try_it(hook_for(server), options) == (
+        f'{server}: clients send "model": "{model}" to {url}; once the port opens, try: '
+        f"curl -s {url} -H 'Content-Type: application/json' -d '{body}'"
+    )

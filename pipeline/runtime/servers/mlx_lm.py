@@ -119,9 +119,6 @@ class Hook(ServerHook):
         key = (str(mounted.model), None, None)  # mlx_lm.server's key: (model, adapter, draft)
         return lru_entries(self.cache_class.instances[0], key, mounted, snapshots, SERVER)
 
-    def clients_send(self, options: ServeOptions) -> str:
-        return f"{options.model} (or none: mlx_lm.server answers with its model)"
-
 
 def bundled_prompt_cache_class(mounted: Mounted, model_path: str, snapshots: Any = None) -> type:
     """mlx_lm.server's LRUPromptCache, also answering from the bundles pinned in `mounted` (and
@@ -290,19 +287,8 @@ def open_port_when_ready(server: Any, ready: threading.Event, death: GenerationD
         while not ready.wait(0.1):
             if death.cause is not None:
                 return None  # run() raises death.error()
-        log.info("%s", try_it(host, port))
+        where = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+        log.info("ready: POST http://%s:%s/v1/chat/completions (port open)", where, port)
         return original(host, port, *args, **kwargs)
 
     server._run_http_server = run_http_server
-
-
-def try_it(host: str, port: int) -> str:
-    """The line that says where clients go and how to try it (the model field may be left out:
-    mlx_lm.server answers with the model given to serve)."""
-    where = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    body = '{"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}'
-    return (
-        f'ready: POST http://{where}:{port}/v1/chat/completions ("model" may be left out); '
-        f"try: curl -s http://{where}:{port}/v1/chat/completions -H 'Content-Type: "
-        f"application/json' -d '{body}'"
-    )

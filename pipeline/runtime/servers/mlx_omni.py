@@ -32,10 +32,8 @@ class Hook(ServerHook):
     name, package, address = SERVER, "mlx_omni_server", ("0.0.0.0", 10240)
 
     def refused(self, options: ServeOptions) -> dict[str, str]:
-        if options.passed("--workers") in (None, "1"):
-            return {}
-        why = "each worker is a new process the hook does not reach; run one worker"
-        return {"--workers": why}
+        many = options.passed("--workers") not in (None, "1")
+        return {"--workers": "each worker is a new process the hook does not reach"} if many else {}
 
     @staticmethod
     def request_ids(tokenizer: Any, body: dict[str, Any], model_type: str) -> list[int]:
@@ -65,11 +63,6 @@ class Hook(ServerHook):
         prompt_cache_pool.PromptCachePool = pinned_pool_class(mounted)
         # its /v1/models lists the hub cache, and fails on a host that has none
         models_service.scan_cache_dir = hub_cache_or_none(models_service.scan_cache_dir)
-        log.info(
-            "%s: requests whose model is %s (or resolves to it) reuse the bundles",
-            SERVER,
-            mounted.model,
-        )
 
     def warm_up_server(self, mounted: Mounted, options: ServeOptions) -> None:
         """Before the port opens: omni loads the model (it would on the first request naming it)
@@ -89,9 +82,6 @@ class Hook(ServerHook):
         from mlx_omni_server.main import app
 
         return app
-
-    def clients_send(self, options: ServeOptions) -> str:
-        return f"{options.model} (omni loads the model a request names)"
 
 
 @cache
@@ -128,16 +118,13 @@ def pinned_pool_class(mounted: Mounted) -> type:
 
     folder = mounted.model.resolve()
 
-    def usable(entry: Any, prompt_tokens: list[int]) -> bool:
-        return entry_usable(mounted, entry, prompt_tokens)
-
     class PinnedPromptCachePool(PromptCachePool):
         def get_cache(self, prompt_tokens: list[int], model_key: str) -> Any:
             if model_folder(model_key) != folder:
                 return super().get_cache(prompt_tokens, model_key)
             self._evict_expired()
             ours = [e for e in self._entries if e.cache.model_key == model_key]
-            held = [e for e in ours if not usable(e.cache, prompt_tokens)]
+            held = [e for e in ours if not entry_usable(mounted, e.cache, prompt_tokens)]
             own = max(
                 (common_prefix_len(e.cache.tokens, prompt_tokens) for e in ours if e not in held),
                 default=0,

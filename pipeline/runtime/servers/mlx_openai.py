@@ -1,12 +1,9 @@
-"""`serve --server mlx-openai-server`: mlx-openai-server 1.8.1 with bundles pinned in the prompt cache
-of the process that serves the model.
+"""`serve --server mlx-openai-server`: mlx-openai-server 1.8.1, bundles pinned in its model process.
 
-mlx-openai-server runs each model's handler in a child process started with `spawn`, and the
-handler builds an mlx-lm-style `LRUPromptCache` (app.utils.prompt_cache) there. A patch in the
-parent does not reach the child, so the parent validates the bundles (logs, --strict) and swaps
-the child's entry point (`app.core.handler_process._handler_worker`, looked up when the child is
-started) for `child_worker`: in the child it mounts the bundles again with the same options, puts
-a subclass in place of `LRUPromptCache` whose lookups also answer from them, then runs the
+It runs each model's handler in a child process (`spawn`) that builds an mlx-lm-style
+`LRUPromptCache` (app.utils.prompt_cache): the parent validates the bundles (logs, --strict) and
+swaps the child's entry point (`app.core.handler_process._handler_worker`) for `child_worker`,
+which mounts exactly what the parent validated, pins it in a subclass of that cache, then runs the
 original entry point.
 """
 
@@ -39,7 +36,8 @@ class Hook(ServerHook):
         "--model-path": "serve passes --model as mlx-openai-server's --model-path",
     }
     # measured to make its first request slower (bench case servers, n=3: 0.85 s with it, 0.70 s
-    # without): off by default here, unlike on every other server
+    # without): off by default here, unlike on every other server; it runs in the model process
+    # (child_worker: options.warm_up travels with the options)
     warm_up = False
     live = False  # the model process serves from its own mount: SIGHUP and --admin-port are its
 
@@ -68,31 +66,17 @@ class Hook(ServerHook):
         """The model process mounts exactly what this one validated and logged (`validated`)."""
         from app.core import handler_process
 
-        validated = {str(b.path): b.manifest.cache.file_sha256 for b in mounted.result.bundles}
-        os.environ[ENV] = json.dumps(
-            {
-                "options": options.to_json(),
-                "template": mounted.chat_template,
-                "validated": validated,
-            }
-        )
+        handed = {"options": options.to_json(), "template": mounted.chat_template}
+        os.environ[ENV] = json.dumps({**handed, "validated": mounted.validated()})
         handler_process._handler_worker = child_worker
         for b in mounted.result.bundles:  # this process only serves HTTP: the child has its own
             mounted.manager.unpin(BUNDLE_KEY, b.name)
 
-    def warm_up_server(self, mounted: Mounted, options: ServeOptions) -> None:
-        """In the model process (child_worker): options.warm_up travels with the options."""
-
     def launch(self, mounted: Mounted, options: ServeOptions) -> int:
         from app.cli import cli
 
-        sys.argv = [
-            "mlx-openai-server",
-            "launch",
-            "--model-path",
-            str(options.model),
-            *options.rest,
-        ]
+        model = ["--model-path", str(options.model)]
+        sys.argv = ["mlx-openai-server", "launch", *model, *options.rest]
         cli()
         return 0
 
@@ -122,13 +106,6 @@ def pinned_cache_class(mounted: Mounted) -> type:
     return PinnedPromptCache
 
 
-def install(mounted: Mounted) -> None:
-    """The handler imports LRUPromptCache from its module when it is created: ours is there."""
-    from app.utils import prompt_cache
-
-    prompt_cache.LRUPromptCache = pinned_cache_class(mounted)
-
-
 def child_worker(model_cfg: dict[str, Any], *rest: Any) -> None:
     """The spawned handler process: mount, install, then mlx-openai-server's own worker."""
     from pipeline.blas import ensure_fast_blas
@@ -140,39 +117,14 @@ def child_worker(model_cfg: dict[str, Any], *rest: Any) -> None:
     handed = json.loads(os.environ[ENV])
     options = ServeOptions.from_json(handed["options"])
     if Path(str(model_cfg.get("model_path", ""))).resolve() == options.model.resolve():
+        from app.utils import prompt_cache  # the handler takes LRUPromptCache from there
+
         mounted = mount_for(options, handed["template"])
-        keep_what_serve_validated(mounted, handed["validated"])
-        install(mounted)
-        log.info(
-            "%s: %d bundle(s) pinned in the handler process %d",
-            SERVER,
-            len(mounted.result.bundles),
-            os.getpid(),
-        )
+        mounted.keep_validated(handed["validated"], SERVER, f"the handler process {os.getpid()}")
+        prompt_cache.LRUPromptCache = pinned_cache_class(mounted)
         if options.warm_up:
             warm_up_handler(mounted, model_cfg.get("served_model_name") or str(options.model))
     handler_process._handler_worker(model_cfg, *rest)  # the child's module is not patched
-
-
-def keep_what_serve_validated(mounted: Mounted, validated: dict[str, str]) -> None:
-    """The handler process serves exactly what serve validated and reported ({bundle path: cache
-    sha256}): a bundle that changed or appeared in between is unpinned with a WARNING (a remount
-    takes it), one that is gone is named."""
-    for b in list(mounted.result.bundles):
-        if validated.get(str(b.path)) != b.manifest.cache.file_sha256:
-            mounted.result.bundles.remove(b)
-            mounted.manager.unpin(BUNDLE_KEY, b.name)
-            log.warning(
-                "%s: %s changed after serve validated it: not mounted in the handler process "
-                "(SIGHUP or the admin endpoint mounts it)",
-                SERVER,
-                b.path,
-            )
-    mounted_paths = {str(b.path) for b in mounted.result.bundles}
-    for path in sorted(set(validated) - mounted_paths):
-        log.warning(
-            "%s: %s was validated by serve but is gone from the handler process", SERVER, path
-        )
 
 
 def warm_up_handler(mounted: Mounted, model: str) -> None:

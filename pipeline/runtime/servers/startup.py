@@ -73,6 +73,26 @@ class Mounted:
         """How many leading tokens of a request the best pinned bundle can serve (no copy)."""
         return self.manager.covered(BUNDLE_KEY, tokens)
 
+    def validated(self) -> dict[str, str]:
+        """{bundle path: cache sha256} of what is mounted (for a process the server spawns)."""
+        return {str(b.path): b.manifest.cache.file_sha256 for b in self.result.bundles}
+
+    def keep_validated(self, validated: dict[str, str], server: str, where: str) -> None:
+        """Serve in `where` exactly what serve validated and reported (`validated()` there): a
+        bundle that changed or appeared in between is unpinned with a WARNING (a remount takes
+        it), one that is gone is named; then one line of what `where` serves."""
+        for b in list(self.result.bundles):
+            if validated.get(str(b.path)) != b.manifest.cache.file_sha256:
+                self.result.bundles.remove(b)
+                self.manager.unpin(BUNDLE_KEY, b.name)
+                log.warning(
+                    "%s: %s changed after serve validated it: not mounted in %s (SIGHUP or "
+                    "the admin endpoint mounts it)", server, b.path, where,
+                )  # fmt: skip
+        for path in sorted(set(validated) - set(self.validated())):
+            log.warning("%s: %s was validated by serve but is gone from %s", server, path, where)
+        log.info("%s: %d bundle(s) pinned in %s", server, len(self.result.bundles), where)
+
 
 def serve(hook: ServerHook, options: ServeOptions) -> int:
     """Everything serve runs in a wrapped server's process, in order. Options are checked before
@@ -98,11 +118,28 @@ def serve(hook: ServerHook, options: ServeOptions) -> int:
         hook.warm_up_server(mounted, options)
     else:
         log.info("no warm-up (%s's default: off; --warm-up runs it)", hook.name)
-    log.info("%s: clients send the model id %s", hook.name, hook.clients_send(options))
+    log.info("%s", try_it(hook, options))
     code = hook.launch(mounted, options)
     if snapshots is not None:  # a graceful stop: the server has joined its threads
         snapshots.save(hook.entries(mounted, snapshots), mounted.covered)
     return code
+
+
+def try_it(hook: ServerHook, options: ServeOptions) -> str:
+    """The line that says which model id clients send, where, and one curl to try it."""
+    import json
+    import shlex
+
+    host = options.passed("--host") or hook.address[0]
+    port = options.passed("--port") or hook.address[1]
+    where = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    model = hook.clients_send(options)
+    body = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}
+    url = f"http://{where}:{port}/v1/chat/completions"
+    return (
+        f'{hook.name}: clients send "model": {json.dumps(model)} to {url}; once the port opens, try: '
+        f"curl -s {url} -H 'Content-Type: application/json' -d {shlex.quote(json.dumps(body))}"
+    )
 
 
 def open_snapshots(hook: ServerHook, options: ServeOptions, mounted: Mounted) -> Any:
