@@ -75,9 +75,10 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.distribute.push import HELD_BACK, check_bundle, push
 
     checked: list[CheckedBundle | PushedBundle] = []  # in argument order; PushedBundle: refused
+    oci = args.repo.startswith("oci://")
     for bundle in args.bundle:
-        try:
-            checked.append(check_bundle(bundle))
+        try:  # OCI: every block is hashed as it goes up, and the puller checks every byte
+            checked.append(check_bundle(bundle, trust_memo=oci))
         except PipelineError as exc:
             err(f"{exc} (nothing was pushed to {args.repo})")
             refusal = refusal_of(exc)
@@ -93,7 +94,6 @@ def run(args: argparse.Namespace) -> int:
                     refusal=refusal,
                 )
             )
-    oci = args.repo.startswith("oci://")
     if any(isinstance(c, PushedBundle) for c in checked):
         if args.json:
             entries = [

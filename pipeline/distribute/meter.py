@@ -4,6 +4,7 @@ seconds per phase (for the benchmark). No printing: the CLI gives a callback tha
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -13,10 +14,12 @@ Report = Callable[[str, int, int, int, float], None]
 
 
 class Meter:
-    """Progress of the artifact moving now, and time spent per phase over the whole run."""
+    """Progress of the artifact moving now, and time spent per phase over the whole run (summed
+    over the threads that moved blobs at once). Thread-safe."""
 
     def __init__(self, report: Report | None = None) -> None:
         self.report = report
+        self.lock = threading.Lock()
         self.seconds: dict[str, float] = {}
         self.label, self.total, self.done, self.reused, self.started = "", 0, 0, 0, 0.0
 
@@ -27,9 +30,10 @@ class Meter:
 
     def advance(self, n: int, reused: bool = False) -> None:
         """n more bytes of the artifact are in place (moved, or already there when reused)."""
-        self.done = min(self.done + n, self.total)
-        self.reused += n if reused else 0
-        self._tell()
+        with self.lock:
+            self.done = min(self.done + n, self.total)
+            self.reused += n if reused else 0
+            self._tell()
 
     def finish(self) -> None:
         self.done = self.total
@@ -47,4 +51,6 @@ class Meter:
         try:
             yield
         finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+            spent = time.perf_counter() - t0
+            with self.lock:
+                self.seconds[name] = self.seconds.get(name, 0.0) + spent

@@ -12,7 +12,8 @@ from __future__ import annotations
 import hashlib
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ from pipeline.format.errors import PipelineError
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 MAX_MANIFEST_BYTES = 4 << 20  # distribution's own cap on a manifest body
 RETRIES = 4
+TRANSFERS = 4  # blobs in flight at once: a registry spends a few requests on each blob
 BACKOFF_S = 0.5
 LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
 REPO_URL = re.compile(
@@ -48,6 +50,18 @@ class RepoRef:
     @property
     def loopback(self) -> bool:
         return self.host.rsplit(":", 1)[0] in LOOPBACK or self.host.startswith("[::1]")
+
+
+def in_parallel(fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
+    """fn over items, TRANSFERS at a time, results in order; the first failure cancels what has
+    not started and is raised once the running ones end."""
+    with ThreadPoolExecutor(TRANSFERS) as pool:
+        futures = [pool.submit(fn, x) for x in items]
+        try:
+            return [f.result() for f in futures]
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
 
 
 def is_oci(repo: str) -> bool:

@@ -9,6 +9,7 @@ pointing at a partial artifact.
 from __future__ import annotations
 
 import hashlib
+import threading
 from dataclasses import dataclass, field
 
 from pipeline.distribute import oci
@@ -26,7 +27,7 @@ from pipeline.distribute.artifact import (
 )
 from pipeline.distribute.blocks import Source, read_layout
 from pipeline.distribute.meter import Meter
-from pipeline.distribute.oci import Registry, parse_repo
+from pipeline.distribute.oci import Registry, in_parallel, parse_repo
 from pipeline.distribute.push import CheckedBundle
 from pipeline.format.bundle_folder import CACHE_FILE
 from pipeline.format.errors import PipelineError
@@ -63,7 +64,8 @@ class OciPushResult:
 
 
 class _Uploader:
-    """Puts blobs into the repository once each, counting what moved and what was there."""
+    """Puts blobs into the repository once each, counting what moved and what was there.
+    Thread-safe: blocks go up several at a time (each blob costs the registry a few requests)."""
 
     def __init__(
         self, registry: Registry, mount_from: list[str], dry_run: bool, meter: Meter
@@ -71,28 +73,31 @@ class _Uploader:
         self.registry, self.mount_from, self.seen = registry, mount_from, set()
         self.dry_run = dry_run  # count what would move; upload and mount nothing
         self.meter = meter
+        self.lock = threading.Lock()
 
     def put(self, media_type: str, data: bytes, counts: Transfer, title: str | None = None) -> Blob:
         with self.meter.phase("hash"):
             digest = "sha256:" + hashlib.sha256(data).hexdigest()
-        blob = Blob(media_type, digest, len(data), title)
+        with self.lock:  # the first to claim a digest puts it; the others find it there
+            claimed = digest not in self.seen
+            self.seen.add(digest)
         with self.meter.phase("transfer"):
-            there = self._there(digest)
+            there = not claimed or self._there(digest)
             if not there and not self.dry_run:
                 self.registry.upload(digest, data)
-        if there:
-            counts.reused_bytes += len(data)
-            counts.reused_blobs += 1
-        else:
-            counts.moved_bytes += len(data)
-            counts.moved_blobs += 1
-        self.seen.add(digest)
+        with self.lock:
+            if there:
+                counts.reused_bytes += len(data)
+                counts.reused_blobs += 1
+            else:
+                counts.moved_bytes += len(data)
+                counts.moved_blobs += 1
         self.meter.advance(len(data), reused=there)
-        return blob
+        return Blob(media_type, digest, len(data), title)
 
     def _there(self, digest: str) -> bool:
         """Whether the repository has the blob, or now has it mounted from --mount-from."""
-        if digest in self.seen or self.registry.has_blob(digest) is not None:
+        if self.registry.has_blob(digest) is not None:
             return True
         return not self.dry_run and any(
             self.registry.mount(digest, source) for source in self.mount_from
@@ -189,9 +194,11 @@ def _push_one(
     source = Source(b.local / CACHE_FILE, plan)
     try:
         layers.append(up.put(REST_TYPE, _read(up.meter, source.rest), counts))
-        layers += [
-            up.put(BLOCK_TYPE, _read(up.meter, source.block, k), counts) for k in range(plan.blocks)
-        ]
+
+        def block(k: int) -> Blob:
+            return up.put(BLOCK_TYPE, _read(up.meter, source.block, k), counts)
+
+        layers += in_parallel(block, range(plan.blocks))  # in block order
     finally:
         source.close()
     config = up.put(CONFIG_TYPE, record, counts)

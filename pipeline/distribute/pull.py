@@ -220,13 +220,19 @@ def pull(
 
 
 def publish_staged(
-    result: PullResult, chosen: list[RemoteBundle], staging: Path, identity, keys: tuple = ()
+    result: PullResult,
+    chosen: list[RemoteBundle],
+    staging: Path,
+    identity,
+    keys: tuple = (),
+    trust_memo: bool = False,
 ) -> None:
-    """Lock every target, validate every staged bundle, then publish all or none."""
+    """Lock every target, validate every staged bundle, then publish all or none (`trust_memo`:
+    the caller hashed each cache file in full just now and recorded it in the memo)."""
     root = result.bundles_dir
     with ExitStack() as held:  # every target locked before anything is checked or moved
         busy = {b.path for b in chosen if not _lock(root / b.path, root, held)}
-        validated = _validate_all(result, chosen, staging, identity, keys)
+        validated = _validate_all(result, chosen, staging, identity, keys, trust_memo)
         if not (result.refused or busy):
             _publish_all(result, staging, validated)
         else:
@@ -243,14 +249,19 @@ def _lock(dest: Path, root: Path, held: ExitStack) -> bool:
 
 
 def _validate_all(
-    result: PullResult, chosen: list[RemoteBundle], staging: Path, identity, keys: tuple = ()
+    result: PullResult,
+    chosen: list[RemoteBundle],
+    staging: Path,
+    identity,
+    keys: tuple = (),
+    trust_memo: bool = False,
 ) -> list[tuple[RemoteBundle, int]]:
     """(bundle, tokens) of every downloaded bundle the real validator accepts (every byte
     hashed); the others go to result.refused."""
     validated = []
     for b in chosen:
         try:
-            v = validate(staging / b.path, identity, trusted_keys=keys)
+            v = validate(staging / b.path, identity, trusted_keys=keys, trust_memo=trust_memo)
             validated.append((b, v.manifest.tokens.count))
         except BundleError as exc:
             where = f"{b.path} from {result.source}"

@@ -48,10 +48,12 @@ class PushResult:
     deleted: list[str]  # stale files removed from the pushed folders in the same commit
 
 
-def check_bundle(bundle: Path) -> CheckedBundle:
-    """The full validator against the bundle's recorded identity; BundleError when refused."""
+def check_bundle(bundle: Path, trust_memo: bool = False) -> CheckedBundle:
+    """The full validator against the bundle's recorded identity; BundleError when refused
+    (`trust_memo`: a cache file this user hashed in full, unchanged since, is not read again)."""
     bundle = Path(bundle)
-    manifest = validate(bundle, recorded_identity(read_manifest(bundle, None))).manifest
+    identity = recorded_identity(read_manifest(bundle, None))
+    manifest = validate(bundle, identity, trust_memo=trust_memo).manifest
     m = manifest
     return CheckedBundle(
         local=bundle,
