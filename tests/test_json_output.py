@@ -240,3 +240,51 @@ def test_inspect_without_a_model_shows_the_identity_check_as_not_made(shop_bundl
     states = {c.name: (c.status, c.detail) for c in doc.validity.checks}
     assert states["identity"][0] == "skipped" and "pass --model DIR" in states["identity"][1]
     assert states["data"][0] == "ok"
+
+
+# --- keygen, sign, demo, server-env ----------------------------------------------------------
+
+
+def test_keygen_and_sign_json(shop_bundle: Path, tmp_path: Path, capsys):
+    from pipeline.cli.reports import KeygenReport, SignReport
+
+    secret = tmp_path / "k.key"
+    assert main(["keygen", "--secret-key", str(secret), "-W", "--json"]) == 0
+    key = document(KeygenReport, capsys.readouterr().out)
+    assert (key.secret_key, key.public_key, key.encrypted) == (
+        str(secret), str(tmp_path / "k.pub"), False
+    )  # fmt: skip
+    bundle = shutil.copytree(shop_bundle, tmp_path / "b")
+    damaged = damaged_copy(shop_bundle, tmp_path)
+    argv = ["sign", str(bundle), str(damaged), str(bundle), "--key", str(secret), "--json"]
+    assert main(argv) == 1
+    out = capsys.readouterr()
+    doc = document(SignReport, out.out)
+    assert doc.key_id == key.key_id
+    assert [b.status for b in doc.bundles] == ["signed", "refused", "already-signed"]
+    assert doc.bundles[0].vouches_for and doc.bundles[1].error.startswith(f"bundle {damaged}: ")
+    assert (doc.totals.signed, doc.totals.already_signed, doc.totals.refused) == (1, 1, 1)
+    assert out.err.startswith(f"error: bundle {damaged}: ")  # the refusal's line, on stderr
+
+
+def test_demo_json(project: Path, monkeypatch, capsys):
+    from pipeline.cli.reports import DemoReport
+
+    monkeypatch.chdir(project)  # demo builds prefixes/ for models/demo-tiny, generated here
+    assert main(["demo", "--json"]) == 0
+    doc = document(DemoReport, capsys.readouterr().out)
+    (row,) = doc.bundles
+    assert (doc.model, doc.bundles_dir, row.prefix, row.status) == (
+        "models/demo-tiny", "bundles", "shop", "built"
+    )  # fmt: skip
+    assert row.tokens > 50 and row.bytes > 0 and row.prefill_seconds > 0 and row.mount_ms > 0
+
+
+def test_server_env_dry_run_json(tmp_path: Path, capsys):
+    from pipeline.cli.reports import ServerEnvReport
+
+    assert main(["server-env", "vllm-mlx", str(tmp_path / "v"), "--dry-run", "--json"]) == 0
+    doc = document(ServerEnvReport, capsys.readouterr().out)
+    assert (doc.status, doc.servers, doc.versions) == ("dry-run", ["vllm-mlx"], None)
+    assert doc.commands[-2].endswith("--no-deps vllm-mlx==0.6.0")
+    assert not (tmp_path / "v").exists()

@@ -3,26 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
-from pipeline.cli.common import progress
+from pipeline.cli.common import add_json_option, emit, progress
 
 DEMO_MODEL = Path("models/demo-tiny")
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
-    m = sub.add_parser(
-        "demo-model", parents=parents, help="generate the deterministic demo/test model folder"
+    m = sub.add_parser(  # reads neither --prefixes nor --bundles: its help has neither
+        "demo-model", help="generate the deterministic demo/test model folder"
     )
     m.add_argument("--size", choices=("tiny", "bench"), default="tiny", help="model size")
     m.add_argument("--seed", type=int, default=0, help="weights seed")
     m.add_argument("--out", type=Path, default=DEMO_MODEL, help="folder to write")
     m.set_defaults(func=run_demo_model)
-    sub.add_parser(
+    d = sub.add_parser(
         "demo",
         parents=parents,
         help="generate the demo model, build, verify and mount every example",
-    ).set_defaults(func=run)
+    )
+    add_json_option(d, "demo")
+    d.set_defaults(func=run)
 
 
 def run_demo_model(args: argparse.Namespace) -> int:
@@ -40,12 +43,31 @@ def run(args: argparse.Namespace) -> int:
     rows = run_demo(
         args.prefixes, args.bundles, DEMO_MODEL, progress=lambda label: progress(label, crossover)
     )
+    emit(args, _report(args, rows), _print)
+    return 0
+
+
+def _report(args: argparse.Namespace, rows: list[dict]):
+    from pipeline.cli.reports import DemoBundle, DemoReport
+
+    bundles = [
+        DemoBundle(
+            prefix=r["prefix"], status=r["status"], tokens=r["tokens"], bytes=r["bytes"],
+            prefill_seconds=None if math.isnan(r["prefill_s"]) else r["prefill_s"],
+            mount_ms=r["mount_ms"],
+        )
+        for r in rows
+    ]  # fmt: skip
+    return DemoReport(model=str(DEMO_MODEL), bundles_dir=str(args.bundles), bundles=bundles)
+
+
+def _print(report) -> None:
     header = f"{'prefix':<22}{'tokens':>8}{'bytes':>13}{'prefill s':>11}{'mount ms':>10}  status"
     print(header)
     print("-" * len(header))
-    for r in rows:
+    for r in report.bundles:
+        prefill = f"{r.prefill_seconds:>11.3f}" if r.prefill_seconds is not None else f"{'-':>11}"
         print(
-            f"{r['prefix']:<22}{r['tokens']:>8}{r['bytes']:>13,}{r['prefill_s']:>11.3f}"
-            f"{r['mount_ms']:>10.1f}  {r['status']}, verified, mounted"
+            f"{r.prefix:<22}{r.tokens:>8}{r.bytes:>13,}{prefill}"
+            f"{r.mount_ms:>10.1f}  {r.status}, verified, mounted"
         )
-    return 0

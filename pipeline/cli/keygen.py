@@ -6,6 +6,7 @@ import argparse
 import os
 from pathlib import Path
 
+from pipeline.cli.common import add_json_option, emit_json
 from pipeline.format.errors import PipelineError
 
 
@@ -28,6 +29,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         help="store the secret key without a password (as minisign -W; for CI secrets)",
     )  # fmt: skip
     k.add_argument("--force", "-f", action="store_true", help="overwrite existing key files")
+    add_json_option(k, "keygen")
     k.set_defaults(func=run)
 
 
@@ -45,6 +47,18 @@ def run(args: argparse.Namespace) -> int:
     secret_text = secret_key_text(key, None if args.unencrypted else _new_password())
     _write(secret_path, secret_text, 0o600, args.force)
     _write(public_path, key.public_key().file_text(), 0o644, args.force)
+    if args.json:
+        from pipeline.cli.reports import KeygenReport
+
+        emit_json(
+            KeygenReport(
+                key_id=key.public_key().id,
+                secret_key=str(secret_path),
+                public_key=str(public_path),
+                encrypted=not args.unencrypted,
+            )
+        )
+        return 0
     print(f"key id {key.public_key().id}")
     print(f"secret key: {secret_path} (keep it secret{'' if args.unencrypted else '; encrypted'})")
     print(f"public key: {public_path} (deploy it; pass it with --trusted-key)")

@@ -23,7 +23,7 @@ from importlib import metadata
 from pathlib import Path
 
 from pipeline import __version__
-from pipeline.cli.common import note
+from pipeline.cli.common import add_json_option, emit_json, note
 from pipeline.format.errors import PipelineError
 
 MLX_LM = "mlx-lm>=0.31.3,<0.32"
@@ -104,6 +104,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         action="store_true",
         help="remove DIR first when it is a virtual environment that lacks them (default: refuse)",
     )
+    add_json_option(p, "server-env", "; pip's own output goes to stderr too")
     p.set_defaults(func=run)
 
 
@@ -112,28 +113,50 @@ def run(args: argparse.Namespace) -> int:
     venv = Path(args.dir)
     commands = plan(servers, venv)
     if args.dry_run:
+        if args.json:
+            return _emit(venv, servers, commands, "dry-run", None)
         for command in commands:
             print(shell_line(command))
         return 0
-    if (venv / "bin" / "python").exists() and _imports(servers, venv, show=True):
-        print(f"{venv} already has {', '.join(servers)}; nothing to do")
+    if (venv / "bin" / "python").exists() and (versions := _imports(servers, venv)) is not None:
+        if args.json:
+            return _emit(venv, servers, commands, "ready", versions)
+        print(f"{venv} already has {', '.join(servers)} ({versions}); nothing to do")
         return 0
     _clear(venv, args.replace)
     for command in commands:
         note(f"running {shell_line(command)}")
         if command[0] == "write-pth":
             _write_pth(Path(command[1]), command[2:])
-        elif subprocess.run(command).returncode != 0:
+        elif subprocess.run(command, stdout=sys.stderr if args.json else None).returncode != 0:
             raise PipelineError(
                 f"server-env: {shlex.join(command[:6])} ... failed (its output is above); "
                 f"fix that and run the command again with --replace"
             )
-    if not _imports(servers, venv, show=True):
+    versions = _imports(servers, venv)
+    if versions is None:
         raise PipelineError(
             f"server-env: {venv} was made but does not import {', '.join(servers)}: run "
             f"{venv}/bin/python -c 'import {RECIPES[servers[0]].imports[0]}' to see why"
         )
-    print(f"made {venv}: run {venv}/bin/prefix-bundles serve --server {servers[0]} --model DIR ...")
+    if args.json:
+        return _emit(venv, servers, commands, "made", versions)
+    print(
+        f"made {venv} ({versions}): run {venv}/bin/prefix-bundles serve --server {servers[0]} "
+        "--model DIR ..."
+    )
+    return 0
+
+
+def _emit(venv: Path, servers: list[str], commands: list, status: str, versions) -> int:
+    from pipeline.cli.reports import ServerEnvReport
+
+    lines = [shell_line(c) for c in commands]
+    emit_json(
+        ServerEnvReport(
+            dir=str(venv), servers=servers, status=status, commands=lines, versions=versions
+        )
+    )
     return 0
 
 
@@ -242,16 +265,13 @@ def check_script(servers: list[str]) -> str:
     )
 
 
-def _imports(servers: list[str], venv: Path, show: bool = False) -> bool:
-    """Whether the venv's Python imports everything (its versions printed with `show`)."""
+def _imports(servers: list[str], venv: Path) -> str | None:
+    """The venv's versions ('mlx-lm 0.31.3, rapid-mlx 0.16.10') when its Python imports
+    everything, else None."""
     proc = subprocess.run(
         [str(venv / "bin" / "python"), "-c", check_script(servers)],
         capture_output=True,
         text=True,
     )
-    if show and proc.returncode == 0:
-        lines = proc.stdout.strip().splitlines()
-        print(
-            lines[-1] if lines else f"{venv}/bin/python exited {proc.returncode}", file=sys.stderr
-        )
-    return proc.returncode == 0
+    lines = proc.stdout.strip().splitlines()
+    return lines[-1] if proc.returncode == 0 and lines else None

@@ -3,7 +3,8 @@
 Every document is one JSON object on stdout whose `schema` field names the command and a version
 ("verify/1"). A version only grows by adding fields; removing or retyping one makes it "/2".
 `python build.py schema [COMMAND]` prints the JSON Schema of each (committed in docs/schemas/).
-Every model is here, in one package: base.py (the strict base, Refusal), local.py, fleet.py (push, pull).
+Every model is here, in one package: base.py (the strict base, Refusal), local.py, fleet.py (push, pull),
+authoring.py (new, match), tools.py (keygen, sign, demo, server-env).
 """
 
 from __future__ import annotations
@@ -43,6 +44,15 @@ from pipeline.cli.reports.local import (
     VerifyReport,
     VerifyTotals,
 )
+from pipeline.cli.reports.tools import (
+    DemoBundle,
+    DemoReport,
+    KeygenReport,
+    ServerEnvReport,
+    SignedBundle,
+    SignReport,
+    SignTotals,
+)
 from pipeline.runtime.admin import BundlesReport, RemountReport
 
 __all__ = [
@@ -51,8 +61,11 @@ __all__ = [
     "BuiltTarget",
     "CheckResult",
     "DOCUMENTS",
+    "DemoBundle",
+    "DemoReport",
     "InspectReport",
     "KeptFolder",
+    "KeygenReport",
     "ListReport",
     "ListTotals",
     "ListedBundle",
@@ -71,8 +84,12 @@ __all__ = [
     "PushedBundle",
     "Refusal",
     "Report",
+    "ServerEnvReport",
     "Shard",
+    "SignReport",
+    "SignTotals",
     "SignatureReport",
+    "SignedBundle",
     "Validity",
     "VerifiedBundle",
     "VerifyReport",
@@ -94,6 +111,10 @@ DOCUMENTS: dict[str, type[BaseModel]] = {
     "pull": PullReport,
     "match": MatchReport,
     "new": NewReport,
+    "keygen": KeygenReport,
+    "sign": SignReport,
+    "demo": DemoReport,
+    "server-env": ServerEnvReport,
     # serve --admin-port's answers (pipeline.runtime.admin)
     "remount": RemountReport,
     "bundles": BundlesReport,
