@@ -420,3 +420,22 @@ def test_server_env_leaves_a_folder_that_is_not_a_venv_alone(tmp_path: Path, cap
         "pyvenv.cfg); it was left as it is: name another DIR"
     )
     assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+def test_inspect_of_a_damaged_bundle_names_the_check_and_the_rebuild(
+    shop_bundle: Path, tmp_path: Path, capsys
+):
+    import shutil
+
+    bundle = shutil.copytree(shop_bundle, tmp_path / "shop" / "1" / shop_bundle.name)
+    data = bytearray((bundle / "cache.safetensors").read_bytes())
+    data[-5] ^= 0x01
+    (bundle / "cache.safetensors").write_bytes(data)
+    assert main(["inspect", str(bundle)]) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out[-2:] == [
+        "valid (integrity only): no",
+        "next: rebuild it: prefix-bundles build shop --force (or copy it again from its source)",
+    ]
+    assert [line.split()[1] for line in out if line.startswith("  FAIL ")] == ["data"]
+    assert "  --   identity              not checked: no --model given" in "\n".join(out)
