@@ -439,3 +439,17 @@ def test_inspect_of_a_damaged_bundle_names_the_check_and_the_rebuild(
     ]
     assert [line.split()[1] for line in out if line.startswith("  FAIL ")] == ["data"]
     assert "  --   identity              not checked: no --model given" in "\n".join(out)
+
+
+def test_each_targets_eta_prior_is_read_from_its_model_folder(project: Path, tiny_model: Path):
+    from pipeline.cli.build import model_folders
+    from pipeline.cli.common import load_definitions
+    from pipeline.cli.eta import crossover_for_model
+
+    definitions = load_definitions(project / "prefixes", [])
+    folders = model_folders(definitions, project / "prefixes", None)
+    assert {k: v.resolve() for k, v in folders.items()} == {"shop@1 -> tiny": tiny_model.resolve()}
+    assert crossover_for_model(folders["shop@1 -> tiny"]) == 146.0  # the tiny model's config
+    other = model_folders(definitions, project / "prefixes", project / "elsewhere" / "M")
+    assert other == {"shop@1 -> m": project / "elsewhere" / "M"}
+    assert crossover_for_model(project / "elsewhere") == 608.0  # no config.json: the default
