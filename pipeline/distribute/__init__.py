@@ -10,6 +10,7 @@ validator, and publishes them atomically. No printing here: pipeline.cli.push / 
 # Modules the CLI imports from.
 __all__ = [
     "hub",
+    "meter",
     "oci",
     "oci_pull",
     "oci_push",
