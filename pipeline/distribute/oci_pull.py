@@ -18,6 +18,7 @@ import os
 import shutil
 import threading
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pipeline.builder.writer import clean_staging, discard, new_staging_folder
@@ -39,6 +40,7 @@ from pipeline.format.bundle_folder import (
 from pipeline.format.bundle_folder import parse_manifest as parse_bundle_manifest
 from pipeline.format.bundle_signature import check_binding, check_signature
 from pipeline.format.errors import BundleError, PipelineError
+from pipeline.format.fingerprint import model_identity
 from pipeline.format.manifest import Manifest
 from pipeline.format.signature import PublicKey
 from pipeline.runtime.mount import identity_for, model_bundles_dir
@@ -64,7 +66,9 @@ def pull_oci(
     model_dir = Path(model_dir)
     root = Path(bundles_dir) if bundles_dir is not None else model_bundles_dir(model_dir)
     wanted = parse_wanted(prefixes)
-    identity = identity_for(model_dir)  # a bad model folder fails here, before the network
+    fingerprint = model_identity(model_dir).model  # a bad model folder fails here, first
+    side = ThreadPoolExecutor(1)  # the cache classes need `import mlx_lm` (seconds): meanwhile
+    later = side.submit(identity_for, model_dir)  # the blocks stream
     registry = Registry(ref, plain_http=plain_http, ca_bundle=ca_bundle)
     registry.meter = meter = meter or Meter()
     try:
@@ -74,8 +78,8 @@ def pull_oci(
             remote.append(RemoteBundle(*_split(path), ()))
         result = PullResult(ref.url, None, None, None, model_dir, root)
         result.transfer = Transfer()
-        chosen, result.skipped = select(remote, identity.model, wanted)
-        check_found(result, chosen, wanted, identity.model[:FINGERPRINT_CHARS])
+        chosen, result.skipped = select(remote, fingerprint, wanted)
+        check_found(result, chosen, wanted, fingerprint[:FINGERPRINT_CHARS])
         clean_staging(root)
         staging = new_staging_folder(root)
         local, resume = LocalBlocks(root), Resume(root)
@@ -89,6 +93,8 @@ def pull_oci(
                 for path, digest in result.digests.items():
                     resume.keep(digest, staging / path / CACHE_FILE)
                 raise
+            with meter.phase("model"):  # what of the model's identity the transfer did not hide
+                identity = later.result()
             with meter.phase("validate"):  # the one validator, then the atomic publish
                 # every cache file was just hashed in full (_check_file): the memo vouches
                 publish_staged(result, chosen, staging, identity, tuple(trusted_keys), True)
@@ -98,6 +104,7 @@ def pull_oci(
         resume.clear()  # every artifact arrived whole: no partial file is worth keeping
     finally:
         registry.close()
+        side.shutdown(wait=True)
     return result
 
 
