@@ -50,7 +50,10 @@ class Hook(ServerHook):
     }
 
     def refused(self, options: ServeOptions) -> dict[str, str]:
-        return {**self.unsupported, **(BATCHED_UNSUPPORTED if batched(options) else {})}
+        with_batching = {
+            k: f"with --continuous-batching, {v}" for k, v in BATCHED_UNSUPPORTED.items()
+        }
+        return {**self.unsupported, **(with_batching if batched(options) else {})}
 
     def unusable(self, bundle: Any, options: ServeOptions) -> str | None:
         return None if batched(options) else unusable_reason(options.model, options.rest)
@@ -134,10 +137,8 @@ def follow_system_snapshots(engine_module: Any, engine_class: type) -> None:
 
     def build_prefix(tokenizer: Any, *args: Any, **kwargs: Any) -> str | None:
         text = build(tokenizer, *args, **kwargs)
-        if text:
-            bos = getattr(tokenizer, "bos_token", None)
-            add = bos is None or not text.startswith(bos)
-            usage.note_system_ids(tokenizer.encode(text, add_special_tokens=add))
+        if text:  # encoded as its engine encodes a rendered prompt
+            usage.note_system_ids(Hook.encode_text(tokenizer, text))
         return text
 
     restore = engine_class._restore_prompt_cache.__func__
@@ -183,9 +184,8 @@ def pinned_trie_class(mounted: Mounted) -> type:
             cache, rest, from_bundle = lookup_source(
                 SERVER, mounted.manager, BUNDLE_KEY, tokens, fetch, batched=False
             )
-            if from_bundle and len(tokens) - len(rest) < snapshot_tokens(tokens) - SNAPSHOT_SLACK(
-                snapshot_tokens(tokens)
-            ):
+            system = snapshot_tokens(tokens)
+            if from_bundle and len(tokens) - len(rest) < system - SNAPSHOT_SLACK(system):
                 # a bundle well short of the system prefix (a template's opening, an older
                 # version's start): vllm-mlx's own snapshot of that prefix, taken only on a
                 # trie miss, serves the whole prefix from the next request on
