@@ -18,7 +18,6 @@ import os
 import shutil
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pipeline.builder.writer import clean_staging, discard, new_staging_folder
@@ -40,7 +39,6 @@ from pipeline.format.bundle_folder import (
 from pipeline.format.bundle_folder import parse_manifest as parse_bundle_manifest
 from pipeline.format.bundle_signature import check_binding, check_signature
 from pipeline.format.errors import BundleError, PipelineError
-from pipeline.format.fingerprint import model_identity
 from pipeline.format.manifest import Manifest
 from pipeline.format.signature import PublicKey
 from pipeline.runtime.mount import identity_for, model_bundles_dir
@@ -66,9 +64,10 @@ def pull_oci(
     model_dir = Path(model_dir)
     root = Path(bundles_dir) if bundles_dir is not None else model_bundles_dir(model_dir)
     wanted = parse_wanted(prefixes)
-    fingerprint = model_identity(model_dir).model  # a bad model folder fails here, first
-    side = ThreadPoolExecutor(1)  # the cache classes need `import mlx_lm` (seconds): meanwhile
-    later = side.submit(identity_for, model_dir)  # the blocks stream
+    # a bad model folder fails here, before the network (in this thread: a side thread that
+    # imported mlx_lm while blocks streamed saved ~2 s, and aborted one bench pull at exit)
+    identity = identity_for(model_dir)
+    fingerprint = identity.model
     registry = Registry(ref, plain_http=plain_http, ca_bundle=ca_bundle)
     registry.meter = meter = meter or Meter()
     try:
@@ -93,8 +92,6 @@ def pull_oci(
                 for path, digest in result.digests.items():
                     resume.keep(digest, staging / path / CACHE_FILE)
                 raise
-            with meter.phase("model"):  # what of the model's identity the transfer did not hide
-                identity = later.result()
             with meter.phase("validate"):  # the one validator, then the atomic publish
                 # every cache file was just hashed in full (_check_file): the memo vouches
                 publish_staged(result, chosen, staging, identity, tuple(trusted_keys), True)
@@ -104,7 +101,6 @@ def pull_oci(
         resume.clear()  # every artifact arrived whole: no partial file is worth keeping
     finally:
         registry.close()
-        side.shutdown(wait=True)
     return result
 
 
