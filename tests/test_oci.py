@@ -644,3 +644,21 @@ def test_pull_lockfile_pins_by_the_digest_push_recorded(
         f"error: {tmp_path / 'v2.lock'}: it locks shop@2, not the pushed shop@1; push the "
         "bundles the lockfile names (build --locked), or drop --lockfile\n"
     )
+
+
+def test_pull_rebuilds_with_the_block_size_the_artifact_records(
+    reg: Registry, shop_bundle: Path, model: Path, monkeypatch
+):
+    """A pusher whose rule gave 16-token blocks (here: its byte target lowered): the pull cuts
+    with the size the artifact's config records, not its own rule's 64."""
+    from pipeline.distribute import blocks
+
+    with monkeypatch.context() as m:
+        m.setattr(blocks, "TARGET_BLOCK_BYTES", 1)
+        assert main(["push", str(shop_bundle), "--repo", reg.repo()]) == 0
+    parsed = artifact(reg, shop_bundle)
+    tokens = json.loads((shop_bundle / "manifest.json").read_text())["tokens"]["count"]
+    assert len(parsed.blocks) == -(-tokens // 16) > -(-tokens // 64)
+    assert main(["pull", "--repo", reg.repo(), "--model", str(model)]) == 0
+    local = model / "prefix-bundles" / "shop" / "1" / shop_bundle.name
+    assert files_of(local) == files_of(shop_bundle)

@@ -11,7 +11,9 @@ The rule (a pure byte layout: reassembly never depends on what a tensor means):
   which have no token axis of length T) travels whole, in file order, in one "rest" blob, and
   the header (8-byte length and JSON, metadata included) in one "header" blob.
 B is a fixed function of the cache layout: 64 tokens, halved (down to 16) while a block would
-exceed 4 MiB.
+exceed 16 MiB (a registry spends a few requests on every blob, and a rebuild one write per run:
+fewer, larger blocks move faster; 64 tokens keep a new version's extra bytes small). The artifact
+records B, and a pull rebuilds with the B it records.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from pipeline.format.safetensors_read import DTYPE_SIZES
 
 MAX_BLOCK_TOKENS = 64
 MIN_BLOCK_TOKENS = 16
-TARGET_BLOCK_BYTES = 4 << 20
+TARGET_BLOCK_BYTES = 16 << 20
+MAX_RECORDED_BLOCK_TOKENS = 1 << 16  # what a pull accepts from an artifact's config
 
 
 @dataclass(frozen=True)
@@ -86,9 +89,10 @@ def block_tokens(bytes_per_token: int) -> int:
     return b
 
 
-def layout(header: bytes, tokens: int, file_bytes: int) -> Layout:
-    """The block layout of a cache file from its header bytes; PipelineError when they do not
-    describe exactly file_bytes bytes of tensors."""
+def layout(header: bytes, tokens: int, file_bytes: int, block_size: int | None = None) -> Layout:
+    """The block layout of a cache file from its header bytes (B by the rule, or `block_size`
+    as an artifact records it); PipelineError when they do not describe exactly file_bytes
+    bytes of tensors."""
     try:
         (n,) = struct.unpack("<Q", header[:8])
         entries = json.loads(header[8 : 8 + n])
@@ -118,7 +122,8 @@ def layout(header: bytes, tokens: int, file_bytes: int) -> Layout:
     token = tuple(sorted((s for s in spans if s.lead), key=lambda s: s.name))
     rest = tuple(s for s in spans if not s.lead)
     per_token = sum(s.lead * s.row for s in token)
-    return Layout(header, tokens, block_tokens(per_token), token, rest, file_bytes)
+    b = block_tokens(per_token) if block_size is None else block_size
+    return Layout(header, tokens, b, token, rest, file_bytes)
 
 
 def _span(name: str, entry: dict, base: int, tokens: int) -> Span:
@@ -134,13 +139,13 @@ def _span(name: str, entry: dict, base: int, tokens: int) -> Span:
     return Span(name, base + a, base + b, lead, shape[-1] * size if lead else 0)
 
 
-def read_layout(path: Path, tokens: int) -> Layout:
+def read_layout(path: Path, tokens: int, block_size: int | None = None) -> Layout:
     with open(path, "rb") as f:
         (n,) = struct.unpack("<Q", f.read(8))
         f.seek(0)
         header = f.read(8 + n)
         size = os.fstat(f.fileno()).st_size
-    return layout(header, tokens, size)
+    return layout(header, tokens, size, block_size)
 
 
 class Source:

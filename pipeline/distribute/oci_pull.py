@@ -22,7 +22,14 @@ from pathlib import Path
 
 from pipeline.builder.writer import clean_staging, discard, new_staging_folder
 from pipeline.distribute.artifact import CONFIG_SCHEMA, Blob, parse_manifest, parse_tag, tag_of
-from pipeline.distribute.blocks import Layout, Source, Target, layout, read_layout
+from pipeline.distribute.blocks import (
+    MAX_RECORDED_BLOCK_TOKENS,
+    Layout,
+    Source,
+    Target,
+    layout,
+    read_layout,
+)
 from pipeline.distribute.hub import RemoteBundle
 from pipeline.distribute.meter import Meter
 from pipeline.distribute.oci import Registry, in_parallel, parse_repo
@@ -181,11 +188,15 @@ class _Fetch:
         for blob in parsed.files:
             (self.dest / blob.title).write_bytes(self.get(blob))
         manifest = self._manifest(keys, config)
-        plan = layout(self.get(parsed.header), manifest.tokens.count, manifest.cache.file_bytes)
-        if plan.block_tokens != config["block_tokens"] or plan.blocks != len(parsed.blocks):
+        b = config.get("block_tokens")
+        if not isinstance(b, int) or isinstance(b, bool) or not 0 < b <= MAX_RECORDED_BLOCK_TOKENS:
+            raise self.fail(f"its config records a block size of {b!r} tokens; push it again")
+        header = self.get(parsed.header)
+        plan = layout(header, manifest.tokens.count, manifest.cache.file_bytes, block_size=b)
+        if plan.blocks != len(parsed.blocks):
             raise self.fail(
-                f"the artifact lists {len(parsed.blocks)} blocks of {config['block_tokens']} "
-                f"tokens, its cache layout {plan.blocks} of {plan.block_tokens}"
+                f"the artifact lists {len(parsed.blocks)} blocks of {b} tokens, its cache layout "
+                f"{plan.blocks}; push it again"
             )
         partial = self.dest / CACHE_FILE
         resumed = resume.take(digest, partial, plan.file_bytes)
@@ -299,22 +310,24 @@ class LocalBlocks:
     def __init__(self, root: Path) -> None:
         found = sorted(root.glob(f"*/*/*/{CACHE_FILE}")) if root.is_dir() else []
         self.files = [p for p in found if STAGING_DIR not in p.parts]
-        self.opened: dict[Path, tuple[Source, int] | None] = {}
+        # by (file, block size): blocks are cut with the size the remote artifact records
+        self.opened: dict[tuple[Path, int], tuple[Source, int] | None] = {}
 
-    def _source(self, path: Path) -> tuple[Source, int] | None:
+    def _source(self, path: Path, b: int) -> tuple[Source, int] | None:
         """(mapped file, first block known to differ) or None when unusable."""
-        if path not in self.opened:
+        if (path, b) not in self.opened:
             try:
                 tokens = json.loads((path.parent / MANIFEST_FILE).read_bytes())["tokens"]["count"]
-                self.opened[path] = (Source(path, read_layout(path, int(tokens))), 1 << 62)
+                plan = read_layout(path, int(tokens), block_size=b)
+                self.opened[path, b] = (Source(path, plan), 1 << 62)
             except Exception:  # not a bundle we can read blocks from: download instead
-                self.opened[path] = None
-        return self.opened[path]
+                self.opened[path, b] = None
+        return self.opened[path, b]
 
     def fill(self, plan: Layout, k: int, blob: Blob, write: Callable[[bytes], None]) -> bool:
         """Write block k from a local file holding the same bytes; False when none does."""
         for path in self.files:
-            entry = self._source(path)
+            entry = self._source(path, plan.block_tokens)
             if entry is None or k >= entry[1]:
                 continue
             source, _ = entry
@@ -327,7 +340,7 @@ class LocalBlocks:
             ):
                 write(data)
                 return True
-            self.opened[path] = (source, k)  # a continuation shares a prefix: stop looking here
+            self.opened[path, plan.block_tokens] = (source, k)  # a continuation shares a prefix
         return False
 
     def close(self) -> None:
