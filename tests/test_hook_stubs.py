@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import subprocess
+from collections import OrderedDict
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,28 +19,49 @@ from test_prompt_cache import ids, llama_model, prefill, quantized_bundle
 
 from pipeline.runtime.prompt_cache import PromptCacheManager
 from pipeline.runtime.servers import usage, warm_up
-from pipeline.runtime.servers.memory_cache import pinned_memory_cache_class
+from pipeline.runtime.servers.memory_cache import (
+    keep_through_reset,
+    memory_entries,
+    pinned_memory_cache_class,
+)
 from pipeline.runtime.servers.startup import BUNDLE_KEY
 
 
 class StubMemoryAwarePrefixCache:
     """vllm-mlx's / rapid-mlx's MemoryAwarePrefixCache as the hook uses it: whole-sequence keys,
-    `fetch(tokens) -> (cache or None, rest)` by longest stored prefix, `store(tokens, cache)`."""
+    `fetch(tokens) -> (cache or None, rest)` by longest stored prefix, `store(tokens, cache)`,
+    its entries in `_entries` (least recently used first) as `_CacheEntry(tokens, cache)`."""
 
     def __init__(self) -> None:
-        self.entries: dict[tuple[int, ...], list] = {}
+        self._entries: OrderedDict[tuple[int, ...], SimpleNamespace] = OrderedDict()
         self._last_match_type, self._last_matched_key = None, None
 
     def fetch(self, tokens: list[int]) -> tuple[list | None, list[int]]:
-        keys = [k for k in self.entries if tuple(tokens[: len(k)]) == k and len(k) < len(tokens)]
+        keys = [k for k in self._entries if tuple(tokens[: len(k)]) == k and len(k) < len(tokens)]
         if not keys:
             return None, list(tokens)
         best = max(keys, key=len)
-        return self.entries[best], list(tokens[len(best) :])
+        self._entries.move_to_end(best)
+        self._last_matched_key = best
+        return self._entries[best].cache, list(tokens[len(best) :])
 
     def store(self, tokens: list[int], cache: list) -> bool:
-        self.entries[tuple(tokens)] = cache
+        self._entries[tuple(tokens)] = SimpleNamespace(tokens=tuple(tokens), cache=cache)
         return True
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+class StubScheduler:
+    """Their Scheduler as far as the hook uses it: deep_reset (the engine's stop) clears the
+    memory-aware cache."""
+
+    def __init__(self, cache: StubMemoryAwarePrefixCache) -> None:
+        self.memory_aware_cache = cache
+
+    def deep_reset(self) -> None:
+        self.memory_aware_cache.clear()
 
 
 @pytest.fixture
@@ -95,7 +119,130 @@ def test_nothing_is_stored_while_warming_up(pinned_cache):
         assert pinned_cache.cache.store([1, 2, 3], []) is False
     finally:
         warm_up.WARMING.clear()
-    assert pinned_cache.cache.entries == {}
+    assert pinned_cache.cache._entries == {}
+
+
+# --- --snapshots through the memory-aware cache (pipeline.runtime.snapshots) ------------------------
+
+EXACT = [(5 * i + 1) % 900 + 10 for i in range(120)]
+LOSSY = [(11 * i + 7) % 900 + 10 for i in range(200)]
+
+
+class _QuantizedCacheWrapper:
+    """vllm-mlx's quantized entry layer (vllm_mlx.memory_cache): mx.quantize's triples."""
+
+    def __init__(self, layer, bits: int = 8, group_size: int = 64) -> None:
+        import mlx.core as mx
+
+        n = layer.offset
+        self.keys = mx.quantize(layer.keys[..., :n, :], group_size=group_size, bits=bits)
+        self.values = mx.quantize(layer.values[..., :n, :], group_size=group_size, bits=bits)
+        self.offset, self.bits, self.group_size = n, bits, group_size
+        self.orig_type, self.orig_attrs = type(layer), {}
+
+
+@pytest.fixture(scope="module")
+def tiny_prefill(tiny_model):
+    """The tiny model's prompt cache after some tokens (loaded once)."""
+    from mlx_lm import load
+
+    model, _ = load(str(tiny_model))
+    return lambda tokens: prefill(model, tokens)[0]
+
+
+@pytest.fixture
+def shelf(tmp_path, tiny_model, tiny_prefill, monkeypatch):
+    """Snapshots of the tiny model written and restored by serve's code: EXACT, and LOSSY recorded
+    lossy (continued from a 4-bit bundle); the memory-aware cache subclass answering from them."""
+    from pipeline.runtime.snapshot_store import Entry
+    from pipeline.runtime.snapshots import DEFAULT_BUDGET, Snapshots
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    writer = Snapshots(tmp_path / "snaps", DEFAULT_BUDGET, tiny_model, None, "rapid-mlx")
+    entries = [
+        Entry(EXACT, tiny_prefill(EXACT), "t", False),
+        Entry(LOSSY, tiny_prefill(LOSSY), "t", True),
+    ]
+    writer.save(list(enumerate(entries)), lambda t: 0)
+    writer.close()
+    snaps = Snapshots(tmp_path / "snaps", DEFAULT_BUDGET, tiny_model, None, "rapid-mlx")
+    snaps.restore([])
+    manager = PromptCacheManager()
+    mounted = SimpleNamespace(
+        manager=manager, result=SimpleNamespace(bundles=[]),
+        covered=lambda t: manager.covered(BUNDLE_KEY, t),
+    )  # fmt: skip
+    cls = pinned_memory_cache_class(mounted, StubMemoryAwarePrefixCache, "stub", snaps)
+    yield SimpleNamespace(cls=cls, cache=cls(), snaps=snaps, mounted=mounted, prefill=tiny_prefill)
+    snaps.close()
+
+
+def test_the_memory_cache_answers_from_restored_snapshots_under_the_rule(shelf):
+    c = shelf.cache
+    usage._worker.reuse = reuse = usage.Reuse()
+    try:
+        assert served(c.fetch([*EXACT, 1, 2]), [*EXACT, 1, 2]) == len(EXACT)
+    finally:
+        usage._worker.reuse = None
+    assert reuse.cached == len(EXACT)
+    assert (c._last_match_type, c._last_matched_key) == ("prefix", None)  # no entry of its own
+    assert served(c.fetch(list(EXACT)), EXACT) == len(EXACT) - 1  # always a token left
+    # the lossy snapshot serves only its share (half of it), never a short overlap
+    assert served(c.fetch([*LOSSY[:60], 1, 2]), [*LOSSY[:60], 1, 2]) == 0
+    assert served(c.fetch([*LOSSY[:150], 1]), [*LOSSY[:150], 1]) == 150
+    # the server's own entry sharing its opening with the lossy snapshot is held to its rule
+    c.store(LOSSY[:40], shelf.prefill(LOSSY[:40]))
+    assert served(c.fetch([*LOSSY[:40], 3, 4]), [*LOSSY[:40], 3, 4]) == 0
+    c.store([*EXACT[:10], 77], shelf.prefill([*EXACT[:10], 77]))  # its own longer entry wins
+    assert served(c.fetch([*EXACT[:10], 77, 5]), [*EXACT[:10], 77, 5]) == 11
+
+
+@pytest.mark.parametrize("bundle, by", [(len(EXACT), "bundle shop@1"), (60, "request: snapshot")])
+def test_a_restored_snapshot_never_beats_an_exact_bundle(shelf, caplog, bundle: int, by: str):
+    """A bundle covering as much as the snapshot serves the request (a tie goes to it); one
+    covering less gives way to the snapshot."""
+    shelf.mounted.manager.pin(BUNDLE_KEY, EXACT[:bundle], shelf.prefill(EXACT[:bundle]), "shop@1")
+    with caplog.at_level(logging.INFO, logger="prefix-bundles"):
+        assert served(shelf.cache.fetch([*EXACT, 1]), [*EXACT, 1]) == len(EXACT)
+    lines = [r.getMessage() for r in caplog.records if "request:" in r.getMessage()]
+    assert any(by in line for line in lines), lines
+    if by.startswith("bundle"):
+        assert not any("request: snapshot" in line for line in lines), lines
+
+
+def test_the_memory_cache_lists_what_it_held_at_the_engines_stop(shelf, tmp_path, tiny_model):
+    """The scheduler's deep_reset (its engine's stop) clears the cache before serve saves: what
+    it held then is listed, cut to its KV, quantized and continued-from-lossy entries recorded
+    lossy, hottest last stored; saved and restored, the set answers as the entries did."""
+    from pipeline.runtime.snapshots import DEFAULT_BUDGET, Snapshots
+
+    c = shelf.cache
+    plain = [*EXACT[:30], 5, 6, 7]
+    c.store([*plain, 8], shelf.prefill(plain))  # prompt + output: the last token never fed
+    quantized = [(13 * i + 3) % 900 + 10 for i in range(20)]  # opens like no other entry
+    c.store(quantized, [_QuantizedCacheWrapper(layer) for layer in shelf.prefill(quantized)])
+    descends = [*LOSSY[:130], 4, 4]  # continued from the lossy snapshot
+    c.store(descends, shelf.prefill(descends))
+    keep_through_reset(StubScheduler, shelf.cls)
+    StubScheduler(c).deep_reset()
+    assert c._entries == {}
+    listed = memory_entries(shelf.cls, shelf.mounted, shelf.snaps, "stub")
+    by_tokens = {tuple(e.tokens): (stamp, e) for stamp, e in listed}
+    assert set(by_tokens) == {tuple(plain), tuple(quantized), tuple(descends)}
+    assert [by_tokens[tuple(t)][1].lossy for t in (plain, quantized, descends)] == [0, 1, 1]
+    assert by_tokens[tuple(quantized)][1].cache[0].__class__.__name__ == "QuantizedKVCache"
+    stamps = [by_tokens[tuple(t)][0] for t in (plain, quantized, descends)]
+    assert stamps == sorted(stamps) and stamps[0] > 0
+    shelf.snaps.save(listed, lambda t: 0)
+    shelf.snaps.close()
+    again = Snapshots(tmp_path / "snaps", DEFAULT_BUDGET, tiny_model, None, "rapid-mlx")
+    again.restore([])
+    try:
+        assert again.fetch([*plain, 1], better_than=0)[1] == len(plain)
+        assert again.fetch([*quantized[:4], 1], better_than=0)[0] is None  # lossy: its share
+        assert again.fetch([*quantized, 1], better_than=0)[1] == len(quantized)
+    finally:
+        again.close()
 
 
 STUBS = {"MemoryAwarePrefixCache": StubMemoryAwarePrefixCache}
@@ -456,7 +603,6 @@ def test_the_pool_and_lru_stubs_have_the_methods_and_parameters_of_the_installed
 def test_every_server_says_which_model_id_clients_send_and_how_to_try_it(
     server: str, rest: tuple, where: str, model: str
 ):
-    from pathlib import Path
 
     from pipeline.runtime.servers import hook_for
     from pipeline.runtime.servers.options import ServeOptions

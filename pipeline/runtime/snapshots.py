@@ -166,6 +166,20 @@ class Snapshots:
         best.stamp = self.tick()
         return fork_cache(best.cache, len(best.tokens) - rank[0]), rank[0], best.name
 
+    def covered(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of a request the best restored snapshot can serve (no copy)."""
+        request = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        with self._lock:
+            shelf = list(self._shelf)
+        return max(
+            (reusable_tokens(s.tokens, request, s.trimmable, s.lossy) for s in shelf), default=0
+        )
+
+    def __len__(self) -> int:
+        """How many restored snapshots are held."""
+        with self._lock:
+            return len(self._shelf)
+
     def lossy_floor(self, tokens: Sequence[int]) -> int:
         """The fewest leading tokens a server entry sharing its opening with a lossy snapshot
         must cover (it may descend from it; 0: no such snapshot)."""
@@ -265,11 +279,12 @@ def with_snapshots(
     snapshots: Snapshots,
     covered: Callable[[list[int]], int],
     server: str,
+    answered: Callable[[str], None] | None = None,
 ) -> Callable[[list[int]], tuple[Any, list[int]]]:
     """The server's own fetch, or a restored snapshot where it covers more than both the
     server's own entry and every pinned bundle (`covered`; a tie goes to those: a snapshot never
     beats an exact bundle). A server entry sharing its opening with a lossy snapshot is held to
-    its rule."""
+    its rule. `answered(name)` is told when a snapshot answers."""
 
     def fetch(tokens: list[int]) -> tuple[Any, list[int]]:
         cache, rest = own(tokens)
@@ -282,6 +297,8 @@ def with_snapshots(
         log.info(
             "%s request: snapshot %s covers %d of %d prompt tokens", server, name, keep, len(tokens)
         )
+        if answered is not None:
+            answered(name)
         return found, list(tokens[keep:])
 
     return fetch

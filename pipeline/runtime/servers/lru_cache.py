@@ -1,7 +1,7 @@
 """mlx-lm's LRUPromptCache (mlx_lm.models.cache: mlx_lm.server's prompt cache, and vllm-mlx's
 prefix trie) as snapshots see it: a recency stamp per stored entry, and at a graceful stop its
 entries for the served model, cut to what each cache holds. Shared by the hooks whose server
-keeps one; owned by none."""
+keeps one; owned by none. `server_entry` records any server's entry (memory_cache.py too)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,16 @@ def evaluate(cache: Any) -> None:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    states = [layer.state for layer in cache or []]
+    # vllm-mlx's quantized wrapper has no `state`: its keys and values are the arrays
+    states = [_state(layer) for layer in cache or []]
     mx.eval([a for _, a in tree_flatten(states) if isinstance(a, mx.array)])
+
+
+def _state(layer: Any) -> Any:
+    try:
+        return layer.state
+    except AttributeError:
+        return [getattr(layer, "keys", None), getattr(layer, "values", None)]
 
 
 def stamp(prompt_cache: Any, tokens: list[int], tick: int) -> None:
@@ -37,8 +45,6 @@ def lru_entries(
     tokens) per cache type in `_lru._lrus` and the entries in `_trie`). Tokens are cut to what the
     cache holds (a last sampled token was never fed to it); lossiness is recorded as the lookup
     rule sees it now, and on the entry when it was stored."""
-    from pipeline.runtime.servers.startup import BUNDLE_KEY
-
     listed = []
     for cache_type, lru in prompt_cache._lru._lrus.items():
         for model, tokens in list(lru):
@@ -50,16 +56,24 @@ def lru_entries(
             if not isinstance(held, int) or held > len(tokens) or held < 1:
                 continue
             ids = list(tokens[:held])
-            lossy = (
-                is_lossy(cache)
-                or mounted.manager.lossy_floor(BUNDLE_KEY, ids) > 0
-                or snapshots.lossy_floor(ids) > 0
-            )
             source = f"{server} prompt cache ({cache_type})"
             recency = prompt_cache.stamps.get(tuple(tokens), 0)
-            heads = continued_from(ids, mounted.result.bundles)
-            listed.append((recency, Entry(ids, cache, source, lossy, heads)))
+            listed.append((recency, server_entry(ids, cache, source, mounted, snapshots)))
     return listed
+
+
+def server_entry(ids: list[int], cache: Any, source: str, mounted: Any, snapshots: Any) -> Entry:
+    """A server's entry covering `ids` as snapshots save it: lossy when it holds quantized KV or
+    may descend from lossy KV (its opening shared with a lossy bundle pinned at any time in this
+    process, or with a lossy restored snapshot), with the longest bundle that opens it."""
+    from pipeline.runtime.servers.startup import BUNDLE_KEY
+
+    lossy = (
+        is_lossy(cache)
+        or mounted.manager.lossy_floor(BUNDLE_KEY, ids) > 0
+        or snapshots.lossy_floor(ids) > 0
+    )
+    return Entry(ids, cache, source, lossy, continued_from(ids, mounted.result.bundles))
 
 
 def continued_from(ids: list[int], bundles: list[Any]) -> str | None:
@@ -68,4 +82,4 @@ def continued_from(ids: list[int], bundles: list[Any]) -> str | None:
     return max(heads, key=lambda b: len(b.tokens)).name if heads else None
 
 
-__all__ = ["evaluate", "lru_entries", "stamp"]
+__all__ = ["evaluate", "lru_entries", "server_entry", "stamp"]

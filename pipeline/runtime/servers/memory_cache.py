@@ -1,6 +1,14 @@
 """The memory-aware prefix cache of the batched engines (vllm-mlx --continuous-batching and
 rapid-mlx, whose MemoryAwarePrefixCache has vllm-mlx's interface), answering from the pinned
-bundles through the one lookup rule: shared by both hooks, owned by neither."""
+bundles and restored snapshots through the one lookup rule, and listing its entries for
+snapshots at a graceful stop: shared by both hooks, owned by neither.
+
+Both keep their entries as `_entries` (an OrderedDict, least recently used first) of
+`_CacheEntry(tokens, cache, ...)`, cut to the KV offset; vllm-mlx stores quantized entries
+(--kv-cache-quantization) as its own `_QuantizedCacheWrapper`, rapid-mlx as mlx-lm's
+`QuantizedKVCache`. Both clear the cache when their engine stops (the scheduler's deep_reset),
+before serve gets to save it: the entries held then are kept for the save (`keep_through_reset`).
+"""
 
 from __future__ import annotations
 
@@ -8,32 +16,129 @@ from typing import Any
 
 from pipeline.runtime.lookup import lookup_source
 from pipeline.runtime.servers import usage, warm_up
+from pipeline.runtime.servers.lru_cache import evaluate, server_entry
 from pipeline.runtime.servers.startup import BUNDLE_KEY, Mounted
+from pipeline.runtime.snapshots import with_snapshots
 
 
-def pinned_memory_cache_class(mounted: Mounted, base: type, server: str) -> type:
+def pinned_memory_cache_class(
+    mounted: Mounted, base: type, server: str, snapshots: Any = None
+) -> type:
     """`base`, vllm-mlx's MemoryAwarePrefixCache (BatchedEngine's scheduler; rapid-mlx's has the
-    same interface), also answering from the pinned bundles: they live outside its entries, so
-    its LRU, memory limit and prefix-subset eviction never see them, and a request gets a copy
-    (mlx-lm's BatchGenerator merges it)."""
+    same interface), also answering from the pinned bundles and the restored `snapshots`: they
+    live outside its entries, so its LRU, memory limit and prefix-subset eviction never see them,
+    and a request gets a copy (mlx-lm's BatchGenerator merges it)."""
 
     class PinnedMemoryCache(base):
+        instances: list[Any] = []  # the scheduler's instance(s), listed at a graceful stop
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.stamps: dict[tuple[int, ...], int] = {}  # recency, for snapshots
+            self.kept: list[tuple[tuple[int, ...], list]] | None = None  # at the engine's stop
+            PinnedMemoryCache.instances.append(self)
+
         def fetch(self, tokens: list[int]) -> tuple[Any, list[int]]:
-            own = super().fetch
+            answered = [False]  # the last call was answered by a restored snapshot
+
+            def own(t: list[int]) -> tuple[Any, list[int]]:
+                found = base.fetch(self, t)
+                if found[0] is not None and snapshots is not None:
+                    key = getattr(self, "_last_matched_key", None) or next(
+                        reversed(self._entries), None
+                    )  # rapid-mlx names no key: the hit entry is the most recent
+                    self.stamps[tuple(key or ())] = snapshots.tick()
+                return found
+
+            def fetch(t: list[int]) -> tuple[Any, list[int]]:
+                answered[0] = False
+                return shelf(t)
+
+            shelf = own
+            if snapshots is not None:
+                mark = lambda name: answered.__setitem__(0, True)  # noqa: E731
+                shelf = with_snapshots(own, snapshots, mounted.covered, server, mark)
             cache, rest, from_bundle = lookup_source(
-                server, mounted.manager, BUNDLE_KEY, tokens, own, batched=True
+                server, mounted.manager, BUNDLE_KEY, tokens, fetch, batched=True
             )
-            if from_bundle:  # the scheduler records the match; a bundle is no entry of its own
+            if from_bundle or (cache is not None and answered[0]):
+                # the scheduler records the match; a bundle or snapshot is no entry of its own
                 self._last_match_type, self._last_matched_key = "prefix", None
             usage.record(0 if cache is None else len(tokens) - len(rest))
             return cache, rest
 
-        def store(self, *args: Any, **kwargs: Any) -> Any:
+        def store(self, tokens: list[int], *args: Any, **kwargs: Any) -> Any:
             if warm_up.WARMING.is_set():  # the warm-up request leaves no entry
                 return False
-            return super().store(*args, **kwargs)
+            stored = super().store(tokens, *args, **kwargs)
+            entry = self._entries.get(tuple(tokens)) if snapshots is not None else None
+            if stored and entry is not None:  # evaluated on the thread that made it
+                evaluate(entry.cache)
+                self.stamps[tuple(tokens)] = snapshots.tick()
+                if len(self.stamps) > 4 * len(self._entries) + 64:
+                    self.stamps = {k: v for k, v in self.stamps.items() if k in self._entries}
+            return stored
+
+        def keep(self) -> None:
+            """Hold the entries now in the cache for the save (its engine is stopping)."""
+            self.kept = [(key, entry.cache) for key, entry in list(self._entries.items())]
 
     return PinnedMemoryCache
 
 
-__all__ = ["pinned_memory_cache_class"]
+def keep_through_reset(scheduler_class: type, cache_class: type) -> None:
+    """The scheduler's deep_reset (its engine's stop) clears the prefix cache before serve saves
+    it: keep what it held at that moment (the last reset's entries are what a stop leaves)."""
+    original = scheduler_class.deep_reset
+
+    def deep_reset(self: Any, *args: Any, **kwargs: Any) -> Any:
+        cache = getattr(self, "memory_aware_cache", None)
+        if isinstance(cache, cache_class):
+            cache.keep()
+        return original(self, *args, **kwargs)
+
+    scheduler_class.deep_reset = deep_reset
+
+
+def memory_entries(
+    cache_class: type, mounted: Mounted, snapshots: Any, server: str
+) -> list[tuple[int, Any]]:
+    """Every entry of the memory-aware cache(s) (those kept at the engine's stop, else the live
+    ones), as (recency, snapshot Entry), cut to the KV each holds; lossiness as lru_cache records
+    it (quantized KV, or an opening shared with a lossy bundle or snapshot)."""
+    listed = []
+    for cache in cache_class.instances:
+        held = cache.kept
+        if held is None:
+            held = [(key, entry.cache) for key, entry in list(cache._entries.items())]
+        for key, layers in held:
+            saved = saved_layers(layers)
+            offsets = {getattr(layer, "offset", None) for layer in saved}
+            count = offsets.pop() if len(offsets) == 1 else None
+            if not isinstance(count, int) or not 1 <= count <= len(key):
+                continue
+            source = f"{server} memory-aware prefix cache"
+            entry = server_entry(list(key[:count]), saved, source, mounted, snapshots)
+            listed.append((cache.stamps.get(tuple(key), 0), entry))
+    return listed
+
+
+def saved_layers(layers: list) -> list:
+    """The layers as mlx-lm cache objects: vllm-mlx's `_QuantizedCacheWrapper` of a KVCache
+    holds mx.quantize's (weights, scales, biases), exactly a QuantizedKVCache's keys and values;
+    every other layer is left as it is (snapshot_store saves KVCache and QuantizedKVCache)."""
+    from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+    out = []
+    for layer in layers:
+        wrapped = type(layer).__name__ == "_QuantizedCacheWrapper"
+        if wrapped and getattr(layer, "orig_type", None) is KVCache and not layer.orig_attrs:
+            quantized = QuantizedKVCache(group_size=layer.group_size, bits=layer.bits)
+            quantized.keys, quantized.values = tuple(layer.keys), tuple(layer.values)
+            quantized.offset = layer.offset
+            layer = quantized
+        out.append(layer)
+    return out
+
+
+__all__ = ["keep_through_reset", "memory_entries", "pinned_memory_cache_class"]

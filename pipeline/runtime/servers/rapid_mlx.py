@@ -19,7 +19,11 @@ from typing import Any
 
 from pipeline.runtime.servers import warm_up
 from pipeline.runtime.servers.hook import ServerHook
-from pipeline.runtime.servers.memory_cache import pinned_memory_cache_class
+from pipeline.runtime.servers.memory_cache import (
+    keep_through_reset,
+    memory_entries,
+    pinned_memory_cache_class,
+)
 from pipeline.runtime.servers.options import ServeOptions
 from pipeline.runtime.servers.startup import Mounted
 
@@ -29,7 +33,7 @@ REFUSED_ROUTES = ("/v1/cache/import",)
 
 
 class Hook(ServerHook):
-    name, package, address = SERVER, "rapid_mlx", ("127.0.0.1", 8000)
+    name, package, address, snapshots = SERVER, "rapid_mlx", ("127.0.0.1", 8000), True
     unsupported = {
         "--models-config": "serve mounts bundles for the one model folder given as --model",
         "--mllm": "bundles hold text-model caches; multimodal routing is not hooked",
@@ -45,9 +49,11 @@ class Hook(ServerHook):
         """Patch rapid-mlx's scheduler cache; its persistence off, its cache import refused."""
         from rapid_mlx import scheduler, server
 
-        scheduler.MemoryAwarePrefixCache = pinned_memory_cache_class(
-            mounted, scheduler.MemoryAwarePrefixCache, SERVER
+        self.cache_class = pinned_memory_cache_class(
+            mounted, scheduler.MemoryAwarePrefixCache, SERVER, snapshots
         )
+        scheduler.MemoryAwarePrefixCache = self.cache_class
+        keep_through_reset(scheduler.Scheduler, self.cache_class)
         server._automatic_prefix_cache_persistence_enabled = lambda: False
         log.info(
             "%s: its own on-disk prefix cache is neither restored nor saved under serve (not "
@@ -56,6 +62,10 @@ class Hook(ServerHook):
             SERVER,
         )
         refuse_cache_import(server.app)
+        if snapshots is not None:  # it os._exit()s after its graceful stop: serve saves first
+            from rapid_mlx import cli
+
+            cli._hard_exit_after_serve = lambda: None
 
     def warm_up_server(self, mounted: Mounted, options: ServeOptions) -> None:
         from rapid_mlx import server
@@ -71,6 +81,9 @@ class Hook(ServerHook):
         sys.argv = ["rapid-mlx", "serve", str(options.model), *options.rest]
         main()
         return 0
+
+    def entries(self, mounted: Mounted, snapshots: Any) -> list[Any]:
+        return memory_entries(self.cache_class, mounted, snapshots, SERVER)
 
 
 def refuse_cache_import(app: Any) -> None:

@@ -100,8 +100,8 @@ def serve(hook: ServerHook, options: ServeOptions) -> int:
     installs its cache subclass, arranges the warm-up, and starts its server."""
     if options.snapshots is not None and not hook.snapshots:
         raise PipelineError(
-            f"--snapshots is not supported with --server {hook.name} yet (so far only with "
-            "the default server, mlx-lm); serve without --snapshots, or with --server mlx-lm"
+            f"--snapshots is not supported with --server {hook.name} yet (so far with mlx-lm, "
+            "vllm-mlx and rapid-mlx: docs/snapshots.md); serve without --snapshots"
         )
     require(hook.package, hook.name)
     refuse_options(list(options.rest), hook.name, hook.refused(options))
@@ -119,9 +119,13 @@ def serve(hook: ServerHook, options: ServeOptions) -> int:
     else:
         log.info("no warm-up (%s's default: off; --warm-up runs it)", hook.name)
     log.info("%s", try_it(hook, options))
-    code = hook.launch(mounted, options)
-    if snapshots is not None:  # a graceful stop: the server has joined its threads
-        snapshots.save(hook.entries(mounted, snapshots), mounted.covered)
+    if snapshots is None:
+        return hook.launch(mounted, options)
+    try:
+        code = hook.launch(mounted, options)
+    except KeyboardInterrupt:  # SIGTERM/SIGINT as re-raised by uvicorn after its graceful stop
+        code = 0
+    snapshots.save(hook.entries(mounted, snapshots), mounted.covered)  # the server has stopped
     return code
 
 

@@ -11,8 +11,10 @@ it does on its own; the bundles are only an extra answer to its lookups.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 import sys
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from types import SimpleNamespace
@@ -21,10 +23,16 @@ from typing import Any
 from pipeline.runtime.lookup import lookup_source
 from pipeline.runtime.servers import usage, warm_up
 from pipeline.runtime.servers.hook import ServerHook
-from pipeline.runtime.servers.memory_cache import pinned_memory_cache_class
+from pipeline.runtime.servers.lru_cache import evaluate, lru_entries, server_entry, stamp
+from pipeline.runtime.servers.memory_cache import (
+    keep_through_reset,
+    memory_entries,
+    pinned_memory_cache_class,
+)
 from pipeline.runtime.servers.options import ServeOptions
 from pipeline.runtime.servers.startup import BUNDLE_KEY, Mounted
 from pipeline.runtime.servers.tokens import is_anthropic
+from pipeline.runtime.snapshots import with_snapshots
 
 log = logging.getLogger("prefix-bundles")
 SERVER = "vllm-mlx"
@@ -43,7 +51,7 @@ CACHE_OFF = {  # options under which SimpleEngine 0.6.0 builds a fresh cache for
 
 
 class Hook(ServerHook):
-    name, package, address = SERVER, "vllm_mlx", ("127.0.0.1", 8000)
+    name, package, address, snapshots = SERVER, "vllm_mlx", ("127.0.0.1", 8000), True
     unsupported = {
         "--models-config": "serve mounts bundles for the one model folder given as --model",
         "--mllm": "bundles hold text-model caches; multimodal routing is not hooked",
@@ -84,7 +92,8 @@ class Hook(ServerHook):
 
     def install(self, mounted: Mounted, options: ServeOptions, snapshots: Any = None) -> None:
         keep_own_disk_cache_off()
-        (install_batched if batched(options) else install_simple)(mounted)
+        install = install_batched if batched(options) else install_simple
+        self.listed = install(mounted, snapshots)
 
     def warm_up_server(self, mounted: Mounted, options: ServeOptions) -> None:
         warm_up_before_serving(mounted, self.clients_send(options), options)
@@ -95,6 +104,9 @@ class Hook(ServerHook):
         sys.argv = ["vllm-mlx", "serve", str(options.model), *options.rest]
         main()
         return 0
+
+    def entries(self, mounted: Mounted, snapshots: Any) -> list[Any]:
+        return self.listed(mounted, snapshots)
 
 
 def batched(options: ServeOptions) -> bool:
@@ -130,15 +142,18 @@ def snapshot_tokens(tokens: list[int]) -> int:
     return len(system)
 
 
-def follow_system_snapshots(engine_module: Any, engine_class: type) -> None:
+def follow_system_snapshots(engine_module: Any, engine_class: type, seen: SystemIds) -> None:
     """Tell the lookup and the usage fields about SimpleEngine's own system-prompt snapshots:
-    the prefix it would keep (encoded as it encodes it), and a hit on one (its restore)."""
+    the prefix it would keep (encoded as it encodes it), and a hit on one (its restore); `seen`
+    (for --snapshots) learns each prefix's ids under the key vllm-mlx files its snapshot by."""
     build = engine_module.build_system_prompt_cache_prefix
 
     def build_prefix(tokenizer: Any, *args: Any, **kwargs: Any) -> str | None:
         text = build(tokenizer, *args, **kwargs)
         if text:  # encoded as its engine encodes a rendered prompt
-            usage.note_system_ids(Hook.encode_text(tokenizer, text))
+            ids = Hook.encode_text(tokenizer, text)
+            usage.note_system_ids(ids)
+            seen.note(text, ids)
         return text
 
     restore = engine_class._restore_prompt_cache.__func__
@@ -154,13 +169,20 @@ def follow_system_snapshots(engine_module: Any, engine_class: type) -> None:
     engine_class._restore_prompt_cache = classmethod(restore_snapshot)
 
 
-def pinned_trie_class(mounted: Mounted) -> type:
-    """mlx-lm's LRUPromptCache, also answering from the pinned bundles; request entries are
-    stored only when the user asked for --prefix-trie-cache (keep_entries)."""
+def pinned_trie_class(mounted: Mounted, snapshots: Any = None) -> type:
+    """mlx-lm's LRUPromptCache, also answering from the pinned bundles and restored `snapshots`;
+    request entries are stored only when the user asked for --prefix-trie-cache (keep_entries)."""
     from mlx_lm.models.cache import LRUPromptCache
 
     class PinnedTrie(LRUPromptCache):
         keep_entries = False
+        instances: list[Any] = []  # listed at a graceful stop (the engine drops, never clears it)
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.stamps: dict[tuple[int, ...], int] = {}  # recency, for snapshots
+            self.model_key: Any = None
+            PinnedTrie.instances.append(self)
 
         @staticmethod
         def key(model: Any) -> tuple[str, int]:
@@ -170,16 +192,22 @@ def pinned_trie_class(mounted: Mounted) -> type:
             return ("model", id(model))
 
         def __len__(self) -> int:
-            # vllm-mlx skips an empty trie; pinned bundles count as entries
-            return super().__len__() + len(mounted.result.bundles)
+            # vllm-mlx skips an empty trie; pinned bundles and restored snapshots count
+            return super().__len__() + len(mounted.result.bundles) + len(snapshots or ())
 
         def insert_cache(self, model: Any, tokens: list[int], prompt_cache: Any, **kw: Any) -> None:
             if self.keep_entries and not warm_up.WARMING.is_set():
                 super().insert_cache(self.key(model), tokens, prompt_cache, **kw)
+                if snapshots is not None:  # evaluated on the generation worker that made it
+                    self.model_key = self.key(model)
+                    evaluate(prompt_cache)
+                    stamp(self, tokens, snapshots.tick())
 
         def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
             own = super().fetch_nearest_cache
             fetch = lambda t: own(self.key(model), t)  # noqa: E731
+            if snapshots is not None:
+                fetch = with_snapshots(fetch, snapshots, mounted.covered, SERVER)
             # SimpleEngine generates one request at a time (stream_generate): no merge needed
             cache, rest, from_bundle = lookup_source(
                 SERVER, mounted.manager, BUNDLE_KEY, tokens, fetch, batched=False
@@ -198,18 +226,22 @@ def pinned_trie_class(mounted: Mounted) -> type:
     return PinnedTrie
 
 
-def install_batched(mounted: Mounted) -> None:
-    """Patch vllm-mlx's continuous-batching scheduler so its prefix cache answers from bundles."""
+def install_batched(mounted: Mounted, snapshots: Any) -> Callable[..., list]:
+    """Patch vllm-mlx's continuous-batching scheduler so its prefix cache answers from bundles
+    (and snapshots); returns what lists its entries at a stop."""
     from vllm_mlx import scheduler
     from vllm_mlx.engine_core import EngineCore
 
-    scheduler.MemoryAwarePrefixCache = pinned_memory_cache_class(
-        mounted, scheduler.MemoryAwarePrefixCache, SERVER
+    cache_class = pinned_memory_cache_class(
+        mounted, scheduler.MemoryAwarePrefixCache, SERVER, snapshots
     )
+    scheduler.MemoryAwarePrefixCache = cache_class
+    keep_through_reset(scheduler.Scheduler, cache_class)
     usage.bind_requests(EngineCore, scheduler.Scheduler)
     from vllm_mlx import server
 
     usage.add_middleware(server.app)
+    return lambda mounted, snapshots: memory_entries(cache_class, mounted, snapshots, SERVER)
 
 
 def keep_own_disk_cache_off() -> None:
@@ -234,12 +266,14 @@ def keep_own_disk_cache_off() -> None:
     server._save_prefix_cache_to_disk = not_saved
 
 
-def install_simple(mounted: Mounted) -> None:
-    """Patch vllm-mlx's SimpleEngine so its prompt trie exists and answers from the bundles."""
+def install_simple(mounted: Mounted, snapshots: Any) -> Callable[..., list]:
+    """Patch vllm-mlx's SimpleEngine so its prompt trie exists and answers from the bundles (and
+    snapshots); returns what lists its trie's entries and system-prompt snapshots at a stop."""
     from vllm_mlx.engine.simple import SimpleEngine
 
-    trie_class = pinned_trie_class(mounted)
-    original_init = SimpleEngine.__init__
+    trie_class = pinned_trie_class(mounted, snapshots)
+    seen = SystemIds(snapshots)
+    original_init, original_stop = SimpleEngine.__init__, SimpleEngine.stop
     original_peek = SimpleEngine._peek_prefix_trie_tokens_saved
 
     def __init__(self: Any, *a: Any, **kw: Any) -> None:
@@ -263,20 +297,70 @@ def install_simple(mounted: Mounted) -> None:
         if not isinstance(prefix_trie, trie_class):
             return original_peek(prefix_trie, model, tokens)
         own = original_peek(prefix_trie, prefix_trie.key(model), tokens)
-        return max(own or 0, mounted.covered(tokens))
+        shelf = snapshots.covered(tokens) if snapshots is not None else 0
+        return max(own or 0, mounted.covered(tokens), shelf)
+
+    async def stop(self: Any) -> None:  # it drops its system-prompt snapshots
+        seen.keep(self._system_kv_cache)
+        await original_stop(self)
 
     SimpleEngine.__init__ = __init__
     SimpleEngine._ensure_prefix_trie_cache = _ensure_prefix_trie_cache
     SimpleEngine._peek_prefix_trie_tokens_saved = staticmethod(_peek)
+    SimpleEngine.stop = stop
     route_text_chat_through_the_cache(SimpleEngine)
     from vllm_mlx.engine import simple
 
-    follow_system_snapshots(simple, SimpleEngine)
+    follow_system_snapshots(simple, SimpleEngine, seen)
     # cached tokens in its responses: counted by the trie lookup on the generation worker
     usage.bind_runs(SimpleEngine, "_run_blocking_serialized")
     from vllm_mlx import server
 
     usage.add_middleware(server.app)
+
+    def listed(mounted: Mounted, snapshots: Any) -> list:
+        tries = [t for t in trie_class.instances if t.model_key is not None]
+        own = [e for t in tries for e in lru_entries(t, t.model_key, mounted, snapshots, SERVER)]
+        return own + seen.entries(mounted, snapshots)
+
+    return listed
+
+
+class SystemIds:
+    """SimpleEngine files a system-prompt snapshot (the cache states after its system prefix)
+    under sha256(prefix text)[:16] with its token count only: for --snapshots, the ids of each
+    prefix as its engine encodes them and when a request last used it, and the snapshots it
+    held when it stopped (`keep`)."""
+
+    def __init__(self, snapshots: Any) -> None:
+        self.snapshots = snapshots
+        self.by_hash: dict[str, tuple[list[int], int]] = {}
+        self.kept: list[tuple[int, list[int], list]] = []
+
+    def note(self, text: str, ids: list[int]) -> None:
+        if self.snapshots is None:
+            return
+        self.by_hash[hashlib.sha256(text.encode()).hexdigest()[:16]] = (ids, self.snapshots.tick())
+        if len(self.by_hash) > 256:  # far more than vllm-mlx keeps (its capacity: 8 by default)
+            self.by_hash.pop(next(iter(self.by_hash)))
+
+    def keep(self, system_kv_cache: Any) -> None:
+        from mlx_lm.models.cache import KVCache
+
+        for key, (states, count) in list(system_kv_cache.items()):
+            ids, recency = self.by_hash.get(key, (None, 0))
+            if ids is None or len(ids) != count:
+                continue
+            if not all(isinstance(s, tuple) and len(s) == 2 for s in states):
+                continue  # not all KVCache layers (an ArraysCache's state is a list)
+            layers = [KVCache() for _ in states]
+            for layer, state in zip(layers, states, strict=True):
+                layer.state = state
+            self.kept.append((recency, ids, layers))
+
+    def entries(self, mounted: Mounted, snapshots: Any) -> list:
+        source = f"{SERVER} system-prompt snapshot"
+        return [(r, server_entry(ids, c, source, mounted, snapshots)) for r, ids, c in self.kept]
 
 
 def route_text_chat_through_the_cache(engine_class: type) -> None:

@@ -1,0 +1,116 @@
+"""`serve --server NAME --snapshots DIR` on the wrapped servers other than mlx_lm.server (its test:
+tests/test_snapshots.py): a conversation no bundle covers, a graceful restart (SIGTERM), and the
+next turn reuses the first turn's prompt, with the same answer and usage as a server that was not
+restarted. Real server processes in their venvs over loopback HTTP, the tiny test model."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import servers_env
+from servers_env import ROOT, chat, free_port, running
+from test_snapshots import SYSTEM
+
+SERVERS = {  # name: (venv python, serve options)
+    "vllm-mlx --continuous-batching": (
+        "servers_python",
+        ("--server", "vllm-mlx", "--continuous-batching"),
+    ),
+    "vllm-mlx --prefix-trie-cache": (
+        "servers_python",
+        ("--server", "vllm-mlx", "--prefix-trie-cache"),
+    ),
+    "rapid-mlx": ("rapid_python", ("--server", "rapid-mlx")),
+}
+
+
+def serve(name: str, model: Path, bundles: Path, port: int, *extra: str) -> list[str]:
+    python_of, options = SERVERS[name]
+    python = getattr(servers_env, python_of)()
+    head = [str(python), str(ROOT / "build.py"), "--bundles", str(bundles), "serve"]
+    return [*head, *options, "--model", str(model), "--port", str(port), *extra]
+
+
+def turn(port: int, model: Path, answer: str | None = None) -> dict:
+    """The conversation's first turn, or (with the first answer) its second."""
+    messages = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "Which shelf holds record 42?"},
+    ]
+    if answer is not None:
+        messages += [
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": "And record 43?"},
+        ]
+    body = {"model": str(model), "messages": messages, "max_tokens": 12, "temperature": 0.0}
+    return chat(port, body)[0]
+
+
+def stop(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGTERM)
+    return proc.wait(timeout=120)
+
+
+def restart(name: str, model: Path, tmp_path: Path, env: dict) -> dict:
+    """A reference server and a --snapshots one side by side for the first turn (and the
+    reference's second), SIGTERM, then a restarted one answers the second turn."""
+    bundles, snaps, work = tmp_path / "bundles", tmp_path / name.replace(" ", "_"), tmp_path / "w"
+    bundles.mkdir(exist_ok=True)
+    work.mkdir(exist_ok=True)
+    logs = {k: work / f"{name.replace(' ', '_')}-{k}.log" for k in ("ref", "one", "two")}
+    ports = {k: free_port() for k in logs}
+    out: dict = {"logs": logs}
+    with running(serve(name, model, bundles, ports["ref"]), ports["ref"], logs["ref"], env):
+        with running(
+            serve(name, model, bundles, ports["one"], "--snapshots", str(snaps)),
+            ports["one"],
+            logs["one"],
+            env,
+        ) as one:
+            out["first"] = turn(ports["one"], model)
+            answer = out["first"]["choices"][0]["message"]["content"]
+            assert turn(ports["ref"], model)["choices"][0]["message"]["content"] == answer
+            out["reference"] = turn(ports["ref"], model, answer)
+            out["exit"] = stop(one)
+    args = serve(name, model, bundles, ports["two"], "--snapshots", str(snaps))
+    with running(args, ports["two"], logs["two"], env) as two:
+        out["second"] = turn(ports["two"], model, answer)
+        out["exit2"] = stop(two)
+    return out
+
+
+@pytest.mark.slow
+def test_a_conversation_survives_a_graceful_restart_on_every_server(
+    tiny_model: Path, tmp_path: Path
+):
+    env = {"XDG_CONFIG_HOME": str(tmp_path / "config"), "HOME": str(tmp_path / "home")}
+    start = time.perf_counter()
+    with ThreadPoolExecutor(len(SERVERS)) as pool:
+        done = dict(
+            zip(
+                SERVERS,
+                pool.map(lambda n: restart(n, tiny_model, tmp_path, env), SERVERS),
+                strict=True,
+            )
+        )
+    print(f"restart on {len(SERVERS)} servers: {time.perf_counter() - start:.1f} s")
+    for name, out in done.items():
+        one, two = (out["logs"][k].read_text() for k in ("one", "two"))
+        assert (out["exit"], out["exit2"]) == (0, 0), (name, one[-3000:], two[-3000:])
+        prompt = out["first"]["usage"]["prompt_tokens"]
+        assert prompt > 3000, name
+        assert "snapshots: saved 1 entr" in one or "snapshots: saved 2 entr" in one, (name, one)
+        assert "snapshots: restored" in two and " 0 refused" in two, (name, two)
+        assert "request: snapshot 00-" in two, (name, two)
+        second, reference = out["second"], out["reference"]
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached >= 0.99 * prompt, (name, cached, prompt)
+        assert second["choices"][0]["message"] == reference["choices"][0]["message"], name
+        expected = reference["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert cached == expected, (name, cached, expected)
+        assert "Traceback" not in one + two, name
