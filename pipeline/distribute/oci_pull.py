@@ -253,23 +253,28 @@ class _Fetch:
         return m
 
     def _rebuild(self, plan: Layout, parsed, local: LocalBlocks, resumed: bool) -> None:
+        """Every piece in place, several at a time: from the partial file of an interrupted pull,
+        a local bundle holding the same bytes, or the registry."""
         target = Target(self.dest / CACHE_FILE, plan, resume=resumed)
+
+        def place(piece: tuple[int, Blob, list[tuple[int, int]]]) -> None:
+            k, blob, ranges = piece
+            with self.meter.phase("reuse"):
+                here = (resumed and target.holds(ranges, blob.digest, blob.size)) or (
+                    k >= 0 and local.fill(plan, k, blob, target.writer(iter(ranges)))
+                )
+            if not here:
+                self._stream(blob, ranges, target)
+                return
+            with self.lock:
+                self.counts.reused_bytes += blob.size
+                self.counts.reused_blobs += 1
+            self.meter.advance(blob.size, reused=True)
+
         try:
-            pieces = [(parsed.rest, list(plan.rest_ranges()))]
-            pieces += [(blob, list(plan.block_ranges(k))) for k, blob in enumerate(parsed.blocks)]
-            missing = []
-            for k, (blob, ranges) in enumerate(pieces, start=-1):
-                with self.meter.phase("reuse"):  # a partial file's blob, or a local bundle's
-                    here = (resumed and target.holds(ranges, blob.digest, blob.size)) or (
-                        k >= 0 and local.fill(plan, k, blob, target.writer(iter(ranges)))
-                    )
-                if here:
-                    self.counts.reused_bytes += blob.size
-                    self.counts.reused_blobs += 1
-                    self.meter.advance(blob.size, reused=True)
-                else:
-                    missing.append((blob, ranges))
-            in_parallel(lambda piece: self._stream(*piece, target), missing)
+            pieces = [(-1, parsed.rest, list(plan.rest_ranges()))]
+            pieces += [(k, x, list(plan.block_ranges(k))) for k, x in enumerate(parsed.blocks)]
+            in_parallel(place, pieces)
         finally:
             target.close()
 
@@ -305,24 +310,27 @@ class _Fetch:
 
 
 class LocalBlocks:
-    """Blocks of the cache files already in a bundles folder, found by their bytes' digest."""
+    """Blocks of the cache files already in a bundles folder, found by their bytes' digest
+    (thread-safe: several blocks are looked for at once)."""
 
     def __init__(self, root: Path) -> None:
         found = sorted(root.glob(f"*/*/*/{CACHE_FILE}")) if root.is_dir() else []
         self.files = [p for p in found if STAGING_DIR not in p.parts]
         # by (file, block size): blocks are cut with the size the remote artifact records
         self.opened: dict[tuple[Path, int], tuple[Source, int] | None] = {}
+        self.lock = threading.Lock()
 
     def _source(self, path: Path, b: int) -> tuple[Source, int] | None:
         """(mapped file, first block known to differ) or None when unusable."""
-        if (path, b) not in self.opened:
-            try:
-                tokens = json.loads((path.parent / MANIFEST_FILE).read_bytes())["tokens"]["count"]
-                plan = read_layout(path, int(tokens), block_size=b)
-                self.opened[path, b] = (Source(path, plan), 1 << 62)
-            except Exception:  # not a bundle we can read blocks from: download instead
-                self.opened[path, b] = None
-        return self.opened[path, b]
+        with self.lock:
+            if (path, b) not in self.opened:
+                try:
+                    manifest = json.loads((path.parent / MANIFEST_FILE).read_bytes())
+                    plan = read_layout(path, int(manifest["tokens"]["count"]), block_size=b)
+                    self.opened[path, b] = (Source(path, plan), 1 << 62)
+                except Exception:  # not a bundle we can read blocks from: download instead
+                    self.opened[path, b] = None
+            return self.opened[path, b]
 
     def fill(self, plan: Layout, k: int, blob: Blob, write: Callable[[bytes], None]) -> bool:
         """Write block k from a local file holding the same bytes; False when none does."""
@@ -340,7 +348,10 @@ class LocalBlocks:
             ):
                 write(data)
                 return True
-            self.opened[path, plan.block_tokens] = (source, k)  # a continuation shares a prefix
+            with self.lock:  # a continuation shares a prefix: no later block of it matches
+                first = self.opened[path, plan.block_tokens]
+                if first is not None and k < first[1]:
+                    self.opened[path, plan.block_tokens] = (source, k)
         return False
 
     def close(self) -> None:
