@@ -293,3 +293,41 @@ def test_prune_snapshots_lists_then_wipes_and_is_refused_while_serve_uses_the_fo
     assert main(["prune", "--snapshots", str(root), "--apply"]) == 0
     assert capsys.readouterr().out.startswith(f"deleted 1 folder under {root}")
     assert sorted(p.name for p in root.iterdir()) == [".lock"]
+
+
+@pytest.mark.parametrize("stop", [lambda: 0, "interrupt"])
+def test_serve_saves_after_the_servers_graceful_stop(monkeypatch: pytest.MonkeyPatch, stop):
+    """uvicorn re-raises the SIGTERM it captured after its graceful shutdown (our handler makes it
+    a KeyboardInterrupt): serve still saves the entries, once, and exits 0."""
+    from types import SimpleNamespace
+
+    from pipeline.runtime.servers import startup
+    from pipeline.runtime.servers.hook import ServerHook
+
+    saved = []
+    snaps = SimpleNamespace(save=lambda listed, covered: saved.append(listed))
+    for name in ("require", "refuse_options", "check_port", "check_admin", "setup_logging"):
+        monkeypatch.setattr(startup, name, lambda *a, **k: None)
+    monkeypatch.setattr(startup, "ensure_huge_pages", lambda *a, **k: None)
+    monkeypatch.setattr(startup, "mount_for", lambda *a, **k: SimpleNamespace(covered=len))
+    monkeypatch.setattr(startup, "check_tokenization", lambda *a: {})
+    monkeypatch.setattr(startup, "open_snapshots", lambda *a: snaps)
+    monkeypatch.setattr(startup, "try_it", lambda *a: "")
+
+    class Hook(ServerHook):
+        name, package, address, snapshots = "mlx-lm", "json", ("127.0.0.1", 1), True
+
+        def install(self, mounted, options, snapshots=None) -> None: ...
+
+        def launch(self, mounted, options) -> int:
+            if stop == "interrupt":
+                raise KeyboardInterrupt
+            return stop()
+
+        def entries(self, mounted, snapshots) -> list:
+            return ["entry"]
+
+    options = SimpleNamespace(snapshots=Path("s"), rest=(), warm_up=False, huge_pages=None,
+                              argv=(), passed=lambda o: None)  # fmt: skip
+    assert startup.serve(Hook(), options) == 0
+    assert saved == [["entry"]]
