@@ -73,10 +73,12 @@ def pull_oci(
     wanted = parse_wanted(prefixes)
     # a bad model folder fails here, before the network (in this thread: a side thread that
     # imported mlx_lm while blocks streamed saved ~2 s, and aborted one bench pull at exit)
-    identity = identity_for(model_dir)
+    meter = meter or Meter()
+    with meter.phase("model identity"):  # its cache classes import mlx_lm: seconds
+        identity = identity_for(model_dir)
     fingerprint = identity.model
     registry = Registry(ref, plain_http=plain_http, ca_bundle=ca_bundle)
-    registry.meter = meter = meter or Meter()
+    registry.meter = meter
     try:
         remote = [RemoteBundle(*p, ()) for t in registry.tags() if (p := parse_tag(t))]
         pins = pins or {}
