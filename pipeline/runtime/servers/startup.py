@@ -117,7 +117,10 @@ def serve(hook: ServerHook, options: ServeOptions) -> int:
     if options.warm_up:
         hook.warm_up_server(mounted, options)
     else:
-        log.info("no warm-up (%s's default: off; --warm-up runs it)", hook.name)
+        why = (
+            "--no-warm-up" if hook.warm_up else f"off by default for {hook.name}; --warm-up runs it"
+        )
+        log.info("no warm-up (%s)", why)
     log.info("%s", try_it(hook, options))
     if snapshots is None:
         return hook.launch(mounted, options)
