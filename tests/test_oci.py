@@ -639,11 +639,15 @@ def test_pull_lockfile_pins_by_the_digest_push_recorded(
         "every prefix it locks for the model)\n"
     )
     (tmp_path / "v2.lock").write_text(lockfile.read_text().replace('"version": 1', '"version": 2'))
-    assert main([*args[:-1], str(tmp_path / "v2.lock")]) == 1
+    other = reg.repo("fleet/other")
+    assert (
+        main(["push", str(shop_bundle), "--repo", other, "--lockfile", f"{tmp_path}/v2.lock"]) == 1
+    )
     assert capsys.readouterr().err == (
         f"error: {tmp_path / 'v2.lock'}: it locks shop@2, not the pushed shop@1; push the "
         "bundles the lockfile names (build --locked), or drop --lockfile\n"
     )
+    assert not (reg.storage / "docker/registry/v2/repositories/fleet/other").exists()  # first
 
 
 def test_pull_rebuilds_with_the_block_size_the_artifact_records(

@@ -142,6 +142,13 @@ def _run_oci(args: argparse.Namespace, checked: list[CheckedBundle]) -> int:
         )
     from pipeline.distribute.meter import Meter
 
+    if args.lockfile:  # before anything moves: it must lock every version pushed
+        from pipeline.format.lockfile import locked_entry, read_lock
+
+        lock = read_lock(args.lockfile)
+        for b in checked:
+            locked_entry(args.lockfile, lock, b.name, b.version)
+
     ca = str(args.ca_bundle) if args.ca_bundle else None
     meter = Meter(None if args.json or args.dry_run else transfer_progress("push"))
     result = push_oci(

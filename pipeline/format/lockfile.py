@@ -142,15 +142,21 @@ def record_artifacts(path: Path, name: str, version: int, digests: dict[str, str
     path = Path(path)
     with FileLock(str(path.with_name(f".{path.name}.lock"))):
         lock = read_lock(path)
-        now = lock.prefixes.get(name)
-        if now is None or now.version != version:
-            found = f"locks {name}@{now.version}" if now else f"does not name {name}"
-            raise LockError(
-                f"{path}: it {found}, not the pushed {name}@{version}; push the bundles the "
-                "lockfile names (build --locked), or drop --lockfile"
-            )
+        now = locked_entry(path, lock, name, version)
         entry = now.model_copy(update={"artifacts": {**(now.artifacts or {}), **digests}})
         write_lock(path, lock.model_copy(update={"prefixes": {**lock.prefixes, name: entry}}))
+
+
+def locked_entry(path: Path, lock: Lockfile, name: str, version: int) -> LockedPrefix:
+    """The entry that locks name@version; LockError when the lockfile locks another or none."""
+    now = lock.prefixes.get(name)
+    if now is None or now.version != version:
+        found = f"locks {name}@{now.version}" if now else f"does not name {name}"
+        raise LockError(
+            f"{path}: it {found}, not the pushed {name}@{version}; push the bundles the "
+            "lockfile names (build --locked), or drop --lockfile"
+        )
+    return now
 
 
 def locked_versions(path: Path) -> dict[str, int]:
