@@ -81,7 +81,8 @@ def pinned_memory_cache_class(
 
         def keep(self) -> None:
             """Hold the entries now in the cache for the save (its engine is stopping)."""
-            self.kept = [(key, entry.cache) for key, entry in list(self._entries.items())]
+            if snapshots is not None:  # without --snapshots nothing is saved: hold nothing
+                self.kept = [(key, entry.cache) for key, entry in list(self._entries.items())]
 
     return PinnedMemoryCache
 
