@@ -12,6 +12,7 @@ The machine is shared: other work changing speed mid-build is in the figures, no
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -20,7 +21,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import MODEL_BF16, REPO, Context, clean_env, text_with_tokens, write_definition
+if __name__ == "__main__" and "--quick" in sys.argv[1:]:  # as bench/run.py: before common
+    os.environ.setdefault("PREFIX_BUNDLES_BENCH_SIZE", "small")
+
+from common import (  # noqa: E402
+    MODEL_BF16,
+    REPO,
+    Context,
+    clean_env,
+    text_with_tokens,
+    write_definition,
+)
 
 LINE = re.compile(r"^(?P<label>.+?): prefill (?P<done>\d+)/(?P<total>\d+) tokens.*?, "
                   r"(?P<rate>[\d,.]+) tok/s, ETA (?P<eta>[\d.]+)s$")  # fmt: skip
@@ -32,7 +43,7 @@ SYSTEM = "You are the assistant of a field team. Answer from these notes only.\n
 
 def settings(quick: bool) -> dict[str, Any]:
     """The bench model's lengths (16k takes ~10+ min on 2 cores: full runs only)."""
-    return {"lengths": [2048, 4096] if quick else [4096, 16384]}
+    return {"lengths": [4096, 8192] if quick else [4096, 16384]}
 
 
 def errors(lines: list[tuple[float, str]]) -> dict[str, Any]:
@@ -157,7 +168,9 @@ if __name__ == "__main__":
     import tempfile
 
     parser = argparse.ArgumentParser(description="the build ETA's error, standalone")
-    parser.add_argument("--quick", action="store_true", help="the bench model at 2k and 4k")
+    parser.add_argument(
+        "--quick", action="store_true", help="the small model (bench --quick's) at 4k and 8k"
+    )
     parser.add_argument("--lengths", help="comma list of bench-model lengths (overrides)")
     parser.add_argument("--skip-demo", action="store_true")
     parser.add_argument("--json", type=Path, help="also write the results here")
