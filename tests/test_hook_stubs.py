@@ -37,6 +37,8 @@ class StubMemoryAwarePrefixCache:
         self._last_match_type, self._last_matched_key = None, None
 
     def fetch(self, tokens: list[int]) -> tuple[list | None, list[int]]:
+        if tuple(tokens) in self._entries:  # an exact hit: the stored state itself, nothing left
+            return self._entries[tuple(tokens)].cache, []
         keys = [k for k in self._entries if tuple(tokens[: len(k)]) == k and len(k) < len(tokens)]
         if not keys:
             return None, list(tokens)
@@ -91,6 +93,19 @@ def test_it_hands_out_the_bundle_and_reports_usage(pinned_cache):
     assert served(result, request) == len(pinned_cache.prefix)
     assert (reuse.cached, reuse.looked_up) == (len(pinned_cache.prefix), True)
     assert pinned_cache.cache._last_match_type == "prefix"
+
+
+def test_an_exact_hit_on_its_own_entry_leaves_a_token_and_the_entry_whole(pinned_cache):
+    """vllm-mlx's and rapid-mlx's fetch hand out the stored state itself on an exact hit: the
+    token left to process is cut from a copy, never from the entry (a second identical request
+    would otherwise continue from a cache one token shorter than its key says)."""
+    request = [*pinned_cache.prefix, *ids(6)]
+    pinned_cache.cache.store(request, prefill(pinned_cache.model, request)[0])
+    for _ in range(3):
+        cache, rest = pinned_cache.cache.fetch(list(request))
+        assert rest == request[-1:] and {layer.offset for layer in cache} == {len(request) - 1}
+    stored = pinned_cache.cache._entries[tuple(request)].cache
+    assert {layer.offset for layer in stored} == {len(request)}
 
 
 def test_an_exact_hit_leaves_a_token(pinned_cache):

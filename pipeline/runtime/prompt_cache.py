@@ -378,16 +378,16 @@ class PromptCacheManager:
 
 def at_least_one_left(fetch: Any, tokens: list[int]) -> tuple[Any, list[int]]:
     """`fetch(tokens)` -> (cache, rest) of a server's own prompt cache, never with nothing left to
-    process: an exact hit is trimmed by one token where every layer can trim, else replaced by
-    the best entry for all but the last token, else cold. (mlx-lm's LRUPromptCache hands out an
+    process: an exact hit is handed out one token short (a copy: the entry stays whole) where
+    every layer can trim, else replaced by the best entry for all but the last token, else cold. (mlx-lm's LRUPromptCache hands out an
     exact hit on a rotating or recurrent cache with an empty rest; its generation then fails.)"""
     cache, rest = fetch(tokens)
     if cache is None or len(rest) > 0 or not tokens:
         return cache, rest
     if all(layer.is_trimmable() for layer in cache) and len(tokens) > 1:
-        for layer in cache:
-            layer.trim(1)
-        return cache, tokens[-1:]
+        # cut from a copy-on-write copy: some servers hand out the stored state itself
+        # (vllm-mlx's and rapid-mlx's memory-aware cache on an exact hit)
+        return fork_cache(cache, 1), tokens[-1:]
     if len(tokens) < 2:
         return None, tokens
     shorter, rest = fetch(tokens[:-1])
