@@ -21,6 +21,7 @@ from pipeline.builder.render import Rendered, template_text
 from pipeline.builder.stability import StableCut, common_prefix_length, stable_prefix
 from pipeline.format.errors import BuildError, PipelineError
 from pipeline.format.manifest import RequestInfo, RequestMessage
+from pipeline.runtime.servers.options import install_hint
 from pipeline.runtime.servers.tokens import (
     ANTHROPIC_SERVERS,
     hook_of,
@@ -81,7 +82,7 @@ def versions(server: str) -> str:
         raise BuildError(
             f"servers: {server} is not installed in this Python environment ({hook_of(server).package} "
             f"cannot be imported), so its own request code cannot give the bundle's ids; "
-            f"install it here (\"pip install 'mlx-prefix-bundles[{server}]'\") or remove it"
+            f"{install_hint(server)}, or remove it from the definition's servers"
         ) from None
 
 

@@ -95,13 +95,22 @@ def refuse_options(rest: list[str], server: str, options: dict[str, str]) -> Non
             raise PipelineError(f"serve --server {server}: {option} is not supported: {why}")
 
 
+def install_hint(server: str) -> str:
+    """How to get a server whose package this environment lacks: its own virtual environment
+    (the wrapped servers pin mlx-lm 0.31), made by the command the package ships."""
+    venv = f".venv-{server}"
+    return (
+        f"make its environment with 'prefix-bundles server-env {server} {venv}', then run "
+        f"'{venv}/bin/prefix-bundles' there (docs/servers.md)"
+    )
+
+
 def require(module: str, server: str) -> None:
     """PipelineError unless the server's package is importable here."""
-    if importlib.util.find_spec(module) is None:
+    if importlib.util.find_spec(module.split(".")[0]) is None:
         raise PipelineError(
             f"serve --server {server}: {server} is not installed in this Python environment "
-            f"({module} cannot be imported); install it with "
-            f"\"pip install 'mlx-prefix-bundles[{server}]'\" (docs/servers.md)"
+            f"({module} cannot be imported); {install_hint(server)}"
         )
 
 
@@ -171,6 +180,7 @@ def check_port(address: tuple[str, int], rest: list[str]) -> None:
 __all__ = [
     "ServeOptions",
     "check_admin",
+    "install_hint",
     "check_port",
     "passed_option",
     "port_number",

@@ -89,6 +89,8 @@ def request_ids(server: str, tokenizer: Any, body: dict[str, Any], model_type: s
     PipelineError when the server is not installed here or refuses the request."""
     import importlib.util
 
+    from pipeline.runtime.servers.options import install_hint
+
     hook = hook_of(server)
     if server not in SERVER_NAMES:
         raise PipelineError(
@@ -98,7 +100,7 @@ def request_ids(server: str, tokenizer: Any, body: dict[str, Any], model_type: s
     if importlib.util.find_spec(hook.package.split(".")[0]) is None:
         raise PipelineError(
             f"{server} is not installed in this Python environment, so its own request code "
-            f"cannot be run; install it (\"pip install 'mlx-prefix-bundles[{server}]'\") here"
+            f"cannot be run; {install_hint(server)}"
         )
     body = copy.deepcopy(body)  # servers change messages in place
     if is_anthropic(body) and server not in ANTHROPIC_SERVERS:
