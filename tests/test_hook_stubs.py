@@ -6,11 +6,12 @@ server's class (the methods and parameters the hook relies on), so a stub cannot
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import logging
 import subprocess
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -416,25 +417,51 @@ class StubPromptCachePool:
 
 
 class StubOpenAILRU:
-    """mlx-openai-server's LRUPromptCache (app.utils.prompt_cache): mlx-lm's, without the model
-    argument; mlx-lm's own class keeps the entries."""
+    """mlx-openai-server's LRUPromptCache (app.utils.prompt_cache), a disk-backed copy of mlx-lm's
+    without the model argument: tokens per cache type in `_lru._lrus`, an entry per tokens in
+    `_trie`, each hit a new copy read back (`_load_cache_from_disk`); an exact hit is the whole
+    entry with nothing left, a longer entry is trimmed, else the longest stored prefix."""
 
-    def __init__(self, max_size: int = 10) -> None:
-        from mlx_lm.models.cache import LRUPromptCache
+    def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63, cache_dir=None) -> None:
+        self._trie = SimpleNamespace(get=lambda tokens: tuple(tokens))  # the entry: its key here
+        self._lru = SimpleNamespace(_lrus={t: deque() for t in ("assistant", "user", "system")})
+        self._stored: dict[tuple[int, ...], list] = {}
 
-        self._lru = LRUPromptCache(max_size)
+    def _load_cache_from_disk(self, entry) -> list:
+        return copy.deepcopy(self._stored[entry])  # a new copy, as unpickling gives
 
     def fetch_nearest_cache(self, tokens_ids, *, allowed_sources=None):
-        return self._lru.fetch_nearest_cache("m", tokens_ids)
+        if tuple(tokens_ids) in self._stored:
+            return self._load_cache_from_disk(tuple(tokens_ids)), []
+        shared = {k: stub_common_prefix_len(k, tokens_ids) for k in self._stored}
+        shorter = max((k for k in shared if shared[k] == len(k)), key=len, default=())
+        longer = max((k for k in shared if shared[k] < len(k)), key=shared.get, default=None)
+        if longer is not None and shared[longer] > len(shorter):
+            cache, keep = (
+                self._load_cache_from_disk(longer),
+                min(len(tokens_ids) - 1, shared[longer]),
+            )
+            for layer in cache:
+                layer.trim(len(longer) - keep)
+            return cache, list(tokens_ids[keep:])
+        if shorter:
+            return self._load_cache_from_disk(shorter), list(tokens_ids[len(shorter) :])
+        return None, list(tokens_ids)
 
     def insert_cache(self, tokens_ids, prompt_cache, *, cache_type="assistant", source="nonbatch"):
-        self._lru.insert_cache("m", tokens_ids, prompt_cache, cache_type=cache_type)
+        self._stored[tuple(tokens_ids)] = prompt_cache
+        self._lru._lrus[cache_type].append(tuple(tokens_ids))
 
     def clear(self) -> None:
-        self._lru = type(self._lru)(self._lru.max_size)
+        self._stored.clear()
+        for lru in self._lru._lrus.values():
+            lru.clear()
+
+    def close(self) -> None:
+        self.clear()
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return len(self._stored)
 
 
 def covered_by(cache, rest, tokens) -> int:
@@ -454,7 +481,7 @@ def mlx_lm_adapter(mounted):
     )
 
 
-def omni_adapter(mounted, monkeypatch):
+def omni_adapter(mounted, monkeypatch, snapshots=None):
     """omni's PinnedPromptCachePool over the pool stub (a checkout's tokens: what it serves)."""
     import sys
     import types
@@ -474,7 +501,8 @@ def omni_adapter(mounted, monkeypatch):
     monkeypatch.setitem(sys.modules, cache_module.__name__, cache_module)
     monkeypatch.setitem(sys.modules, pool_module.__name__, pool_module)
     monkeypatch.setattr(mlx_omni, "model_folder", lambda key: mounted.model.resolve())
-    pool = mlx_omni.pinned_pool_class(mounted)()
+    pool_class = mlx_omni.pinned_pool_class(mounted, snapshots)
+    pool = pool_class()
 
     def fetch(tokens):
         out = pool.get_cache(tokens, "m")
@@ -486,10 +514,19 @@ def omni_adapter(mounted, monkeypatch):
         fetch=fetch,
         warm_store=lambda t, c: pool.put_cache(StubPromptCache(t, c, "m")),
         stored=lambda: len(pool._entries),
+        hook=SimpleNamespace(entries=lambda m, s: _omni_hook(pool_class).entries(m, s)),
     )
 
 
-def openai_adapter(mounted, monkeypatch):
+def _omni_hook(pool_class):
+    from pipeline.runtime.servers.mlx_omni import Hook
+
+    hook = Hook()
+    hook.pools = pool_class  # as install sets it
+    return hook
+
+
+def openai_adapter(mounted, monkeypatch, snapshots=None):
     """mlx-openai-server's PinnedPromptCache over its LRU stub."""
     import sys
     import types
@@ -499,14 +536,17 @@ def openai_adapter(mounted, monkeypatch):
     module = types.ModuleType("app.utils.prompt_cache")
     module.LRUPromptCache = StubOpenAILRU
     monkeypatch.setitem(sys.modules, module.__name__, module)
+    from pipeline.runtime.servers.lru_cache import disk_lru_entries
     from pipeline.runtime.servers.mlx_openai import pinned_cache_class
 
-    cache = pinned_cache_class(mounted)()
+    cache = pinned_cache_class(mounted, snapshots)()
     return SimpleNamespace(
         store=lambda t, c: cache.insert_cache(t, c),
         fetch=lambda t: covered_by(*cache.fetch_nearest_cache(t), t),
         warm_store=None,  # its warm-up entries are dropped at the first client's lookup
         cache=cache,
+        hook=SimpleNamespace(entries=lambda m, s: disk_lru_entries(cache, m, s, "openai")),
+        save=cache.close,  # its handler's cleanup closes the cache: the model process saves
     )
 
 
@@ -591,7 +631,8 @@ def test_the_pool_and_lru_stubs_have_the_methods_and_parameters_of_the_installed
         "('__init__', 'get_cache', 'put_cache', '_evict_expired')}, "
         "'cache': s(PromptCache), "
         "'lru': {n: s(getattr(LRUPromptCache, n)) for n in "
-        "('fetch_nearest_cache', 'insert_cache', 'clear', '__len__')}}))\n"
+        "('__init__', 'fetch_nearest_cache', 'insert_cache', 'clear', 'close', '__len__', "
+        "'_load_cache_from_disk')}}))\n"
     )
     python = servers_env.servers_python()
     done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=300)
@@ -632,3 +673,122 @@ def test_every_server_says_which_model_id_clients_send_and_how_to_try_it(
         f'{server}: clients send "model": "{model}" to {url}; once the port opens, try: '
         f"curl -s {url} -H 'Content-Type: application/json' -d '{body}'"
     )
+
+
+# --- --snapshots through the pool and LRU hooks (omni; mlx-openai-server's model process) ----------
+
+
+@pytest.fixture(params=["mlx-omni-server", "mlx-openai-server"])
+def snap_hooked(request, shelf, monkeypatch, tiny_model):
+    """A hook's cache subclass over its stub, answering from the restored EXACT and LOSSY
+    snapshots (the `shelf` fixture) with no bundle pinned."""
+    shelf.mounted.model = tiny_model
+    if request.param == "mlx-omni-server":
+        adapter = omni_adapter(shelf.mounted, monkeypatch, shelf.snaps)
+        listed = lambda: adapter.hook.entries(shelf.mounted, shelf.snaps)  # noqa: E731
+        adapter.save = lambda: shelf.snaps.save(listed(), lambda t: 0)  # serve, at the stop
+    else:
+        adapter = openai_adapter(shelf.mounted, monkeypatch, shelf.snaps)
+    adapter.server, adapter.shelf = request.param, shelf
+    return adapter
+
+
+def test_a_hooked_pool_answers_from_restored_snapshots_under_the_rule(snap_hooked, caplog):
+    h = snap_hooked
+    with caplog.at_level(logging.INFO, logger="prefix-bundles"):
+        assert h.fetch([*EXACT, 1, 2]) == len(EXACT)
+    assert "request: snapshot " in caplog.text
+    assert h.fetch(list(EXACT)) == len(EXACT) - 1  # always a token left
+    # the lossy snapshot serves only its share (half of it), never a short overlap
+    assert h.fetch([*LOSSY[:60], 1, 2]) == 0
+    assert h.fetch([*LOSSY[:150], 1]) == 150
+    # the server's own entry sharing its opening with the lossy snapshot is held to its rule
+    h.store(LOSSY[:40], h.shelf.prefill(LOSSY[:40]))
+    assert h.fetch([*LOSSY[:40], 3, 4]) == 0
+    longer = [*EXACT, 77, 78]  # its own longer entry wins over the snapshot
+    h.store(longer, h.shelf.prefill(longer))
+    assert h.fetch([*longer, 5]) == len(longer)
+
+
+@pytest.mark.parametrize("bundle, by", [(len(EXACT), "bundle shop@1"), (60, "request: snapshot")])
+def test_a_hooked_pool_never_lets_a_snapshot_beat_an_exact_bundle(
+    snap_hooked, caplog, bundle: int, by: str
+):
+    shelf = snap_hooked.shelf
+    shelf.mounted.manager.pin(BUNDLE_KEY, EXACT[:bundle], shelf.prefill(EXACT[:bundle]), "shop@1")
+    with caplog.at_level(logging.INFO, logger="prefix-bundles"):
+        assert snap_hooked.fetch([*EXACT, 1]) == len(EXACT)
+    lines = [r.getMessage() for r in caplog.records if "request:" in r.getMessage()]
+    assert any(by in line for line in lines), lines
+    if by.startswith("bundle"):
+        assert not any("request: snapshot" in line for line in lines), lines
+
+
+def test_a_hooked_pool_lists_its_entries_at_a_stop(snap_hooked, tmp_path, tiny_model):
+    """Its own entries, cut to their KV (a last sampled token never fed), quantized and
+    continued-from-lossy ones recorded lossy, in the order they were stored; nothing of the
+    warm-up; saved and restored, the set answers as the entries did."""
+    from pipeline.runtime.snapshots import DEFAULT_BUDGET, Snapshots
+
+    h, shelf = snap_hooked, snap_hooked.shelf
+    plain = [*EXACT[:30], 5, 6, 7]
+    h.store([*plain, 8], shelf.prefill(plain))  # prompt + output: the last token never fed
+    quantized = [(13 * i + 3) % 900 + 10 for i in range(20)]
+    h.store(quantized, quantized_kv(shelf.prefill(quantized)))
+    descends = [*LOSSY[:130], 4, 4]  # continued from the lossy snapshot
+    h.store(descends, shelf.prefill(descends))
+    ahead = [(7 * i + 5) % 900 + 10 for i in range(25)]  # omni feeds its finishing token
+    h.store(ahead, shelf.prefill([*ahead, 9]))  # the KV runs one ahead: a copy cut to `ahead`
+    if h.server == "mlx-omni-server":  # mlx-openai-server's: test_no_hooked_cache_keeps_...
+        warm_up.WARMING.set()
+        try:
+            h.store([*EXACT[:20], 9], shelf.prefill([*EXACT[:20], 9]))
+        finally:
+            warm_up.WARMING.clear()
+    listed = h.hook.entries(shelf.mounted, shelf.snaps)
+    by_tokens = {tuple(e.tokens): (stamp, e) for stamp, e in listed}
+    assert set(by_tokens) == {tuple(plain), tuple(quantized), tuple(descends), tuple(ahead)}
+    assert [by_tokens[tuple(t)][1].lossy for t in (plain, quantized, descends)] == [0, 1, 1]
+    assert {layer.offset for layer in by_tokens[tuple(ahead)][1].cache} == {len(ahead)}
+    stamps = [by_tokens[tuple(t)][0] for t in (plain, quantized, descends, ahead)]
+    assert stamps == sorted(stamps) and stamps[0] > 0
+    h.save()
+    shelf.snaps.close()
+    again = Snapshots(tmp_path / "snaps", DEFAULT_BUDGET, tiny_model, None, "rapid-mlx")
+    again.restore([])
+    try:
+        assert len(again) == 2 + 4  # EXACT and LOSSY, kept, and the server's four entries
+        assert again.fetch([*plain, 1], better_than=0)[1] == len(plain)
+        assert again.fetch([*quantized[:4], 1], better_than=0)[0] is None  # lossy: its share
+        assert again.fetch([*quantized, 1], better_than=0)[1] == len(quantized)
+        assert again.fetch([*ahead, 1], better_than=0)[1] == len(ahead)
+    finally:
+        again.close()
+
+
+def quantized_kv(cache: list) -> list:
+    """The layers as mlx-lm's QuantizedKVCache (what a --kv-bits server stores)."""
+    return [layer.to_quantized(group_size=64, bits=8) for layer in cache]
+
+
+def test_a_hook_that_declares_no_snapshots_is_refused_with_one_line(tmp_path):
+    """Every wrapped server declares `snapshots` now; a hook that does not is refused before
+    anything is loaded or created."""
+    from pipeline.format.errors import PipelineError
+    from pipeline.runtime.servers.hook import ServerHook
+    from pipeline.runtime.servers.options import ServeOptions
+    from pipeline.runtime.servers.startup import serve
+
+    class Plain(ServerHook):
+        name, package, address = "plain", "json", ("127.0.0.1", 1)
+
+    options = ServeOptions(
+        "plain", tmp_path / "m", tmp_path / "b", (), (), True, snapshots=tmp_path / "snaps"
+    )
+    with pytest.raises(PipelineError) as refused:
+        serve(Plain(), options)
+    assert str(refused.value) == (
+        "--snapshots is not supported with --server plain yet (docs/snapshots.md lists the "
+        "servers that support it); serve without --snapshots"
+    )
+    assert not (tmp_path / "snaps").exists()

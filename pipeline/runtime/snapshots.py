@@ -265,6 +265,29 @@ def open_snapshots(options: Any, mounted: Any, server: str) -> Snapshots:
     return snapshots
 
 
+def parent_of_snapshots(options: Any) -> None:
+    """serve --snapshots where a spawned model process serves the mount (mlx-openai-server): a
+    folder another serve uses is refused now (the model process locks it), and SIGTERM stops the
+    server gracefully as SIGINT does (the model process is then told to stop, and saves)."""
+    if options.snapshots is None:
+        return
+    SnapshotFolder(options.snapshots).close()
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+
+
+def child_snapshots(options: Any, mounted: Any, server: str) -> Snapshots | None:
+    """The model process's snapshots, locked and restored after its bundles. It ignores SIGTERM
+    as the server makes it ignore SIGINT: a signal to the whole group (a service manager's stop)
+    must not end it before its parent's orderly stop lets it save; the parent kills it after.
+    None without --snapshots."""
+    if options.snapshots is None:
+        return None
+    snapshots = open_snapshots(options, mounted, server)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return snapshots
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     """SIGTERM as SIGINT: the server stops its HTTP server and joins its threads. A second
     SIGTERM (a supervisor and its wrapper both sending one) is ignored, so it cannot cut the stop
@@ -276,7 +299,7 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def with_snapshots(
     own: Callable[[list[int]], tuple[Any, list[int]]],
-    snapshots: Snapshots,
+    snapshots: Snapshots | None,
     covered: Callable[[list[int]], int],
     server: str,
     answered: Callable[[str], None] | None = None,
@@ -284,19 +307,19 @@ def with_snapshots(
     """The server's own fetch, or a restored snapshot where it covers more than both the
     server's own entry and every pinned bundle (`covered`; a tie goes to those: a snapshot never
     beats an exact bundle). A server entry sharing its opening with a lossy snapshot is held to
-    its rule. `answered(name)` is told when a snapshot answers."""
+    its rule. `answered(name)` is told when a snapshot answers. `own` without --snapshots."""
+
+    if snapshots is None:
+        return own
 
     def fetch(tokens: list[int]) -> tuple[Any, list[int]]:
         cache, rest = own(tokens)
         held = len(tokens) - len(rest) if cache is not None else 0
         if cache is not None and held < snapshots.lossy_floor(tokens):
             cache, rest, held = None, tokens, 0
-        found, keep, name = snapshots.fetch(tokens, max(held, covered(tokens)))
+        found, keep, name = snapshot_answer(snapshots, tokens, max(held, covered(tokens)), server)
         if found is None:
             return cache, rest
-        log.info(
-            "%s request: snapshot %s covers %d of %d prompt tokens", server, name, keep, len(tokens)
-        )
         if answered is not None:
             answered(name)
         return found, list(tokens[keep:])
@@ -304,4 +327,30 @@ def with_snapshots(
     return fetch
 
 
-__all__ = ["DEFAULT_BUDGET", "Entry", "Snapshots", "open_snapshots", "parse_size", "with_snapshots"]
+def snapshot_answer(
+    snapshots: Snapshots | None, tokens: Sequence[int], better_than: int, server: str
+) -> tuple[list | None, int, str]:
+    """`Snapshots.fetch` for a request whose bundles and own entries cover `better_than` tokens
+    (a snapshot answers only where it covers more), with the request's log line when it does;
+    (None, 0, "") without --snapshots."""
+    if snapshots is None:
+        return None, 0, ""
+    found, keep, name = snapshots.fetch(tokens, better_than)
+    if found is not None:
+        log.info(
+            "%s request: snapshot %s covers %d of %d prompt tokens", server, name, keep, len(tokens)
+        )
+    return found, keep, name
+
+
+__all__ = [
+    "DEFAULT_BUDGET",
+    "Entry",
+    "Snapshots",
+    "child_snapshots",
+    "open_snapshots",
+    "parent_of_snapshots",
+    "parse_size",
+    "snapshot_answer",
+    "with_snapshots",
+]

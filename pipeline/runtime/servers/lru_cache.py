@@ -1,13 +1,15 @@
 """mlx-lm's LRUPromptCache (mlx_lm.models.cache: mlx_lm.server's prompt cache, and vllm-mlx's
-prefix trie) as snapshots see it: a recency stamp per stored entry, and at a graceful stop its
-entries for the served model, cut to what each cache holds. Shared by the hooks whose server
-keeps one; owned by none. `server_entry` records any server's entry (memory_cache.py too)."""
+prefix trie) and mlx-openai-server's disk-backed copy of it (app.utils.prompt_cache) as snapshots
+see them: a recency stamp per stored entry, and at a graceful stop their entries for the served
+model, cut to what each cache holds. Shared by the hooks whose server keeps one; owned by none.
+`server_entry` and `held_entry` record any server's entry (memory_cache.py and omni's pool too);
+`entry_usable` is the one rule for an entry a server checks out by its own scan (omni's pool)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pipeline.runtime.prompt_cache import is_lossy
+from pipeline.runtime.prompt_cache import fork_cache, is_lossy
 from pipeline.runtime.snapshot_store import Entry
 
 
@@ -34,7 +36,9 @@ def stamp(prompt_cache: Any, tokens: list[int], tick: int) -> None:
     stamps = prompt_cache.stamps
     stamps[tuple(tokens)] = tick
     if len(stamps) > 4 * max(len(prompt_cache), 16):
-        live = {tuple(t) for lru in prompt_cache._lru._lrus.values() for _, t in lru}
+        # mlx-lm keeps (model, tokens), mlx-openai-server (one model per process) tokens alone
+        items = [i for lru in prompt_cache._lru._lrus.values() for i in lru if len(i)]
+        live = {tuple(i) if isinstance(i[0], int) else tuple(i[1]) for i in items}
         prompt_cache.stamps = {k: v for k, v in stamps.items() if k in live}
 
 
@@ -51,15 +55,85 @@ def lru_entries(
             if model != model_key:
                 continue
             cache = prompt_cache._trie.get(model, tokens).prompt_cache
-            offsets = {getattr(layer, "offset", None) for layer in cache}
-            held = offsets.pop() if len(offsets) == 1 else None
-            if not isinstance(held, int) or held > len(tokens) or held < 1:
-                continue
-            ids = list(tokens[:held])
-            source = f"{server} prompt cache ({cache_type})"
             recency = prompt_cache.stamps.get(tuple(tokens), 0)
-            listed.append((recency, server_entry(ids, cache, source, mounted, snapshots)))
-    return listed
+            source = f"{server} prompt cache ({cache_type})"
+            listed.append(held_entry(recency, tokens, cache, source, mounted, snapshots))
+    return [pair for pair in listed if pair is not None]
+
+
+def disk_lru_entries(
+    prompt_cache: Any, mounted: Any, snapshots: Any, server: str
+) -> list[tuple[int, Entry]]:
+    """mlx-openai-server's LRUPromptCache (one model per process): tokens per cache type in
+    `_lru._lrus`, a CacheEntry per tokens in `_trie`, the KV read back from its own file."""
+    listed = []
+    for cache_type, lru in prompt_cache._lru._lrus.items():
+        for tokens in list(lru):
+            try:
+                cache = prompt_cache._load_cache_from_disk(prompt_cache._trie.get(list(tokens)))
+            except Exception:  # noqa: BLE001 - its file is gone: nothing to save
+                continue
+            recency = prompt_cache.stamps.get(tuple(tokens), 0)
+            source = f"{server} prompt cache ({cache_type})"
+            listed.append(held_entry(recency, tokens, cache, source, mounted, snapshots))
+    return [pair for pair in listed if pair is not None]
+
+
+def saving_lru_class(base: type, mounted: Any, snapshots: Any, server: str) -> type:
+    """mlx-openai-server's LRUPromptCache stamping each entry it stores, and saving its entries
+    when its handler closes it at the graceful stop its parent orders (its workers have stopped;
+    the close deletes the entries' files). Entries of a warm-up no client followed are dropped.
+    `base` itself without --snapshots."""
+    if snapshots is None:
+        return base
+
+    class SavingPromptCache(base):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.stamps: dict[tuple[int, ...], int] = {}  # recency, for snapshots
+
+        def insert_cache(self, tokens_ids: list[int], prompt_cache: Any, **kwargs: Any) -> None:
+            super().insert_cache(tokens_ids, prompt_cache, **kwargs)  # written to disk: evaluated
+            stamp(self, tokens_ids, snapshots.tick())
+
+        def close(self) -> None:
+            if getattr(type(self), "warmed_up", False):
+                self.clear()
+            try:
+                snapshots.save(disk_lru_entries(self, mounted, snapshots, server), mounted.covered)
+            finally:
+                super().close()
+
+    return SavingPromptCache
+
+
+def held_entry(
+    recency: int, tokens: Any, cache: Any, source: str, mounted: Any, snapshots: Any
+) -> tuple[int, Entry] | None:
+    """(recency, Entry) of a server's entry, its tokens cut to the KV its cache holds (a last
+    sampled token was never fed to it), or a copy of its KV cut to its tokens (omni feeds the
+    finishing token, which it does not record); None when the layers disagree or hold nothing."""
+    offsets = {getattr(layer, "offset", None) for layer in cache or []}
+    held = offsets.pop() if len(offsets) == 1 else None
+    if isinstance(held, int) and held > len(tokens) and all(c.is_trimmable() for c in cache):
+        cache, held = fork_cache(cache, held - len(tokens)), len(tokens)
+    if not isinstance(held, int) or held > len(tokens) or held < 1:
+        return None
+    return recency, server_entry(list(tokens[:held]), cache, source, mounted, snapshots)
+
+
+def entry_usable(mounted: Any, snapshots: Any, entry: Any, prompt: Any) -> bool:
+    """The one rule for a server's own `entry` (`.tokens`, `.cache`) checked out by its own scan
+    for `prompt`: one holding lossy KV, or sharing its opening with a lossy bundle or restored
+    snapshot, only for its share (omni hands any entry out trimmed, even to 0 tokens, and
+    prefills the prompt into its quantized layers)."""
+    from pipeline.runtime.servers.startup import BUNDLE_KEY
+
+    held, layers = entry.tokens, entry.cache if isinstance(entry.cache, list) else []
+    n = min(len(held), len(prompt))
+    covered = next((i for i in range(n) if held[i] != prompt[i]), n)
+    floor = mounted.manager.lossy_floor(BUNDLE_KEY, prompt, layers, len(held))
+    return covered >= max(floor, snapshots.lossy_floor(prompt) if snapshots is not None else 0)
 
 
 def server_entry(ids: list[int], cache: Any, source: str, mounted: Any, snapshots: Any) -> Entry:
@@ -82,4 +156,13 @@ def continued_from(ids: list[int], bundles: list[Any]) -> str | None:
     return max(heads, key=lambda b: len(b.tokens)).name if heads else None
 
 
-__all__ = ["evaluate", "lru_entries", "server_entry", "stamp"]
+__all__ = [
+    "disk_lru_entries",
+    "entry_usable",
+    "evaluate",
+    "held_entry",
+    "lru_entries",
+    "saving_lru_class",
+    "server_entry",
+    "stamp",
+]

@@ -1,17 +1,15 @@
 """`serve --server mlx-omni-server`: mlx-omni-server 0.5.3 with bundles pinned in its prompt pool.
 
 Each of omni's ChatGenerators creates a `PromptCachePool` lazily (8 entries, longest-common-prefix
-scan, 300 s idle eviction) and checks out a copy per request. The hook replaces that class with a
-subclass whose checkout also considers the pinned bundles: they are kept outside the pool's entry
-list, so its TTL and size eviction never see them. Omni loads a model on the first request that
-names it; a request reaches the bundles when its `model` names the folder they were validated
-against (a path, relative to the server's working directory or absolute, or a hub id whose local
-snapshot is that folder).
-"""
+scan, 300 s idle eviction) and checks out a copy per request. The hook's subclass also considers
+the pinned bundles and restored snapshots, kept outside the pool's entry list (its TTL and size
+eviction never see them), and lists its own entries at a graceful stop. Omni loads a model on the
+first request naming it; a request reaches the bundles when its `model` names their folder (a
+path, relative to the server's working directory or absolute, or a hub id whose local snapshot
+is that folder)."""
 
 from __future__ import annotations
 
-import logging
 import sys
 from functools import cache
 from pathlib import Path
@@ -20,16 +18,17 @@ from typing import Any
 
 from pipeline.runtime.servers import warm_up
 from pipeline.runtime.servers.hook import ServerHook
+from pipeline.runtime.servers.lru_cache import entry_usable, evaluate, held_entry
 from pipeline.runtime.servers.options import ServeOptions
 from pipeline.runtime.servers.startup import BUNDLE_KEY, Mounted, hub_cache_or_none, log_request
 from pipeline.runtime.servers.tokens import quiet
+from pipeline.runtime.snapshots import snapshot_answer
 
-log = logging.getLogger("prefix-bundles")
 SERVER = "mlx-omni-server"
 
 
 class Hook(ServerHook):
-    name, package, address = SERVER, "mlx_omni_server", ("0.0.0.0", 10240)
+    name, package, address, snapshots = SERVER, "mlx_omni_server", ("0.0.0.0", 10240), True
 
     def refused(self, options: ServeOptions) -> dict[str, str]:
         many = options.passed("--workers") not in (None, "1")
@@ -60,7 +59,7 @@ class Hook(ServerHook):
         from mlx_omni_server.chat.mlx import prompt_cache_pool
         from mlx_omni_server.chat.openai.models import models_service
 
-        prompt_cache_pool.PromptCachePool = pinned_pool_class(mounted)
+        self.pools = prompt_cache_pool.PromptCachePool = pinned_pool_class(mounted, snapshots)
         # its /v1/models lists the hub cache, and fails on a host that has none
         models_service.scan_cache_dir = hub_cache_or_none(models_service.scan_cache_dir)
 
@@ -77,6 +76,13 @@ class Hook(ServerHook):
         sys.argv = ["mlx-omni-server", *options.rest]
         start()
         return 0
+
+    def entries(self, mounted: Mounted, snapshots: Any) -> list[Any]:
+        """Every pool's entries for the served folder, cut to their KV (stamped at put_cache)."""
+        ours = [e.cache for p in self.pools.instances.values() for e in p._entries]
+        ours = [c for c in ours if model_folder(c.model_key) == mounted.model.resolve()]
+        held = [(getattr(c, "stamp", 0), c.tokens, c.cache, f"{SERVER} prompt pool") for c in ours]
+        return [e for e in (held_entry(*h, mounted, snapshots) for h in held) if e is not None]
 
     def _app(self) -> Any:
         from mlx_omni_server.main import app
@@ -98,52 +104,47 @@ def model_folder(model_id: str) -> Path | None:
         return None
 
 
-def entry_usable(mounted: Mounted, entry: Any, prompt_tokens: list[int]) -> bool:
-    """The one rule for an entry of omni's own pool: an entry holding lossy KV (or sharing its
-    opening with a lossy bundle) only for its share (omni would hand it out trimmed, even to 0
-    tokens, and prefill the prompt into its quantized layers)."""
-    layers = entry.cache if isinstance(entry.cache, list) else []
-    covered = next(
-        (i for i, (a, b) in enumerate(zip(entry.tokens, prompt_tokens, strict=False)) if a != b),
-        min(len(entry.tokens), len(prompt_tokens)),
-    )
-    floor = mounted.manager.lossy_floor(BUNDLE_KEY, prompt_tokens, layers, len(entry.tokens))
-    return covered >= floor
-
-
-def pinned_pool_class(mounted: Mounted) -> type:
-    """omni's PromptCachePool, answering from the pinned bundles when they cover more."""
+def pinned_pool_class(mounted: Mounted, snapshots: Any = None) -> type:
+    """omni's PromptCachePool, answering from the pinned bundles (and restored `snapshots`) when
+    they cover more than its own entries the one rule allows."""
     from mlx_omni_server.chat.mlx.prompt_cache import PromptCache, common_prefix_len
     from mlx_omni_server.chat.mlx.prompt_cache_pool import PromptCachePool
 
     folder = mounted.model.resolve()
 
     class PinnedPromptCachePool(PromptCachePool):
+        instances: dict[int, Any] = {}  # every pool that kept an entry, listed at a graceful stop
+
         def get_cache(self, prompt_tokens: list[int], model_key: str) -> Any:
             if model_folder(model_key) != folder:
                 return super().get_cache(prompt_tokens, model_key)
             self._evict_expired()
-            ours = [e for e in self._entries if e.cache.model_key == model_key]
-            held = [e for e in ours if not entry_usable(mounted, e.cache, prompt_tokens)]
-            own = max(
-                (common_prefix_len(e.cache.tokens, prompt_tokens) for e in ours if e not in held),
-                default=0,
-            )
+            ours = [e.cache for e in self._entries if e.cache.model_key == model_key]
+            held = {id(c) for c in ours if not entry_usable(mounted, snapshots, c, prompt_tokens)}
+            usable = [c.tokens for c in ours if id(c) not in held]
+            own = max((common_prefix_len(t, prompt_tokens) for t in usable), default=0)
             hit = mounted.manager.fetch(BUNDLE_KEY, prompt_tokens)
-            if log_request(SERVER, hit, len(prompt_tokens), own):
-                # a checkout omni extends by the rest of the prompt, then returns to the pool
-                kept = list(prompt_tokens[: hit.cache_hit_tokens])
-                return PromptCache(tokens=kept, cache=hit.cache, model_key=model_key)
-            # omni's own checkout over the entries the one rule allows for this prompt; the
-            # others stay in the pool for prompts that take enough of them
-            self._entries = [e for e in self._entries if e not in held]
+            better = max(own, hit.cache_hit_tokens)  # a snapshot answers only where it covers more
+            found, keep, _ = snapshot_answer(snapshots, prompt_tokens, better, SERVER)
+            if found is None and log_request(SERVER, hit, len(prompt_tokens), own):
+                found, keep = hit.cache, hit.cache_hit_tokens
+            if found is not None:  # a checkout omni extends by the rest of the prompt, then returns
+                return PromptCache(list(prompt_tokens[:keep]), found, model_key)
+            # omni's own checkout over the entries the rule allows (the others stay in the pool)
+            kept = self._entries
+            self._entries = [e for e in kept if id(e.cache) not in held]
             try:
                 return super().get_cache(prompt_tokens, model_key)
             finally:
-                self._entries += [e for e in held if e not in self._entries]
+                self._entries += [e for e in kept if id(e.cache) in held]
 
         def put_cache(self, cache: Any) -> None:
-            if not warm_up.WARMING.is_set():  # the warm-up request leaves no entry
-                super().put_cache(cache)
+            if warm_up.WARMING.is_set():  # the warm-up request leaves no entry
+                return
+            if snapshots is not None:  # evaluated on the generation thread that made it
+                evaluate(cache.cache)
+                cache.stamp = snapshots.tick()
+            super().put_cache(cache)
+            PinnedPromptCachePool.instances[id(self)] = self
 
     return PinnedPromptCachePool

@@ -3,15 +3,13 @@
 It runs each model's handler in a child process (`spawn`) that builds an mlx-lm-style
 `LRUPromptCache` (app.utils.prompt_cache): the parent validates the bundles (logs, --strict) and
 swaps the child's entry point (`app.core.handler_process._handler_worker`) for `child_worker`,
-which mounts exactly what the parent validated, pins it in a subclass of that cache, then runs the
-original entry point.
-"""
+which mounts what the parent validated and --snapshots (saved as its handler closes the cache at
+the parent's graceful stop), pins them in a subclass of that cache, then runs the original one."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 import sys
 from pathlib import Path
@@ -21,25 +19,24 @@ from typing import Any
 from pipeline.runtime.lookup import lookup
 from pipeline.runtime.servers import warm_up
 from pipeline.runtime.servers.hook import ServerHook
+from pipeline.runtime.servers.lru_cache import saving_lru_class
 from pipeline.runtime.servers.options import ServeOptions
 from pipeline.runtime.servers.startup import BUNDLE_KEY, Mounted, mount_for, setup_logging
+from pipeline.runtime.snapshots import child_snapshots, parent_of_snapshots, with_snapshots
 
-log = logging.getLogger("prefix-bundles")
 SERVER = "mlx-openai-server"
 ENV = "PREFIX_BUNDLES_OPENAI_MOUNT"  # serve's options and what it validated, for the child
 
 
 class Hook(ServerHook):
-    name, package, address = SERVER, "app.handler.mlx_lm", ("0.0.0.0", 8000)
+    name, package, address, snapshots = SERVER, "app.handler.mlx_lm", ("0.0.0.0", 8000), True
     unsupported = {
         "--config": "serve mounts bundles for the one model folder given as --model",
         "--model-path": "serve passes --model as mlx-openai-server's --model-path",
     }
     # measured to make its first request slower (bench case servers, n=3: 0.85 s with it, 0.70 s
-    # without): off by default here, unlike on every other server; it runs in the model process
-    # (child_worker: options.warm_up travels with the options)
-    warm_up = False
-    live = False  # the model process serves from its own mount: SIGHUP and --admin-port are its
+    # without): off by default here; it runs in the model process (options.warm_up travels along)
+    warm_up, live = False, False  # live: the model process serves the mount (SIGHUP, snapshots)
 
     def chat_template(self, options: ServeOptions) -> str | None:
         path = options.passed("--chat-template-file")
@@ -69,6 +66,7 @@ class Hook(ServerHook):
         handed = {"options": options.to_json(), "template": mounted.chat_template}
         os.environ[ENV] = json.dumps({**handed, "validated": mounted.validated()})
         handler_process._handler_worker = child_worker
+        parent_of_snapshots(options)  # --snapshots: opened, restored, saved by the model process
         for b in mounted.result.bundles:  # this process only serves HTTP: the child has its own
             mounted.manager.unpin(BUNDLE_KEY, b.name)
 
@@ -81,11 +79,11 @@ class Hook(ServerHook):
         return 0
 
 
-def pinned_cache_class(mounted: Mounted) -> type:
-    """mlx-openai-server's LRUPromptCache, answering from the pinned bundles when they cover more."""
+def pinned_cache_class(mounted: Mounted, snapshots: Any = None) -> type:
+    """mlx-openai-server's LRUPromptCache, answering from bundles and snapshots that cover more."""
     from app.utils.prompt_cache import LRUPromptCache
 
-    class PinnedPromptCache(LRUPromptCache):
+    class PinnedPromptCache(saving_lru_class(LRUPromptCache, mounted, snapshots, SERVER)):
         warmed_up = False  # entries of the warm-up request to drop at the first client's lookup
 
         def fetch_nearest_cache(
@@ -100,6 +98,7 @@ def pinned_cache_class(mounted: Mounted) -> type:
                 self.clear()
             own = super().fetch_nearest_cache
             fetch = lambda t: own(t, allowed_sources=allowed_sources)  # noqa: E731
+            fetch = with_snapshots(fetch, snapshots, mounted.covered, SERVER)
             # its handler generates through mlx-lm's BatchGenerator, which merges every layer
             return lookup(SERVER, mounted.manager, BUNDLE_KEY, tokens_ids, fetch, batched=True)
 
@@ -111,7 +110,7 @@ def child_worker(model_cfg: dict[str, Any], *rest: Any) -> None:
     from pipeline.blas import ensure_fast_blas
 
     ensure_fast_blas()  # a spawned child imports mlx afresh: OpenBLAS first, as serve does
-    from app.core import handler_process
+    from app.core import handler_process  # the child's module: its original entry point
 
     setup_logging(None)
     handed = json.loads(os.environ[ENV])
@@ -121,10 +120,11 @@ def child_worker(model_cfg: dict[str, Any], *rest: Any) -> None:
 
         mounted = mount_for(options, handed["template"])
         mounted.keep_validated(handed["validated"], SERVER, f"the handler process {os.getpid()}")
-        prompt_cache.LRUPromptCache = pinned_cache_class(mounted)
+        snapshots = child_snapshots(options, mounted, SERVER)
+        prompt_cache.LRUPromptCache = pinned_cache_class(mounted, snapshots)
         if options.warm_up:
             warm_up_handler(mounted, model_cfg.get("served_model_name") or str(options.model))
-    handler_process._handler_worker(model_cfg, *rest)  # the child's module is not patched
+    handler_process._handler_worker(model_cfg, *rest)
 
 
 def warm_up_handler(mounted: Mounted, model: str) -> None:

@@ -100,8 +100,8 @@ def serve(hook: ServerHook, options: ServeOptions) -> int:
     installs its cache subclass, arranges the warm-up, and starts its server."""
     if options.snapshots is not None and not hook.snapshots:
         raise PipelineError(
-            f"--snapshots is not supported with --server {hook.name} yet (so far with mlx-lm, "
-            "vllm-mlx and rapid-mlx: docs/snapshots.md); serve without --snapshots"
+            f"--snapshots is not supported with --server {hook.name} yet (docs/snapshots.md "
+            "lists the servers that support it); serve without --snapshots"
         )
     require(hook.package, hook.name)
     refuse_options(list(options.rest), hook.name, hook.refused(options))
@@ -112,7 +112,8 @@ def serve(hook: ServerHook, options: ServeOptions) -> int:
     template = hook.chat_template(options)
     mounted = mount_for(options, template, lambda b: hook.unusable(b, options), hook.live)
     check_tokenization(hook, mounted)
-    snapshots = open_snapshots(hook, options, mounted) if options.snapshots else None
+    # a hook whose model process serves the mount (not `live`) opens its snapshots there
+    snapshots = open_snapshots(hook, options, mounted) if options.snapshots and hook.live else None
     hook.install(mounted, options, snapshots)
     if options.warm_up:
         hook.warm_up_server(mounted, options)
