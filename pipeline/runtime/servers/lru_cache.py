@@ -122,7 +122,7 @@ def held_entry(
     return recency, server_entry(list(tokens[:held]), cache, source, mounted, snapshots)
 
 
-def entry_usable(mounted: Any, snapshots: Any, entry: Any, prompt: Any) -> bool:
+def entry_usable(mounted: Any, entry: Any, prompt: Any, snapshots: Any = None) -> bool:
     """The one rule for a server's own `entry` (`.tokens`, `.cache`) checked out by its own scan
     for `prompt`: one holding lossy KV, or sharing its opening with a lossy bundle or restored
     snapshot, only for its share (omni hands any entry out trimmed, even to 0 tokens, and

@@ -78,9 +78,9 @@ class Hook(ServerHook):
         return 0
 
     def entries(self, mounted: Mounted, snapshots: Any) -> list[Any]:
-        """Every pool's entries for the served folder, cut to their KV (stamped at put_cache)."""
-        ours = [e.cache for p in self.pools.instances.values() for e in p._entries]
-        ours = [c for c in ours if model_folder(c.model_key) == mounted.model.resolve()]
+        """Every pool's entries (once each) for the served folder, stamped at put_cache."""
+        pooled = {id(e.cache): e.cache for p in self.pools.instances.values() for e in p._entries}
+        ours = [c for c in pooled.values() if model_folder(c.model_key) == mounted.model.resolve()]
         held = [(getattr(c, "stamp", 0), c.tokens, c.cache, f"{SERVER} prompt pool") for c in ours]
         return [e for e in (held_entry(*h, mounted, snapshots) for h in held) if e is not None]
 
@@ -120,7 +120,7 @@ def pinned_pool_class(mounted: Mounted, snapshots: Any = None) -> type:
                 return super().get_cache(prompt_tokens, model_key)
             self._evict_expired()
             ours = [e.cache for e in self._entries if e.cache.model_key == model_key]
-            held = {id(c) for c in ours if not entry_usable(mounted, snapshots, c, prompt_tokens)}
+            held = {id(c) for c in ours if not entry_usable(mounted, c, prompt_tokens, snapshots)}
             usable = [c.tokens for c in ours if id(c) not in held]
             own = max((common_prefix_len(t, prompt_tokens) for t in usable), default=0)
             hit = mounted.manager.fetch(BUNDLE_KEY, prompt_tokens)
