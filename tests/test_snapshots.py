@@ -260,21 +260,6 @@ def test_a_conversation_survives_a_restart(tmp_path: Path, tiny_model: Path):
     assert "request: snapshot 00-" in text
 
 
-@pytest.mark.slow
-def test_a_server_without_snapshots_is_refused_with_one_line(tmp_path: Path, tiny_model: Path):
-    done = subprocess.run(
-        [str(servers_env.servers_python()), str(ROOT / "build.py"), "serve", "--model",
-         str(tiny_model), "--server", "mlx-omni-server", "--snapshots", str(tmp_path / "snaps")],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 1
-    assert done.stderr.strip() == (
-        "error: --snapshots is not supported with --server mlx-omni-server yet (so far with "
-        "mlx-lm, vllm-mlx and rapid-mlx: docs/snapshots.md); serve without --snapshots"
-    )
-    assert not (tmp_path / "snaps").exists()
-
-
 def test_prune_snapshots_lists_then_wipes_and_is_refused_while_serve_uses_the_folder(
     tmp_path: Path, tiny_model: Path, host: Path, capsys
 ):
