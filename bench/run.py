@@ -22,8 +22,10 @@ if "--quick" in sys.argv[1:]:  # before the cases import common: the small model
 import case_arch  # noqa: E402
 import case_build  # noqa: E402
 import case_concurrency  # noqa: E402
+import case_eta  # noqa: E402
 import case_incremental  # noqa: E402
 import case_mount  # noqa: E402
+import case_oci  # noqa: E402
 import case_servers  # noqa: E402
 import case_sizes  # noqa: E402
 import case_ttft  # noqa: E402
@@ -36,7 +38,8 @@ from common import HUGE_PAGES, MODEL_F32, Context, ensure_models, run_worker, st
 from pipeline.blas import blas_status, ensure_fast_blas  # noqa: E402
 
 CASES = (
-    "build", "ttft", "mount", "sizes", "incremental", "handout", "arch", "servers", "concurrency"
+    "build", "ttft", "mount", "sizes", "incremental", "oci", "eta", "handout", "arch", "servers",
+    "concurrency",
 )  # fmt: skip
 STEPS = (
     "setup",
@@ -47,6 +50,8 @@ STEPS = (
     "mount",
     "sizes",
     "incremental",
+    "oci",
+    "eta",
     "handout",
     "arch",
     "servers",
@@ -58,6 +63,8 @@ BENCH_MODEL_CASES = {
     "mount",
     "sizes",
     "incremental",
+    "oci",
+    "eta",
 }  # the ones that need models/bench-*
 
 
@@ -162,6 +169,10 @@ def run_all(ctx: Context, cases: set[str]) -> dict[str, Any]:
         timed(ctx, "sizes", results, lambda: case_sizes.run(ctx))
     if "incremental" in cases:
         timed(ctx, "incremental", results, lambda: case_incremental.run(ctx))
+    if "oci" in cases:  # needs /usr/bin/docker-registry and curl
+        timed(ctx, "oci", results, lambda: case_oci.run(ctx))
+    if "eta" in cases:
+        timed(ctx, "eta", results, lambda: case_eta.run(ctx))
     results["memory"] = summary.memory(bundles, results.get("sizes"), results.get("mount"))
     if "handout" in cases:
         timed(ctx, "handout", results, lambda: handout(ctx.quick))
@@ -225,6 +236,10 @@ def markdown(results: dict[str, Any], total: float) -> str:
         lines += report.memory_section(results["memory"])
     if results.get("incremental"):
         lines += case_incremental.section(results["incremental"])
+    if results.get("oci"):
+        lines += case_oci.section(results["oci"])
+    if results.get("eta"):
+        lines += case_eta.section(results["eta"])
 
     if "handout" in results.get("cases", []):
         lines += report.handout_section(results.get("handout"))

@@ -204,4 +204,8 @@ def targets(results: dict[str, Any], quick: bool) -> list[dict[str, Any]]:
         import case_incremental
 
         out += case_incremental.targets(results["incremental"])
+    if results.get("oci"):
+        import case_oci
+
+        out += case_oci.targets(results["oci"])
     return out
