@@ -95,9 +95,7 @@ def run_checks(
         if cold is None:
             cold = continue_from(serving, _server_prefill(serving.model, tokens), probe, steps)
     except (RuntimeError, ValueError) as exc:  # e.g. MLX's CPU gather_mm is float32-only (MoE)
-        detail = " ".join(str(exc).split())[:160]
-        skipped = f"failed: the serving path cannot run on this builder ({detail})"
-        return info.model_copy(update={"serving_skipped": skipped})
+        return serving_failed(info, exc)
     return info.model_copy(update={"serving": serving_check(loaded, plan, cold, warm)})
 
 
@@ -132,10 +130,15 @@ def exact_checks(
         del reference
         cold = continue_from(serving, _server_prefill(serving.model, tokens), probe, steps)
     except (RuntimeError, ValueError) as exc:  # e.g. MLX's CPU gather_mm is float32-only (MoE)
-        detail = " ".join(str(exc).split())[:160]
-        skipped = f"failed: the serving path cannot run on this builder ({detail})"
-        return info.model_copy(update={"serving_skipped": skipped})
+        return serving_failed(info, exc)
     return info.model_copy(update={"serving": serving_check(loaded, plan, cold, warm)})
+
+
+def serving_failed(info: FidelityInfo, exc: Exception) -> FidelityInfo:
+    """The record when the serving path cannot run on this builder: why, on one line."""
+    detail = " ".join(str(exc).split())[:160]
+    skipped = f"failed: the serving path cannot run on this builder ({detail})"
+    return info.model_copy(update={"serving_skipped": skipped})
 
 
 def _same_path(
