@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 import servers_env
-from servers_env import ROOT, chat, free_port, running
-from test_snapshots import SYSTEM
+from servers_env import ROOT, free_port, running
+from test_snapshots import turn
 
 SERVERS = {  # name: (venv python, serve options)
     # vllm-mlx --continuous-batching passes too (3,829 of 3,871): its snapshot code is rapid-mlx's
@@ -42,21 +42,6 @@ def serve(name: str, model: Path, bundles: Path, port: int, *extra: str) -> list
     return [*head, *options, "--model", str(model), "--port", str(port), *extra]
 
 
-def turn(port: int, model: Path, answer: str | None = None) -> dict:
-    """The conversation's first turn, or (with the first answer) its second."""
-    messages = [
-        {"role": "system", "content": SYSTEM},
-        {"role": "user", "content": "Which shelf holds record 42?"},
-    ]
-    if answer is not None:
-        messages += [
-            {"role": "assistant", "content": answer},
-            {"role": "user", "content": "And record 43?"},
-        ]
-    body = {"model": str(model), "messages": messages, "max_tokens": 12, "temperature": 0.0}
-    return chat(port, body)[0]
-
-
 def stop(proc: subprocess.Popen) -> int:
     proc.send_signal(signal.SIGTERM)
     return proc.wait(timeout=120)
@@ -78,14 +63,14 @@ def restart(name: str, model: Path, tmp_path: Path, env: dict) -> dict:
             logs["one"],
             env,
         ) as one:
-            out["first"] = turn(ports["one"], model)
+            out["first"] = turn(ports["one"], model=model)
             answer = out["first"]["choices"][0]["message"]["content"]
-            assert turn(ports["ref"], model)["choices"][0]["message"]["content"] == answer
-            out["reference"] = turn(ports["ref"], model, answer)
+            assert turn(ports["ref"], model=model)["choices"][0]["message"]["content"] == answer
+            out["reference"] = turn(ports["ref"], answer, model)
             out["exit"] = stop(one)
     args = serve(name, model, bundles, ports["two"], "--snapshots", str(snaps))
     with running(args, ports["two"], logs["two"], env) as two:
-        out["second"] = turn(ports["two"], model, answer)
+        out["second"] = turn(ports["two"], answer, model)
         out["exit2"] = stop(two)
     return out
 

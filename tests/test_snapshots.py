@@ -198,8 +198,9 @@ SYSTEM = "You are a careful archivist. " + " ".join(
 )
 
 
-def turn(port: int, answer: str | None = None) -> dict:
-    """The conversation's first turn, or (with the first answer) its second."""
+def turn(port: int, answer: str | None = None, model: Path | None = None) -> dict:
+    """The conversation's first turn, or (with the first answer) its second; `model`: the model
+    id to send (mlx_lm.server answers without one)."""
 
     messages = [
         {"role": "system", "content": SYSTEM},
@@ -211,7 +212,7 @@ def turn(port: int, answer: str | None = None) -> dict:
             {"role": "user", "content": "And record 43?"},
         ]
     body = {"messages": messages, "max_tokens": 12, "temperature": 0.0}
-    return servers_env.chat(port, body)[0]
+    return servers_env.chat(port, body | ({"model": str(model)} if model else {}))[0]
 
 
 def stop(proc: subprocess.Popen) -> None:
