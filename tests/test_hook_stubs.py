@@ -21,11 +21,11 @@ from test_prompt_cache import ids, llama_model, prefill, quantized_bundle
 from pipeline.runtime.prompt_cache import PromptCacheManager
 from pipeline.runtime.servers import usage, warm_up
 from pipeline.runtime.servers.memory_cache import (
-    keep_through_reset,
+    install_memory_cache,
     memory_entries,
     pinned_memory_cache_class,
 )
-from pipeline.runtime.servers.startup import BUNDLE_KEY
+from pipeline.runtime.servers.startup import BUNDLE_KEY, Mounted
 
 
 class StubMemoryAwarePrefixCache:
@@ -74,7 +74,7 @@ def pinned_cache():
     prefix = ids(24)
     manager = PromptCacheManager()
     manager.pin(BUNDLE_KEY, prefix, prefill(model, prefix)[0], "shop@1")
-    mounted = SimpleNamespace(manager=manager)
+    mounted = Mounted(Path("model"), manager, SimpleNamespace(bundles=[]))
     cls = pinned_memory_cache_class(mounted, StubMemoryAwarePrefixCache, "stub")
     return SimpleNamespace(cache=cls(), prefix=prefix, model=model, manager=manager)
 
@@ -184,12 +184,16 @@ def shelf(tmp_path, tiny_model, tiny_prefill, monkeypatch):
     snaps = Snapshots(tmp_path / "snaps", DEFAULT_BUDGET, tiny_model, None, "rapid-mlx")
     snaps.restore([])
     manager = PromptCacheManager()
-    mounted = SimpleNamespace(
-        manager=manager, result=SimpleNamespace(bundles=[]),
-        covered=lambda t: manager.covered(BUNDLE_KEY, t),
+    mounted = Mounted(tiny_model, manager, SimpleNamespace(bundles=[]))
+    scheduler = SimpleNamespace(  # the engine's scheduler module, its Scheduler patched
+        MemoryAwarePrefixCache=StubMemoryAwarePrefixCache,
+        Scheduler=type("Scheduler", (StubScheduler,), {}),
+    )
+    cls = install_memory_cache(scheduler, mounted, "stub", snaps)
+    yield SimpleNamespace(
+        cls=cls, cache=cls(), snaps=snaps, mounted=mounted, prefill=tiny_prefill,
+        scheduler=scheduler.Scheduler,
     )  # fmt: skip
-    cls = pinned_memory_cache_class(mounted, StubMemoryAwarePrefixCache, "stub", snaps)
-    yield SimpleNamespace(cls=cls, cache=cls(), snaps=snaps, mounted=mounted, prefill=tiny_prefill)
     snaps.close()
 
 
@@ -239,8 +243,7 @@ def test_the_memory_cache_lists_what_it_held_at_the_engines_stop(shelf, tmp_path
     c.store(quantized, [_QuantizedCacheWrapper(layer) for layer in shelf.prefill(quantized)])
     descends = [*LOSSY[:130], 4, 4]  # continued from the lossy snapshot
     c.store(descends, shelf.prefill(descends))
-    keep_through_reset(StubScheduler, shelf.cls)
-    StubScheduler(c).deep_reset()
+    shelf.scheduler(c).deep_reset()
     assert c._entries == {}
     listed = memory_entries(shelf.cls, shelf.mounted, shelf.snaps, "stub")
     by_tokens = {tuple(e.tokens): (stamp, e) for stamp, e in listed}
@@ -324,7 +327,7 @@ def trie():
     prefix = ids(24)
     manager = PromptCacheManager()
     manager.pin(BUNDLE_KEY, prefix, prefill(model, prefix)[0], "shop@1")
-    mounted = SimpleNamespace(manager=manager, result=SimpleNamespace(bundles=[object()]))
+    mounted = Mounted(Path("model"), manager, SimpleNamespace(bundles=[object()]))
     cls = pinned_trie_class(mounted)
     made = cls(8)
     made.keep_entries = True  # as under --prefix-trie-cache
@@ -559,9 +562,7 @@ def hooked(request, monkeypatch, tiny_model):
     prefix = ids(24)
     manager = PromptCacheManager()
     manager.pin(BUNDLE_KEY, prefix, prefill(model, prefix)[0], "shop@1")
-    mounted = SimpleNamespace(
-        manager=manager, model=tiny_model, covered=lambda t: manager.covered(BUNDLE_KEY, t)
-    )
+    mounted = Mounted(tiny_model, manager, SimpleNamespace(bundles=[]))
     if request.param == "mlx-lm":
         adapter = mlx_lm_adapter(mounted)
     elif request.param == "mlx-omni-server":

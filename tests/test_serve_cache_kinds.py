@@ -179,13 +179,14 @@ def test_the_hook_hands_each_path_its_form_and_never_lets_an_unbatchable_layer_t
 
     from pipeline.runtime import PromptCacheManager
     from pipeline.runtime.servers.mlx_lm import BUNDLE_KEY, bundled_prompt_cache_class
+    from pipeline.runtime.servers.startup import Mounted
 
     manager = PromptCacheManager()
     manager.pin(BUNDLE_KEY, list(range(40)), [quantized_layer()], "q@1")
     odd = ChunkedKVCache(chunk_size=64)
     odd.update_and_fetch(mx.zeros((1, 2, 40, 64)), mx.zeros((1, 2, 40, 64)))  # 40 tokens
     manager.pin(BUNDLE_KEY, list(range(100, 140)), [odd], "odd@1")
-    mounted = SimpleNamespace(manager=manager)
+    mounted = Mounted(Path("m"), manager, SimpleNamespace(bundles=[]))
     prompt_cache = bundled_prompt_cache_class(mounted, "m")(10)
     model = ("m", None, None)
 

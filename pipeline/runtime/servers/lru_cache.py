@@ -79,24 +79,44 @@ def disk_lru_entries(
     return [pair for pair in listed if pair is not None]
 
 
-def saving_lru_class(base: type, mounted: Any, snapshots: Any, server: str) -> type:
-    """mlx-openai-server's LRUPromptCache stamping each entry it stores, and saving its entries
-    when its handler closes it at the graceful stop its parent orders (its workers have stopped;
-    the close deletes the entries' files). Entries of a warm-up no client followed are dropped.
-    `base` itself without --snapshots."""
-    if snapshots is None:
-        return base
+def pinned_lru_class(base: type, mounted: Any, snapshots: Any, server: str) -> type:
+    """`base` (an mlx-lm-style LRUPromptCache) with what every hook's subclass of it shares: its
+    `instances` (listed at a graceful stop), `answer` (the one rule over its own entries, the
+    restored `snapshots` and the pinned bundles) and `stamped` (an entry's recency, for
+    snapshots, evaluated on the thread that stored it)."""
 
-    class SavingPromptCache(base):
+    class PinnedLRU(base):
+        instances: list[Any] = []
+
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self.stamps: dict[tuple[int, ...], int] = {}  # recency, for snapshots
+            self.stamps: dict[tuple[int, ...], int] = {}
+            PinnedLRU.instances.append(self)
 
+        def answer(self, tokens: list[int], own: Any, batched: bool, bundles: bool = True) -> Any:
+            return mounted.answer(server, tokens, own, batched, snapshots, bundles=bundles)
+
+        def stamped(self, tokens: list[int], cache: Any) -> None:
+            if snapshots is not None:
+                evaluate(cache)
+                stamp(self, tokens, snapshots.tick())
+
+    return PinnedLRU
+
+
+def saving_lru_class(base: type, mounted: Any, snapshots: Any, server: str) -> type:
+    """mlx-openai-server's LRUPromptCache (`pinned_lru_class`), saving its entries when its
+    handler closes it at the graceful stop its parent orders (its workers have stopped; the close
+    deletes the entries' files). Entries of a warm-up no client followed are dropped."""
+
+    class SavingPromptCache(pinned_lru_class(base, mounted, snapshots, server)):
         def insert_cache(self, tokens_ids: list[int], prompt_cache: Any, **kwargs: Any) -> None:
-            super().insert_cache(tokens_ids, prompt_cache, **kwargs)  # written to disk: evaluated
-            stamp(self, tokens_ids, snapshots.tick())
+            super().insert_cache(tokens_ids, prompt_cache, **kwargs)
+            self.stamped(tokens_ids, prompt_cache)
 
         def close(self) -> None:
+            if snapshots is None:
+                return super().close()
             if getattr(type(self), "warmed_up", False):
                 self.clear()
             try:
@@ -162,6 +182,7 @@ __all__ = [
     "evaluate",
     "held_entry",
     "lru_entries",
+    "pinned_lru_class",
     "saving_lru_class",
     "server_entry",
     "stamp",

@@ -7,18 +7,16 @@ Both keep their entries as `_entries` (an OrderedDict, least recently used first
 `_CacheEntry(tokens, cache, ...)`, cut to the KV offset; vllm-mlx stores quantized entries
 (--kv-cache-quantization) as its own `_QuantizedCacheWrapper`, rapid-mlx as mlx-lm's
 `QuantizedKVCache`. Both clear the cache when their engine stops (the scheduler's deep_reset),
-before serve gets to save it: the entries held then are kept for the save (`keep_through_reset`).
+before serve gets to save it: the entries held then are kept for the save (`install_memory_cache`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pipeline.runtime.lookup import lookup_source
 from pipeline.runtime.servers import usage, warm_up
 from pipeline.runtime.servers.lru_cache import evaluate, server_entry
-from pipeline.runtime.servers.startup import BUNDLE_KEY, Mounted
-from pipeline.runtime.snapshots import with_snapshots
+from pipeline.runtime.servers.startup import Mounted
 
 
 def pinned_memory_cache_class(
@@ -52,15 +50,10 @@ def pinned_memory_cache_class(
 
             def fetch(t: list[int]) -> tuple[Any, list[int]]:
                 answered[0] = False
-                return shelf(t)
+                return own(t)
 
-            shelf = own
-            if snapshots is not None:
-                mark = lambda name: answered.__setitem__(0, True)  # noqa: E731
-                shelf = with_snapshots(own, snapshots, mounted.covered, server, mark)
-            cache, rest, from_bundle = lookup_source(
-                server, mounted.manager, BUNDLE_KEY, tokens, fetch, batched=True
-            )
+            mark = lambda name: answered.__setitem__(0, True)  # noqa: E731
+            cache, rest, from_bundle = mounted.answer(server, tokens, fetch, True, snapshots, mark)
             if from_bundle or (cache is not None and answered[0]):
                 # the scheduler records the match; a bundle or snapshot is no entry of its own
                 self._last_match_type, self._last_matched_key = "prefix", None
@@ -87,10 +80,15 @@ def pinned_memory_cache_class(
     return PinnedMemoryCache
 
 
-def keep_through_reset(scheduler_class: type, cache_class: type) -> None:
-    """The scheduler's deep_reset (its engine's stop) clears the prefix cache before serve saves
-    it: keep what it held at that moment (the last reset's entries are what a stop leaves)."""
-    original = scheduler_class.deep_reset
+def install_memory_cache(scheduler: Any, mounted: Mounted, server: str, snapshots: Any) -> type:
+    """Put `pinned_memory_cache_class` in the engine's `scheduler` module; the scheduler's
+    deep_reset (its engine's stop) clears the cache before serve saves it, so what the cache held
+    at that moment is kept (the last reset's entries are what a stop leaves)."""
+    cache_class = pinned_memory_cache_class(
+        mounted, scheduler.MemoryAwarePrefixCache, server, snapshots
+    )
+    scheduler.MemoryAwarePrefixCache = cache_class
+    original = scheduler.Scheduler.deep_reset
 
     def deep_reset(self: Any, *args: Any, **kwargs: Any) -> Any:
         cache = getattr(self, "memory_aware_cache", None)
@@ -98,7 +96,8 @@ def keep_through_reset(scheduler_class: type, cache_class: type) -> None:
             cache.keep()
         return original(self, *args, **kwargs)
 
-    scheduler_class.deep_reset = deep_reset
+    scheduler.Scheduler.deep_reset = deep_reset
+    return cache_class
 
 
 def memory_entries(
@@ -142,4 +141,4 @@ def saved_layers(layers: list) -> list:
     return out
 
 
-__all__ = ["keep_through_reset", "memory_entries", "pinned_memory_cache_class"]
+__all__ = ["install_memory_cache", "memory_entries", "pinned_memory_cache_class"]

@@ -21,10 +21,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from pipeline.format.errors import PipelineError
-from pipeline.runtime.lookup import lookup
 from pipeline.runtime.prompt_cache import at_least_one_left
 from pipeline.runtime.servers.hook import ServerHook
-from pipeline.runtime.servers.lru_cache import evaluate, lru_entries, stamp
+from pipeline.runtime.servers.lru_cache import lru_entries, pinned_lru_class
 from pipeline.runtime.servers.options import ServeOptions
 from pipeline.runtime.servers.startup import (
     BUNDLE_KEY,
@@ -33,7 +32,7 @@ from pipeline.runtime.servers.startup import (
     hard_exit,
     hub_cache_or_none,
 )
-from pipeline.runtime.snapshots import Snapshots, with_snapshots
+from pipeline.runtime.snapshots import Snapshots
 
 log = logging.getLogger("prefix-bundles")
 SERVER = "mlx_lm.server"
@@ -125,30 +124,18 @@ def bundled_prompt_cache_class(mounted: Mounted, model_path: str, snapshots: Any
     the restored `snapshots`); the batched path gets only caches it can merge."""
     from mlx_lm.server import LRUPromptCache
 
-    manager = mounted.manager
-
-    class BundledPromptCache(LRUPromptCache):
+    class BundledPromptCache(pinned_lru_class(LRUPromptCache, mounted, snapshots, SERVER)):
         single_path = False  # True while the ResponseGenerator serves a request on its own
-        instances: list[Any] = []  # the server's instance, listed at a graceful stop
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.stamps: dict[tuple[int, ...], int] = {}  # recency, for snapshots
-            BundledPromptCache.instances.append(self)
 
         def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
             fetch = lambda t: super(BundledPromptCache, self).fetch_nearest_cache(model, t)  # noqa: E731
             if model != (model_path, None, None) or not tokens:
                 return at_least_one_left(fetch, tokens)
-            if snapshots is not None:
-                fetch = with_snapshots(fetch, snapshots, mounted.covered, SERVER)
-            return lookup(SERVER, manager, BUNDLE_KEY, tokens, fetch, not self.single_path)
+            return self.answer(tokens, fetch, batched=not self.single_path)[:2]
 
         def insert_cache(self, model: Any, tokens: list[int], *args: Any, **kwargs: Any) -> None:
             super().insert_cache(model, tokens, *args, **kwargs)
-            if snapshots is not None:  # evaluated on the generation thread that made it
-                evaluate(args[0] if args else kwargs.get("prompt_cache"))
-                stamp(self, tokens, snapshots.tick())
+            self.stamped(tokens, args[0] if args else kwargs.get("prompt_cache"))
 
     return BundledPromptCache
 

@@ -16,13 +16,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from pipeline.runtime.lookup import lookup
 from pipeline.runtime.servers import warm_up
 from pipeline.runtime.servers.hook import ServerHook
 from pipeline.runtime.servers.lru_cache import saving_lru_class
 from pipeline.runtime.servers.options import ServeOptions
 from pipeline.runtime.servers.startup import BUNDLE_KEY, Mounted, mount_for, setup_logging
-from pipeline.runtime.snapshots import child_snapshots, parent_of_snapshots, with_snapshots
+from pipeline.runtime.snapshots import child_snapshots, parent_of_snapshots
 
 SERVER = "mlx-openai-server"
 ENV = "PREFIX_BUNDLES_OPENAI_MOUNT"  # serve's options and what it validated, for the child
@@ -98,9 +97,8 @@ def pinned_cache_class(mounted: Mounted, snapshots: Any = None) -> type:
                 self.clear()
             own = super().fetch_nearest_cache
             fetch = lambda t: own(t, allowed_sources=allowed_sources)  # noqa: E731
-            fetch = with_snapshots(fetch, snapshots, mounted.covered, SERVER)
             # its handler generates through mlx-lm's BatchGenerator, which merges every layer
-            return lookup(SERVER, mounted.manager, BUNDLE_KEY, tokens_ids, fetch, batched=True)
+            return self.answer(tokens_ids, fetch, batched=True)[:2]
 
     return PinnedPromptCache
 

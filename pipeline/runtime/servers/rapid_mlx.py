@@ -19,11 +19,7 @@ from typing import Any
 
 from pipeline.runtime.servers import warm_up
 from pipeline.runtime.servers.hook import ServerHook
-from pipeline.runtime.servers.memory_cache import (
-    keep_through_reset,
-    memory_entries,
-    pinned_memory_cache_class,
-)
+from pipeline.runtime.servers.memory_cache import install_memory_cache, memory_entries
 from pipeline.runtime.servers.options import ServeOptions
 from pipeline.runtime.servers.startup import Mounted
 
@@ -49,11 +45,7 @@ class Hook(ServerHook):
         """Patch rapid-mlx's scheduler cache; its persistence off, its cache import refused."""
         from rapid_mlx import scheduler, server
 
-        self.cache_class = pinned_memory_cache_class(
-            mounted, scheduler.MemoryAwarePrefixCache, SERVER, snapshots
-        )
-        scheduler.MemoryAwarePrefixCache = self.cache_class
-        keep_through_reset(scheduler.Scheduler, self.cache_class)
+        self.cache_class = install_memory_cache(scheduler, mounted, SERVER, snapshots)
         server._automatic_prefix_cache_persistence_enabled = lambda: False
         log.info(
             "%s: its own on-disk prefix cache is neither restored nor saved under serve (not "

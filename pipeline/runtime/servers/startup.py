@@ -27,7 +27,7 @@ from pipeline.format.errors import PipelineError
 from pipeline.format.lockfile import locked_versions
 from pipeline.format.signature import read_trusted_keys
 from pipeline.runtime.hugepages import ensure_huge_pages
-from pipeline.runtime.lookup import log_request
+from pipeline.runtime.lookup import Fetch, log_request, lookup_source
 from pipeline.runtime.mount import MountedBundle, MountResult, mount
 from pipeline.runtime.prompt_cache import PromptCacheManager
 from pipeline.runtime.remount import Remounter
@@ -41,6 +41,7 @@ from pipeline.runtime.servers.options import (
     require,
 )
 from pipeline.runtime.servers.tokens import model_type, request_parity
+from pipeline.runtime.snapshots import with_snapshots
 
 log = logging.getLogger("prefix-bundles")
 BUNDLE_KEY = "bundles"
@@ -72,6 +73,22 @@ class Mounted:
     def covered(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of a request the best pinned bundle can serve (no copy)."""
         return self.manager.covered(BUNDLE_KEY, tokens)
+
+    def answer(
+        self,
+        server: str,
+        tokens: Sequence[int],
+        own: Fetch,
+        batched: bool,
+        snapshots: Any = None,
+        answered: Callable[[str], None] | None = None,
+        bundles: bool = True,
+    ) -> tuple[Any, list[int], bool]:
+        """The one rule for a request, as every hook's cache subclass asks it: the server's own
+        fetch `own`, the restored `snapshots` (`answered(name)` told when one answers) and the
+        pinned bundles (`bundles=False`: not them); (cache, tokens left, from a bundle)."""
+        fetch = with_snapshots(own, snapshots, self.covered, server, answered)
+        return lookup_source(server, self.manager, BUNDLE_KEY, tokens, fetch, batched, bundles)
 
     def validated(self) -> dict[str, str]:
         """{bundle path: cache sha256} of what is mounted (for a process the server spawns)."""

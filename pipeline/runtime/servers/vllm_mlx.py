@@ -20,19 +20,13 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from pipeline.runtime.lookup import lookup_source
 from pipeline.runtime.servers import usage, warm_up
 from pipeline.runtime.servers.hook import ServerHook
-from pipeline.runtime.servers.lru_cache import evaluate, lru_entries, server_entry, stamp
-from pipeline.runtime.servers.memory_cache import (
-    keep_through_reset,
-    memory_entries,
-    pinned_memory_cache_class,
-)
+from pipeline.runtime.servers.lru_cache import lru_entries, pinned_lru_class, server_entry
+from pipeline.runtime.servers.memory_cache import install_memory_cache, memory_entries
 from pipeline.runtime.servers.options import ServeOptions
-from pipeline.runtime.servers.startup import BUNDLE_KEY, Mounted
+from pipeline.runtime.servers.startup import Mounted
 from pipeline.runtime.servers.tokens import is_anthropic
-from pipeline.runtime.snapshots import with_snapshots
 
 log = logging.getLogger("prefix-bundles")
 SERVER = "vllm-mlx"
@@ -180,15 +174,9 @@ def pinned_trie_class(mounted: Mounted, snapshots: Any = None) -> type:
     request entries are stored only when the user asked for --prefix-trie-cache (keep_entries)."""
     from mlx_lm.models.cache import LRUPromptCache
 
-    class PinnedTrie(LRUPromptCache):
+    class PinnedTrie(pinned_lru_class(LRUPromptCache, mounted, snapshots, SERVER)):
         keep_entries = False
-        instances: list[Any] = []  # listed at a graceful stop (the engine drops, never clears it)
-
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            super().__init__(*args, **kwargs)
-            self.stamps: dict[tuple[int, ...], int] = {}  # recency, for snapshots
-            self.model_key: Any = None
-            PinnedTrie.instances.append(self)
+        model_key: Any = None  # the key its entries are stored under, once it stores one
 
         @staticmethod
         def key(model: Any) -> tuple[str, int]:
@@ -203,29 +191,21 @@ def pinned_trie_class(mounted: Mounted, snapshots: Any = None) -> type:
 
         def insert_cache(self, model: Any, tokens: list[int], prompt_cache: Any, **kw: Any) -> None:
             if self.keep_entries and not warm_up.WARMING.is_set():
-                super().insert_cache(self.key(model), tokens, prompt_cache, **kw)
-                if snapshots is not None:  # evaluated on the generation worker that made it
-                    self.model_key = self.key(model)
-                    evaluate(prompt_cache)
-                    stamp(self, tokens, snapshots.tick())
+                self.model_key = self.key(model)
+                super().insert_cache(self.model_key, tokens, prompt_cache, **kw)
+                self.stamped(tokens, prompt_cache)
 
         def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
             own = super().fetch_nearest_cache
             fetch = lambda t: own(self.key(model), t)  # noqa: E731
-            if snapshots is not None:
-                fetch = with_snapshots(fetch, snapshots, mounted.covered, SERVER)
             # SimpleEngine generates one request at a time (stream_generate): no merge needed
-            cache, rest, from_bundle = lookup_source(
-                SERVER, mounted.manager, BUNDLE_KEY, tokens, fetch, batched=False
-            )
+            cache, rest, from_bundle = self.answer(tokens, fetch, batched=False)
             system = snapshot_tokens(tokens)
             if from_bundle and len(tokens) - len(rest) < system - SNAPSHOT_SLACK(system):
                 # a bundle well short of the system prefix (a template's opening, an older
                 # version's start): vllm-mlx's own snapshot of that prefix, taken only on a
                 # trie miss, serves the whole prefix from the next request on
-                cache, rest, _ = lookup_source(
-                    SERVER, mounted.manager, BUNDLE_KEY, tokens, fetch, batched=False, bundles=False
-                )
+                cache, rest, _ = self.answer(tokens, fetch, batched=False, bundles=False)
             usage.record(0 if cache is None else len(tokens) - len(rest))
             return cache, rest
 
@@ -238,11 +218,7 @@ def install_batched(mounted: Mounted, snapshots: Any) -> Callable[..., list]:
     from vllm_mlx import scheduler
     from vllm_mlx.engine_core import EngineCore
 
-    cache_class = pinned_memory_cache_class(
-        mounted, scheduler.MemoryAwarePrefixCache, SERVER, snapshots
-    )
-    scheduler.MemoryAwarePrefixCache = cache_class
-    keep_through_reset(scheduler.Scheduler, cache_class)
+    cache_class = install_memory_cache(scheduler, mounted, SERVER, snapshots)
     usage.bind_requests(EngineCore, scheduler.Scheduler)
     from vllm_mlx import server
 
