@@ -28,6 +28,7 @@ import case_mount  # noqa: E402
 import case_oci  # noqa: E402
 import case_servers  # noqa: E402
 import case_sizes  # noqa: E402
+import case_snapshots  # noqa: E402
 import case_ttft  # noqa: E402
 import chart  # noqa: E402
 import report  # noqa: E402
@@ -39,7 +40,7 @@ from pipeline.blas import blas_status, ensure_fast_blas  # noqa: E402
 
 CASES = (
     "build", "ttft", "mount", "sizes", "incremental", "oci", "eta", "handout", "arch", "servers",
-    "concurrency",
+    "concurrency", "snapshots",
 )  # fmt: skip
 STEPS = (
     "setup",
@@ -56,6 +57,7 @@ STEPS = (
     "arch",
     "servers",
     "concurrency",
+    "snapshots",
 )
 BENCH_MODEL_CASES = {
     "build",
@@ -65,6 +67,7 @@ BENCH_MODEL_CASES = {
     "incremental",
     "oci",
     "eta",
+    "snapshots",
 }  # the ones that need models/bench-*
 
 
@@ -185,6 +188,8 @@ def run_all(ctx: Context, cases: set[str]) -> dict[str, Any]:
         timed(ctx, "servers", results, lambda: case_servers.run(ctx))
     if "concurrency" in cases:  # the batched engines, in the server venvs
         timed(ctx, "concurrency", results, lambda: case_concurrency.run(ctx))
+    if "snapshots" in cases:  # mlx_lm.server in this venv, restarted with and without snapshots
+        timed(ctx, "snapshots", results, lambda: case_snapshots.run(ctx))
     results["targets"] = summary.targets(results, ctx.quick)
     return results
 
@@ -249,6 +254,8 @@ def markdown(results: dict[str, Any], total: float) -> str:
         lines += case_servers.section(results["servers"])
     if results.get("concurrency"):
         lines += case_concurrency.section(results["concurrency"])
+    if results.get("snapshots"):
+        lines += case_snapshots.section(results["snapshots"])
     for name, err in results.get("errors", {}).items():
         lines += [f"**Case {name} failed:** `{err}`", ""]
     spent = results.get("durations", {})

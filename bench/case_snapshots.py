@@ -1,0 +1,230 @@
+"""Case snapshots: `serve --snapshots DIR` across a restart. A server (mlx_lm.server, the default,
+in this venv) holds N conversations of a few thousand tokens that no bundle covers; a graceful stop
+(SIGTERM) saves them as N snapshots; then the time to the first answer of the next turn of one
+conversation after a restart with the snapshots, vs the same server restarted without them (cold:
+it prefills the whole history), vs the in-memory hit (the next question on the same history, in
+the same process, right after). Also the save and restore times serve logs, startup (spawn to
+/health) and the cached tokens the usage reports; the same answer with and without snapshots.
+
+The float32 bench model (`--quick`: the 4-layer one), OpenBLAS as serve loads it. Standalone:
+`python bench/case_snapshots.py [--quick]` prints the markdown section.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+sys.path[:0] = [str(BENCH), str(BENCH.parent)]
+if __name__ == "__main__" and "--quick" in sys.argv[1:]:  # as bench/run.py: the small model
+    os.environ.setdefault("PREFIX_BUNDLES_BENCH_SIZE", "small")
+
+from case_servers import _port, _ready  # noqa: E402
+from common import (  # noqa: E402
+    MODEL_F32,
+    QUESTION,
+    QUESTION2,
+    REPO,
+    Context,
+    clean_env,
+    ensure_models,
+    ratio,
+    stat,
+    text_with_tokens,
+)
+
+NEXT = "Which of the notes above is the newest, and who wrote it? Answer in one line."
+SAVED = re.compile(
+    r"snapshots: saved (\d+) entr\w+ \((\d+) tokens, ([0-9.]+) MiB;.* in ([0-9.]+) ms"
+)
+RESTORED = re.compile(
+    r"snapshots: restored (\d+) of (\d+) .*\((\d+) tokens, ([0-9.]+) MiB\), (\d+) refused, "
+    r"in ([0-9.]+) ms"
+)
+
+
+def settings(quick: bool) -> dict[str, int]:
+    """Conversations, their tokens, repetitions."""
+    # full: two 4k-token conversations of the 0.6B model are 1.8 GiB of float32 KV, within the
+    # default --snapshot-budget of 2 GiB; each cold prefill takes minutes on a 2-core VM
+    if quick:
+        return {"conversations": 2, "tokens": 1000, "n": 1}
+    return {"conversations": 2, "tokens": 4000, "n": 3}
+
+
+def messages(notes: str, answer: str | None, question: str) -> list[dict[str, str]]:
+    """A conversation's first turn (no answer yet) or its next turn asking `question`."""
+    turn = [{"role": "system", "content": notes}, {"role": "user", "content": QUESTION}]
+    if answer is None:
+        return turn
+    return [*turn, {"role": "assistant", "content": answer}, {"role": "user", "content": question}]
+
+
+def ask(port: int, msgs: list[dict[str, str]]) -> tuple[float, str, int, int]:
+    """(seconds, answer, prompt tokens, cached tokens) of one chat request, 8 tokens greedy."""
+    import urllib.request
+
+    body = {"messages": msgs, "max_tokens": 8, "temperature": 0.0}
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    t = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=1800) as resp:
+        answer = json.loads(resp.read())
+    seconds = time.perf_counter() - t
+    usage = answer.get("usage") or {}
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return seconds, answer["choices"][0]["message"]["content"], usage["prompt_tokens"], cached
+
+
+class Server:
+    """`build.py serve` (mlx_lm.server) with no bundle, optionally --snapshots DIR, logged."""
+
+    def __init__(self, ctx: Context, model: Path, log: Path, snapshots: Path | None) -> None:
+        empty = ctx.work / "snapshots-no-bundles"
+        empty.mkdir(exist_ok=True)
+        self.port, self.log = _port(), log
+        cmd = [sys.executable, str(REPO / "build.py"), "--bundles", str(empty), "serve"]
+        cmd += ["--model", str(model), "--port", str(self.port)]
+        cmd += [] if snapshots is None else ["--snapshots", str(snapshots)]
+        # the host key under WORK: the bench never touches the user's ~/.config
+        env = clean_env(XDG_CONFIG_HOME=str(ctx.work / "snapshots-config"))
+        start = time.perf_counter()
+        self.out = open(log, "w")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, env=env)
+        _ready(self.port, self.proc)
+        self.startup_s = time.perf_counter() - start
+
+    def stop(self) -> str:
+        """SIGTERM (a graceful stop: --snapshots saves; without it, SIGTERM's default ends the
+        process), wait; the server's log."""
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=600)
+        self.out.close()
+        if code not in (0, -signal.SIGTERM):
+            raise RuntimeError(f"serve exited {code}: {self.log.read_text()[-2000:]}")
+        return self.log.read_text()
+
+
+def repetition(ctx: Context, model: Path, notes: list[str], rep: int) -> dict[str, Any]:
+    """Fill a --snapshots server with the conversations, stop it (it saves), then the next turn
+    of the first conversation after a restart with the snapshots and after one without them (in
+    alternating order between repetitions), each followed by its in-memory hit."""
+    snaps = ctx.work / f"snapshots-{rep}"
+    shutil.rmtree(snaps, ignore_errors=True)
+    server = Server(ctx, model, ctx.work / f"snapshots-{rep}-fill.log", snaps)
+    answers = [ask(server.port, messages(text, None, QUESTION))[1] for text in notes]
+    saved = SAVED.search(server.stop())
+    if saved is None:
+        raise RuntimeError(f"no 'snapshots: saved' line in {server.log}")
+    row: dict[str, Any] = {
+        "saved": int(saved[1]), "saved_tokens": int(saved[2]), "saved_mib": float(saved[3]),
+        "save_ms": float(saved[4]),
+    }  # fmt: skip
+    for label in ("with", "without") if rep % 2 == 0 else ("without", "with"):
+        log = ctx.work / f"snapshots-{rep}-{label}.log"
+        server = Server(ctx, model, log, snaps if label == "with" else None)
+        first = ask(server.port, messages(notes[0], answers[0], QUESTION2))
+        hit = ask(server.port, messages(notes[0], answers[0], NEXT))
+        text = server.stop()
+        row[label] = {
+            "startup_s": server.startup_s, "first_s": first[0], "hit_s": hit[0],
+            "answer": first[1], "prompt": first[2], "cached": first[3], "hit_cached": hit[3],
+        }  # fmt: skip
+        if label == "with":
+            restored = RESTORED.search(text)
+            if restored is None:
+                raise RuntimeError(f"no 'snapshots: restored' line in {log}")
+            row["restored"], row["refused"] = int(restored[1]), int(restored[5])
+            row["restored_mib"], row["restore_ms"] = float(restored[4]), float(restored[6])
+    return row
+
+
+def run(ctx: Context) -> dict[str, Any]:
+    """Every repetition, summarised."""
+    ensure_models()
+    model, s = MODEL_F32, settings(ctx.quick)
+    notes = [text_with_tokens(model, s["tokens"], seed=41 + i) for i in range(s["conversations"])]
+    rows = []
+    for rep in range(s["n"]):
+        rows.append(repetition(ctx, model, notes, rep))
+        w, c = rows[-1]["with"], rows[-1]["without"]
+        ctx.note(
+            f"snapshots: rep {rep}: first answer after restart {w['first_s']:.3f} s with "
+            f"{rows[-1]['saved']} snapshots, {c['first_s']:.3f} s without, hit {w['hit_s']:.3f} s; "
+            f"save {rows[-1]['save_ms']:.0f} ms, restore {rows[-1]['restore_ms']:.0f} ms"
+        )
+    summary = {
+        "model": model.name, **s, "rows": rows,
+        "prompt": rows[0]["with"]["prompt"],
+        "save_ms": stat([r["save_ms"] for r in rows]).as_dict(),
+        "restore_ms": stat([r["restore_ms"] for r in rows]).as_dict(),
+        "saved_mib": stat([r["saved_mib"] for r in rows]).as_dict(),
+        "same_answer": all(r["with"]["answer"] == r["without"]["answer"] for r in rows),
+    }  # fmt: skip
+    for label in ("with", "without"):
+        for key in ("startup_s", "first_s", "hit_s", "cached"):
+            summary[f"{label}_{key}"] = stat([r[label][key] for r in rows]).as_dict()
+    return summary
+
+
+def section(result: dict[str, Any]) -> list[str]:
+    """Markdown for RESULTS.md."""
+
+    def cell(key: str, fmt: str = "{:.3f}") -> str:
+        v = result[key]
+        spread = f" ({fmt.format(v['min'])}–{fmt.format(v['max'])})" if v["n"] > 1 else ""
+        return fmt.format(v["median"]) + spread
+
+    w, c = result["with_first_s"]["median"], result["without_first_s"]["median"]
+    hit = result["with_hit_s"]["median"]
+    return [
+        "## Snapshots: the first answer after a restart with `serve --snapshots` vs without, and "
+        "vs the in-memory hit",
+        "",
+        f"mlx_lm.server through `serve` (no bundle), model `{result['model']}` (float32); "
+        f"{result['conversations']} conversations of ~{result['tokens']} tokens each (notes no "
+        "bundle covers, one question, an 8-token answer), then a graceful stop (SIGTERM) saves them "
+        f"as {result['conversations']} snapshots, {cell('saved_mib', '{:.1f}')} MiB of KV in all. "
+        "After a restart: the next turn of the first conversation "
+        f"({result['prompt']} prompt tokens), with the snapshots restored and without them; then, "
+        "in the same process, another next turn on the same history (the in-memory hit). Seconds, "
+        f"median (min–max), n={result['n']} restarts each, the two kinds alternating.",
+        "",
+        "| restart | startup s | first answer s | in-memory hit s | first / hit | cached |",
+        "| --- | --- | --- | --- | --- | --- |",
+        f"| with snapshots | {cell('with_startup_s', '{:.2f}')} | {cell('with_first_s')} | "
+        f"{cell('with_hit_s')} | {ratio(w, hit):.2f}x | {cell('with_cached', '{:.0f}')} |",
+        f"| without (cold) | {cell('without_startup_s', '{:.2f}')} | {cell('without_first_s')} | "
+        f"{cell('without_hit_s')} | {ratio(c, result['without_hit_s']['median']):.2f}x | "
+        f"{cell('without_cached', '{:.0f}')} |",
+        "",
+        f"- first answer after a restart: **{ratio(c, w):.1f}x faster** with the snapshots than "
+        f"without; same answer: {result['same_answer']}",
+        f"- serve's logs: save at the stop {cell('save_ms', '{:.0f}')} ms, restore at the start "
+        f"{cell('restore_ms', '{:.0f}')} ms (validated, host signature checked, loaded)",
+        "",
+    ]
+
+
+if __name__ == "__main__":
+    from pipeline.blas import ensure_fast_blas
+
+    ensure_fast_blas(sys.argv[1:])
+    work = REPO / "bench" / "out" / "snapshots"
+    work.mkdir(parents=True, exist_ok=True)
+    if "--render" not in sys.argv:  # --render: print the section of the last run's snapshots.json
+        result = run(Context("--quick" in sys.argv, work))
+        (work / "snapshots.json").write_text(json.dumps(result, indent=2) + "\n")
+    print("\n".join(section(json.loads((work / "snapshots.json").read_text()))))
