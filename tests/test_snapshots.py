@@ -232,11 +232,18 @@ def test_a_conversation_survives_a_restart(tmp_path: Path, tiny_model: Path):
     prompt = first["usage"]["prompt_tokens"]
     assert prompt > 3000 and first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
 
+    # saved while serving (--snapshot-every: after the entry the request stored), then a crash
+    # (SIGKILL: no stop-time save): the periodic set is what the restart mounts
     log1 = tmp_path / "serve1.log"
-    with server_process(tiny_model, bundles, log1, "--snapshots", str(snaps), env=env) as (p, port):
+    every = ("--snapshot-every", "0.001")
+    with server_process(tiny_model, bundles, log1, "--snapshots", str(snaps), *every, env=env) as (
+        p,
+        port,
+    ):
         assert turn(port)["choices"][0]["message"]["content"] == answer
-        stop(p)
-    assert "snapshots: saved 1 entry" in log1.read_text()
+        wait_for_periodic(log1, beyond=prompt)  # the entry with the answer, not a segment's
+        p.kill()
+        p.wait(timeout=60)
 
     log2 = tmp_path / "serve2.log"
     with server_process(tiny_model, bundles, log2, "--snapshots", str(snaps), env=env) as (p, port):
@@ -259,6 +266,20 @@ def test_a_conversation_survives_a_restart(tmp_path: Path, tiny_model: Path):
     text = log2.read_text()
     assert "snapshots: restored 1 of 1" in text and "0 refused" in text
     assert "request: snapshot 00-" in text
+    assert "snapshots: saved 2 entries" in text  # at the graceful stop: the restored one kept
+
+
+def wait_for_periodic(log: Path, beyond: int, timeout: float = 30) -> None:
+    """Until the log says a periodic save wrote one entry of more than `beyond` tokens (the save
+    at the entry a request stores runs after its answer went out)."""
+    import re
+    import time
+
+    pattern = r"saved 1 entry \((\d+) tokens.*\(periodic, every 0.001 min; the server waited\)"
+    deadline = time.monotonic() + timeout
+    while not any(int(n) > beyond for n in re.findall(pattern, log.read_text())):
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
 
 
 def test_prune_snapshots_lists_then_wipes_and_is_refused_while_serve_uses_the_folder(
@@ -291,7 +312,9 @@ def test_serve_saves_after_the_servers_graceful_stop(monkeypatch: pytest.MonkeyP
     from pipeline.runtime.servers.hook import ServerHook
 
     saved = []
-    snaps = SimpleNamespace(save=lambda listed, covered: saved.append(listed))
+    snaps = SimpleNamespace(
+        save=lambda listed, covered: saved.append(listed), stop_saving=lambda: saved.append("stop")
+    )
     for name in ("require", "refuse_options", "check_port", "check_admin", "setup_logging"):
         monkeypatch.setattr(startup, name, lambda *a, **k: None)
     monkeypatch.setattr(startup, "ensure_huge_pages", lambda *a, **k: None)
@@ -316,4 +339,4 @@ def test_serve_saves_after_the_servers_graceful_stop(monkeypatch: pytest.MonkeyP
     options = SimpleNamespace(snapshots=Path("s"), rest=(), warm_up=False, huge_pages=None,
                               argv=(), passed=lambda o: None)  # fmt: skip
     assert startup.serve(Hook(), options) == 0
-    assert saved == [["entry"]]
+    assert saved == ["stop", ["entry"]]

@@ -83,7 +83,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> argparse.Argum
         metavar="DIR",
         help="at a graceful stop (SIGTERM, SIGINT) save the server's hottest prompt-cache entries "
         "under DIR, signed with this host's key, and mount them at the next start through the "
-        "same validator (they hold client prompts: docs/snapshots.md; mlx-lm only so far; "
+        "same validator; every server serve wraps (they hold client prompts: docs/snapshots.md; "
         "default: off)",
     )
     p.add_argument(
@@ -92,6 +92,14 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> argparse.Argum
         default="2GiB",
         help="the most KV bytes --snapshots writes at a stop, hottest entries first (e.g. 512MiB; "
         "default: 2GiB)",
+    )
+    p.add_argument(
+        "--snapshot-every",
+        metavar="MINUTES",
+        help="with --snapshots, also save the set while serving: after the first entry the "
+        "server stores once MINUTES have passed since the last save (on its generation thread, "
+        "which waits for it; a failed save keeps the previous set); mlx_lm.server only so far "
+        "(default: off, saved at a graceful stop only)",
     )
     add_trusted_key_option(p)  # each refusal is logged and serve goes on; --strict exits 1
     # unknown options belong to the server; bundles default to <model>/prefix-bundles

@@ -153,9 +153,13 @@ class SnapshotFolder:
         number = (self.sets() or [(0, None)])[0][0] + 1
         staging = self.root / f"{STAGING_PREFIX}{os.getpid()}-{time.monotonic_ns()}"
         staging.mkdir(mode=0o700)
-        for rank, entry in enumerate(entries):
-            write_snapshot(staging, rank, entry, context, key)
-        _fsync(staging)
+        try:
+            for rank, entry in enumerate(entries):
+                write_snapshot(staging, rank, entry, context, key)
+            _fsync(staging)
+        except BaseException:  # a full disk, a stop cut short: the previous set stays alone
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         final = self.root / f"set-{number}"
         os.rename(staging, final)
         _fsync(self.root)

@@ -38,6 +38,11 @@ from pipeline.runtime.snapshot_store import Context, Entry, SnapshotFolder, cach
 
 log = logging.getLogger("prefix-bundles")
 DEFAULT_BUDGET = 2 << 30  # bytes of KV written at a stop (and restored at the next start)
+# --snapshot-every: the servers whose hook calls `tick` only on the thread that owns (and alone
+# changes) the server's entries, right after it stored one: a periodic save runs there, never
+# beside a change. mlx_lm.server's generation thread (tested with the real server); the others'
+# hooks stamp entries on request or worker threads that do not own the whole cache
+PERIODIC = {"mlx-lm": "mlx_lm.server"}
 _UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
 
 
@@ -51,6 +56,46 @@ def parse_size(text: str) -> int:
             "GiB or TiB (e.g. 2GiB)"
         )
     return int(match[1]) * _UNITS[unit]
+
+
+def every_seconds(options: Any, server: str) -> float | None:
+    """--snapshot-every MINUTES in seconds (None when not given), checked before anything is
+    loaded: it needs --snapshots, a positive number, and a server in PERIODIC."""
+    text = getattr(options, "snapshot_every", None)
+    if text is None:
+        return None
+    if options.snapshots is None:
+        raise PipelineError("--snapshot-every needs --snapshots DIR (the folder it saves to)")
+    if server not in PERIODIC:
+        raise PipelineError(
+            f"--snapshot-every is not supported with --server {server} yet: a save while it "
+            "serves must run on the thread that owns its prompt cache, which serve guarantees "
+            f"for {', '.join(PERIODIC.values())} only (docs/snapshots.md); serve without it (the "
+            "snapshots are still saved at a graceful stop)"
+        )
+    try:
+        minutes = float(text)
+    except ValueError:
+        minutes = -1.0
+    if not 0 < minutes < 1e6:
+        raise PipelineError(
+            f"--snapshot-every {text!r} is not a number of minutes; pass a positive number "
+            "(e.g. 5, or 0.5 for 30 seconds)"
+        )
+    return minutes * 60
+
+
+@dataclass
+class _Periodic:
+    """--snapshot-every: how often, what to list (the hook's `entries`), and the last save."""
+
+    seconds: float
+    listing: Callable[[], Sequence[tuple[int, Entry]]]
+    covered: Callable[[list[int]], int]
+    last: float
+
+    def due(self) -> bool:
+        return time.monotonic() - self.last >= self.seconds
 
 
 @dataclass
@@ -98,15 +143,36 @@ class Snapshots:
         self._shelf: list[_Shelved] = []
         self._clock = itertools.count(1)
         self._lock = threading.Lock()
+        self._saving = threading.Lock()  # one save at a time: a periodic one, the stop's
+        self._periodic: _Periodic | None = None
+        self._stopped = False  # the stop's save has begun: no periodic save after it
 
     def close(self) -> None:
         """Release the snapshot folder for another process (exiting does it too)."""
         self.folder.close()
 
     def tick(self) -> int:
-        """A recency stamp: larger is more recent (the hook stamps each entry it stores)."""
+        """A recency stamp: larger is more recent (the hook stamps each entry it stores). With
+        --snapshot-every, a save that is due runs here first, on the hook's thread (PERIODIC)."""
+        stamp = self._next()
+        periodic = self._periodic
+        if periodic is not None and periodic.due():
+            self._save_periodic(periodic, stamp)
+        return stamp
+
+    def _next(self) -> int:
         with self._lock:
             return next(self._clock)
+
+    def save_every(
+        self,
+        seconds: float,
+        listing: Callable[[], Sequence[tuple[int, Entry]]],
+        covered: Callable[[list[int]], int],
+    ) -> None:
+        """--snapshot-every: from now on, the first `tick` at least `seconds` after the last
+        save saves the set (`listing()`: the hook's entries, `covered`: what bundles hold)."""
+        self._periodic = _Periodic(seconds, listing, covered, time.monotonic())
 
     # --- startup -------------------------------------------------------------------------
     def restore(self, bundle_tokens: Sequence[Sequence[int]]) -> None:
@@ -141,7 +207,7 @@ class Snapshots:
         cache = v.cache or []
         entry = _Shelved(
             v.path.name, ids, cache, all(layer.is_trimmable() for layer in cache),
-            v.manifest.snapshot.lossy, v.manifest.cache.nbytes, self.tick(),
+            v.manifest.snapshot.lossy, v.manifest.cache.nbytes, self._next(),
         )  # fmt: skip
         with self._lock:
             self._shelf.append(entry)
@@ -163,7 +229,7 @@ class Snapshots:
                 best, rank = s, r
         if best is None:
             return None, 0, ""
-        best.stamp = self.tick()
+        best.stamp = self._next()
         return fork_cache(best.cache, len(best.tokens) - rank[0]), rank[0], best.name
 
     def covered(self, tokens: Sequence[int]) -> int:
@@ -194,19 +260,52 @@ class Snapshots:
         return max(floors, default=0)
 
     # --- shutdown ------------------------------------------------------------------------
+    def stop_saving(self) -> None:
+        """The server has stopped: wait for a periodic save under way; none starts after."""
+        with self._saving:
+            self._stopped = True
+
     def save(
         self, listed: Sequence[tuple[int, Entry]], covered: Callable[[list[int]], int]
     ) -> None:
         """Write the hottest of the server's entries (stamp, entry) and the restored snapshots
         still worth keeping, within the budget, as the new set; one log line."""
+        with self._saving:
+            self._stopped = True
+            self._write(listed, covered, "")
+
+    def _save_periodic(self, periodic: _Periodic, now: int) -> None:
+        """A due periodic save, on the thread that called `tick` (the server waits for it). It
+        never raises: a failure is logged and the previous set stays."""
+        if not self._saving.acquire(blocking=False):
+            return  # a save is under way
+        try:
+            if self._stopped or not periodic.due():
+                return
+            periodic.last = time.monotonic()  # a failing disk is retried a period later
+            # stamp 0: the entry the hook is storing now, stamped after this tick returns
+            listed = [(stamp or now, entry) for stamp, entry in periodic.listing()]
+            every = f"{periodic.seconds / 60:g} min"
+            self._write(listed, periodic.covered, f" (periodic, every {every}; the server waited)")
+        except Exception as exc:  # noqa: BLE001 - serving goes on; the previous set is intact
+            log.error(
+                "snapshots: periodic save failed (%s: %s); the previous set stays, the next "
+                "save is due in %g min", type(exc).__name__, exc, periodic.seconds / 60,
+            )  # fmt: skip
+        finally:
+            self._saving.release()
+
+    def _write(
+        self, listed: Sequence[tuple[int, Entry]], covered: Callable[[list[int]], int], why: str
+    ) -> None:
         start = time.perf_counter()
         chosen, report = self._choose(listed, covered)
         path = self.folder.write_set(chosen, self.context, self.key)
-        skipped = ", ".join(f"{n} {why}" for why, n in sorted(report.skipped.items()))
+        skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(report.skipped.items()))
         log.info(
-            "snapshots: saved %d entr%s (%d tokens, %.1f MiB; budget %.1f MiB) to %s in %.1f ms%s",
+            "snapshots: saved %d entr%s (%d tokens, %.1f MiB; budget %.1f MiB) to %s in %.1f ms%s%s",
             report.saved, "y" if report.saved == 1 else "ies", report.tokens, report.nbytes / 2**20,
-            self.budget / 2**20, path, (time.perf_counter() - start) * 1000,
+            self.budget / 2**20, path, (time.perf_counter() - start) * 1000, why,
             f"; not saved: {skipped}" if skipped else "",
         )  # fmt: skip
 
@@ -345,10 +444,12 @@ def snapshot_answer(
 
 __all__ = [
     "DEFAULT_BUDGET",
+    "PERIODIC",
     "Entry",
     "Snapshots",
     "child_snapshots",
     "open_snapshots",
+    "every_seconds",
     "parent_of_snapshots",
     "parse_size",
     "snapshot_answer",

@@ -32,6 +32,7 @@ class ServeOptions:
     admin_token_file: Path | None = None
     snapshots: Path | None = None
     snapshot_budget: str = "2GiB"
+    snapshot_every: str | None = None  # minutes, as given (checked by snapshots.every_seconds)
 
     @classmethod
     def from_args(
@@ -58,6 +59,7 @@ class ServeOptions:
             admin_token_file=given("admin_token_file"),
             snapshots=given("snapshots"),
             snapshot_budget=given("snapshot_budget") or "2GiB",
+            snapshot_every=given("snapshot_every"),
         )
 
     def passed(self, name: str) -> str | None:

@@ -120,6 +120,7 @@ def serve(hook: ServerHook, options: ServeOptions) -> int:
             f"--snapshots is not supported with --server {hook.name} yet (docs/snapshots.md "
             "lists the servers that support it); serve without --snapshots"
         )
+    every = snapshot_interval(hook, options)
     require(hook.package, hook.name)
     refuse_options(list(options.rest), hook.name, hook.refused(options))
     check_port(hook.address, list(options.rest))
@@ -142,10 +143,13 @@ def serve(hook: ServerHook, options: ServeOptions) -> int:
     log.info("%s", try_it(hook, options))
     if snapshots is None:
         return hook.launch(mounted, options)
+    if every is not None:  # saved from the hook's `tick` on the thread that owns the entries
+        snapshots.save_every(every, lambda: hook.entries(mounted, snapshots), mounted.covered)
     try:
         code = hook.launch(mounted, options)
     except KeyboardInterrupt:  # SIGTERM/SIGINT as re-raised by uvicorn after its graceful stop
         code = 0
+    snapshots.stop_saving()  # a periodic save under way ends first; none starts after
     snapshots.save(hook.entries(mounted, snapshots), mounted.covered)  # the server has stopped
     return code
 
@@ -172,6 +176,15 @@ def open_snapshots(hook: ServerHook, options: ServeOptions, mounted: Mounted) ->
     from pipeline.runtime.snapshots import open_snapshots as open_folder
 
     return open_folder(options, mounted, hook.name)
+
+
+def snapshot_interval(hook: ServerHook, options: ServeOptions) -> float | None:
+    """--snapshot-every in seconds, checked before anything is loaded (None: not given)."""
+    if getattr(options, "snapshot_every", None) is None:
+        return None
+    from pipeline.runtime.snapshots import every_seconds
+
+    return every_seconds(options, hook.name)
 
 
 def setup_logging(level: str | None) -> None:
