@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     manifest = read_manifest(bundle, None)  # shown even when invalid; validity is decided below
     identity = _identity(args, manifest)
     keys = trusted_keys(args)
-    refusal = _validity(bundle, identity, keys)
+    refusal = _validity(bundle, identity, keys, manifest.kind or "prefix")
     print_inspect(bundle, manifest, args, identity, refusal, keys)
     return 0 if refusal is None else 1
 
@@ -57,14 +57,15 @@ def _run_json(bundle: Path, args: argparse.Namespace) -> int:
         manifest = None  # the validator below says why, at the stage that refuses it
     identity = _identity(args, manifest) if args.model else integrity_identity(bundle)
     keys = trusted_keys(args)
-    refusal = _validity(bundle, identity, keys)
+    kind = getattr(manifest, "kind", None) or "prefix"
+    refusal = _validity(bundle, identity, keys, kind)
     fields = {name: getattr(manifest, name, None) for name in Manifest.model_fields}
     validity = Validity(
         valid=refusal is None,
         for_model=str(args.model) if args.model else None,
         refusal=refusal_of(refusal) if refusal else None,
         refusals=_refusals(bundle, manifest, identity, refusal),
-        checks=_check_results(refusal, bool(keys), args.model is not None),
+        checks=_check_results(refusal, bool(keys), args.model is not None, kind),
     )
     sizes = _sizes(bundle) if bundle.is_dir() else {}
     signature = _signature_report(bundle, bool(keys) and refusal is None)
@@ -96,7 +97,9 @@ NO_MODEL = (
 )
 
 
-def _check_results(refusal, signed: bool, with_model: bool) -> list[CheckResult]:
+def _check_results(
+    refusal, signed: bool, with_model: bool, kind: str = "prefix"
+) -> list[CheckResult]:
     """The validator's stages in order: ok up to the one that refused, then not reached; a check
     that was not made (no key, no model) is shown as skipped, never as ok."""
     from pipeline.format.validate import CHECKS
@@ -105,7 +108,8 @@ def _check_results(refusal, signed: bool, with_model: bool) -> list[CheckResult]
     results, reached = [], True
     for name, detail in CHECKS:
         if name == "signature" and not signed and reached:
-            results.append(CheckResult(name=name, status="skipped", detail=NO_KEY))
+            why = NO_HOST_KEY if kind == "snapshot" else NO_KEY
+            results.append(CheckResult(name=name, status="skipped", detail=why))
         elif name == "identity" and not with_model and reached and failed != name:
             results.append(CheckResult(name=name, status="skipped", detail=NO_MODEL))
         elif name == failed:
@@ -132,6 +136,10 @@ def _identity(args: argparse.Namespace, manifest):
 
 
 NO_KEY = "not checked: no --trusted-key given"
+NO_HOST_KEY = (
+    "not checked: a snapshot is signed with its host's snapshot key, which inspect does not read "
+    "(serve mounts it only where that key verifies it: docs/signing.md)"
+)
 
 
 def _signature_report(bundle: Path, verified: bool) -> SignatureReport | None:
@@ -148,13 +156,14 @@ def _signature_report(bundle: Path, verified: bool) -> SignatureReport | None:
     )
 
 
-def _validity(bundle: Path, identity, keys: tuple = ()):
-    """The validator's verdict: None when valid, else the BundleError."""
+def _validity(bundle: Path, identity, keys: tuple = (), kind: str = "prefix"):
+    """The validator's verdict for a bundle or a snapshot (`kind`, as its manifest says): None
+    when valid, else the BundleError."""
     from pipeline.format.errors import BundleError
     from pipeline.format.validate import validate
 
     try:
-        validate(bundle, identity, trusted_keys=keys)
+        validate(bundle, identity, trusted_keys=keys, kind=kind)
     except BundleError as exc:
         return exc
     return None

@@ -8,13 +8,17 @@ from pathlib import Path
 from typing import Any
 
 NO_KEY = "not checked: no --trusted-key given"
+NO_HOST_KEY = (
+    "not checked: a snapshot is signed with its host's snapshot key, which inspect does not read "
+    "(serve mounts it only where that key verifies it: docs/signing.md)"
+)
 NO_MODEL = "not checked: no --model given (the recorded fingerprints were compared with nothing)"
 REBUILT = {"files", "checksums", "manifest", "cache file", "layout", "tokens", "data"}
 
 
 def print_inspect(bundle: Path, manifest: Any, args: Any, identity: Any, refusal: Any, keys: tuple):
     """The whole text report: summary, files, checks, verdict and the next command."""
-    print(f"bundle {bundle}")
+    print(f"{'snapshot' if manifest.kind == 'snapshot' else 'bundle'} {bundle}")
     data = manifest.model_dump(mode="json")
     _print_rows(summary_rows(data))
     if data.get("parent"):  # an incremental build: which bundle's cache it started from
@@ -26,6 +30,8 @@ def print_inspect(bundle: Path, manifest: Any, args: Any, identity: Any, refusal
     _print_checks(manifest, args, identity, refusal, keys)
     model = getattr(args, "model", None)
     scope = f" for {model}" if model else " (integrity only)"
+    if manifest.kind == "snapshot" and not keys:
+        scope += ", host signature not checked"
     print(f"valid{scope}: {'yes' if refusal is None else 'no'}")
     print(f"next: {next_step(bundle, manifest, model, refusal, bool(keys))}")
 
@@ -144,7 +150,7 @@ def _print_checks(manifest, args: Any, identity, refusal, keys: tuple) -> None:
         elif name == "identity" and not model and reached and failed != name:
             print(f"  --   {name:<21} {NO_MODEL}")
         elif name == "signature" and not keys and reached:
-            print(f"  --   {name:<21} {NO_KEY}")
+            print(f"  --   {name:<21} {NO_HOST_KEY if manifest.kind == 'snapshot' else NO_KEY}")
         elif name == failed:
             print(f"  FAIL {name:<21} {refusal.reason}")
         elif reached:
@@ -157,6 +163,8 @@ def _print_checks(manifest, args: Any, identity, refusal, keys: tuple) -> None:
 
 def _print_info(manifest) -> None:
     t, f = manifest.tokens, manifest.fidelity
+    if manifest.kind == "snapshot":  # a server's own entry: no rendering, probes or build check
+        return
     print(
         f"  info stability              {t.stable_tokens}/{t.rendered_tokens} rendered tokens are a prefix of every probe turn"
     )
@@ -185,6 +193,9 @@ def next_step(bundle: Path, manifest, model: Path | None, refusal, with_keys: bo
         return "fix what the failed check says above, then run this command again"
     if model is None:
         return f"compare its fingerprints with the model you serve: prefix-bundles inspect {bundle} --model DIR"
+    if manifest.kind == "snapshot":  # DIR/set-N/<rank>-<id>: serve restores DIR's newest set
+        folder = Path(bundle).parent.parent
+        return f"serve restores it on its host: prefix-bundles serve --model {model} --snapshots {folder}"
     if not with_keys and (bundle / "manifest.json.minisig").is_file():
         return f"check its signature: prefix-bundles inspect {bundle} --model {model} --trusted-key FILE"
     return f"serve it: prefix-bundles serve --model {model} --bundles {_bundles_root(bundle)}"
