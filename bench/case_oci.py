@@ -211,7 +211,7 @@ def build_bundles(ctx: Context, tokens: int) -> dict[str, Path]:
             out[name] = found[0].parent
             continue
         ctx.note(f"oci: building oci-{name} ({tokens} tokens{', from the base' if out else ''})")
-        r = one_build(project, f"oci-{name}", str(bundles), incremental=bool(out))
+        r = one_build(project, f"oci-{name}", incremental=bool(out))  # into project/bundles
         out[name] = Path(r["bundle"])
     return out
 

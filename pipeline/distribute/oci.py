@@ -14,11 +14,14 @@ import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from pipeline.distribute.meter import Meter
 from pipeline.distribute.oci_auth import Challenge, auth_header, credentials
+from pipeline.distribute.oci_blobget import CHUNK, BlobReader, Unserved, usable
+from pipeline.distribute.oci_blobget import Response as BlobResponse
 from pipeline.distribute.oci_http import httpx
 from pipeline.format.errors import PipelineError
 
@@ -88,6 +91,7 @@ class Registry:
         # plain HTTP builds no TLS context (loading the CA store costs ~0.3 s)
         verify = False if scheme == "http" else ca_bundle or True
         self.client = httpx.Client(verify=verify, timeout=httpx.Timeout(60.0, connect=10.0))
+        self.blobs = BlobReader(60.0) if usable(self.base) else None  # blob bodies, plain HTTP
         self.creds = credentials(ref.host)
         self.header: dict[str, str] = {}
         self.sleep: Callable[[float], None] = time.sleep
@@ -95,6 +99,8 @@ class Registry:
 
     def close(self) -> None:
         self.client.close()
+        if self.blobs is not None:
+            self.blobs.close()
 
     # --- requests: retries, the auth challenge, one line on failure ----------------------------
 
@@ -201,7 +207,8 @@ class Registry:
         return str(r.url.join(r.headers["location"]))
 
     def stream_blob(self, digest: str, size: int, sink: Callable[[bytes], None]) -> None:
-        """GET a blob into sink, checking its size and sha256 as it streams (nothing is kept).
+        """GET a blob into sink, checking its size and sha256 as it streams (nothing is kept: each
+        piece the sink gets may be a view of a buffer reused for the next).
 
         A broken connection is retried from the byte where it broke (a Range request): no byte
         reaches the sink twice and every byte that does is hashed."""
@@ -236,12 +243,11 @@ class Registry:
                 "published"
             )
 
-    def _blob_chunks(self, digest: str, size: int, doing: str, start: int = 0) -> Iterator[bytes]:
-        """The blob's bytes from `start` on (a Range request when start > 0)."""
+    def _blob_chunks(self, digest: str, size: int, doing: str, start: int = 0) -> Iterator[Any]:
+        """The blob's bytes from `start` on (a Range request when start > 0), in pieces that
+        may be views of one buffer: each is valid until the next is asked for."""
         headers = {**self.header, "range": f"bytes={start}-"} if start else self.header
-        with self.client.stream(
-            "GET", f"{self.base}/blobs/{digest}", headers=headers, follow_redirects=True
-        ) as r:
+        with self._open_blob(f"{self.base}/blobs/{digest}", headers) as r:
             if r.status_code == 401 and self._authorize(r, doing):
                 yield from self._blob_chunks(digest, size, doing, start)
                 return
@@ -257,16 +263,36 @@ class Registry:
                 r.read()
                 raise self.failed(doing, r)
             skip = start if r.status_code == 200 else 0  # the server ignored the Range
-            for chunk in r.iter_bytes(1 << 20):
+            if isinstance(r, BlobResponse):
+                pieces = r.chunks(memoryview(bytearray(CHUNK)))
+            else:
+                pieces = r.iter_bytes(CHUNK)
+            for chunk in pieces:
                 if skip:
                     cut, skip = min(skip, len(chunk)), skip - min(skip, len(chunk))
                     chunk = chunk[cut:]
                 if chunk:
                     yield chunk
 
+    @contextmanager
+    def _open_blob(self, url: str, headers: dict[str, str]) -> Iterator[Any]:
+        """A blob GET's response: read in place on plain HTTP (oci_blobget), else by httpx."""
+        if self.blobs is not None:
+            stack = ExitStack()
+            try:
+                r = stack.enter_context(self.blobs.get(url, headers))
+            except Unserved:  # redirected to TLS: httpx follows it
+                pass
+            else:
+                with stack:
+                    yield r
+                return
+        with self.client.stream("GET", url, headers=headers, follow_redirects=True) as r:
+            yield r
+
     def get_blob(self, digest: str, size: int) -> bytes:
         parts: list[bytes] = []
-        self.stream_blob(digest, size, parts.append)
+        self.stream_blob(digest, size, lambda chunk: parts.append(bytes(chunk)))
         return b"".join(parts)
 
     # --- manifests and tags -------------------------------------------------------------------

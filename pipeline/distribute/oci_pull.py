@@ -35,6 +35,7 @@ from pipeline.distribute.meter import Meter
 from pipeline.distribute.oci import Registry, in_parallel, parse_repo
 from pipeline.distribute.oci_push import Transfer
 from pipeline.distribute.pull import PullResult, check_found, parse_wanted, publish_staged, select
+from pipeline.distribute.served_identity import identity_for
 from pipeline.format import memo
 from pipeline.format.bundle_folder import (
     CACHE_FILE,
@@ -48,7 +49,7 @@ from pipeline.format.bundle_signature import check_binding, check_signature
 from pipeline.format.errors import BundleError, PipelineError
 from pipeline.format.manifest import Manifest
 from pipeline.format.signature import PublicKey
-from pipeline.runtime.mount import identity_for, model_bundles_dir
+from pipeline.runtime.mount import model_bundles_dir
 
 NOTHING = "nothing was published"
 
@@ -74,7 +75,7 @@ def pull_oci(
     # a bad model folder fails here, before the network (in this thread: a side thread that
     # imported mlx_lm while blocks streamed saved ~2 s, and aborted one bench pull at exit)
     meter = meter or Meter()
-    with meter.phase("model identity"):  # its cache classes import mlx_lm: seconds
+    with meter.phase("model identity"):  # its cache classes remembered: no import of mlx_lm
         identity = identity_for(model_dir)
     fingerprint = identity.model
     registry = Registry(ref, plain_http=plain_http, ca_bundle=ca_bundle)

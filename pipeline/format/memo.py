@@ -56,18 +56,23 @@ def _private(path: Path, want_dir: bool) -> bool:
     return kind_ok and st.st_uid == os.geteuid() and not st.st_mode & 0o077
 
 
-def load_table(memo: Path) -> dict[str, str]:
-    """A private {key: hex digest} table (empty when missing, unreadable or open to others)."""
-    return _load(memo)
+def load_table(memo: Path, values: re.Pattern[str] = _HEX64) -> dict[str, str]:
+    """A private {key: hex digest} table (empty when missing, unreadable or open to others);
+    `values`: the pattern a kept value matches (a hex digest unless told)."""
+    return _load(memo, values)
 
 
-def update_table(memo: Path, change: Callable[[dict[str, str]], dict[str, str]]) -> None:
+def update_table(
+    memo: Path,
+    change: Callable[[dict[str, str]], dict[str, str]],
+    values: re.Pattern[str] = _HEX64,
+) -> None:
     """Read, change and write a private table under its file lock, so that processes updating it
     at once keep each other's entries (best effort: a read-only home or a lock not granted
     within LOCK_WAIT seconds only costs the entry)."""
     with _lock, _file_lock(memo) as held:
         if held:
-            _store(memo, change(_load(memo)))
+            _store(memo, change(_load(memo, values)))
 
 
 LOCK_WAIT = 10.0
@@ -95,7 +100,7 @@ def _file_lock(memo: Path) -> Iterator[bool]:
         lock.release()
 
 
-def _load(memo: Path) -> dict[str, str]:
+def _load(memo: Path, values: re.Pattern[str] = _HEX64) -> dict[str, str]:
     if not (_private(memo.parent, want_dir=True) and _private(memo, want_dir=False)):
         return {}
     try:
@@ -104,7 +109,7 @@ def _load(memo: Path) -> dict[str, str]:
         return {}
     if not isinstance(table, dict):
         return {}
-    return {k: v for k, v in table.items() if isinstance(v, str) and _HEX64.match(v)}
+    return {k: v for k, v in table.items() if isinstance(v, str) and values.match(v)}
 
 
 def _store(memo: Path, table: dict[str, str]) -> None:
