@@ -141,6 +141,47 @@ def test_a_tampered_block_in_the_registry_is_one_error_and_nothing_is_published(
     }
 
 
+def test_a_re_made_artifact_whose_blocks_are_not_the_signed_cache_is_refused(
+    reg: Registry, shop_bundle: Path, model: Path, capsys
+):
+    """Someone with push rights swaps one block for other bytes and re-points the tag at an
+    artifact listing the new block's true digest: every blob checks out against its listing, the
+    rebuilt file does not match the BLAKE3 manifest.json pins, and nothing is published."""
+    import hashlib
+
+    assert main(["push", str(shop_bundle), "--repo", reg.repo()]) == 0
+    name, version = shop_bundle.parent.parent.name, int(shop_bundle.parent.name)
+    tag = tag_of(name, version, shop_bundle.name)
+    client = Client(parse_repo(reg.repo()))
+    try:
+        body, _ = client.get_manifest(tag)
+        doc = json.loads(body)
+        blocks = [d for d in doc["layers"] if d["mediaType"] == BLOCK_TYPE]
+        old = blocks[1]
+        data = bytearray(client.get_blob(old["digest"], old["size"]))
+        data[100] ^= 0x01
+        new = "sha256:" + hashlib.sha256(data).hexdigest()
+        client.upload(new, bytes(data))
+        old["digest"] = new
+        client.put_manifest(tag, json.dumps(doc).encode())
+    finally:
+        client.close()
+    capsys.readouterr()
+    assert main(["pull", "--repo", reg.repo(), "--model", str(model)]) == 1
+    err = capsys.readouterr().err
+    pinned = json.loads((shop_bundle / "manifest.json").read_text())["cache"]["file_blake3"]
+    assert err.startswith(
+        f"error: bundle shop/1/{shop_bundle.name} from registry repo {reg.repo()}: "
+        f"cache.safetensors blake3 mismatch (expected {pinned[:12]}.., found "
+    )
+    assert err.endswith(
+        "..); the file is corrupt or was edited: rebuild it or copy it again (nothing was "
+        "published)\n"
+    )
+    assert err.count("\n") == 1
+    assert published(model) == []
+
+
 def test_a_swapped_tag_is_one_error_and_nothing_is_published(
     reg: Registry, shop_bundle: Path, model: Path, capsys
 ):

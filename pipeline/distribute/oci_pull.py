@@ -5,9 +5,10 @@ Per bundle, in this order: the artifact manifest against its digest; its config 
 manifest.json before any large download; the tag, config and manifest.json naming the same
 bundle (a swapped tag is refused here); then the cache file rebuilt from its header, rest and
 token-range blocks, each block taken from a bundle already in the destination folder when one
-has the same bytes, else downloaded; the rebuilt file against the sha256 manifest.json pins.
-Then the hub form's last steps: every target locked, the one validator, an atomic publish of all
-or none (pipeline.distribute.pull.publish_staged).
+has the same bytes, else downloaded. Then the hub form's last steps: every target locked, the one
+validator (which checks each rebuilt file against the BLAKE3 manifest.json pins, in its own read
+of it: the file is read once after it is written, not twice), an atomic publish of all or none
+(pipeline.distribute.pull.publish_staged).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from pipeline.distribute.oci import Registry, in_parallel, parse_repo
 from pipeline.distribute.oci_push import Transfer
 from pipeline.distribute.pull import PullResult, check_found, parse_wanted, publish_staged, select
 from pipeline.distribute.served_identity import identity_for
-from pipeline.format import memo
 from pipeline.format.bundle_folder import (
     CACHE_FILE,
     FINGERPRINT_CHARS,
@@ -103,7 +103,8 @@ def pull_oci(
                     resume.keep(digest, staging / path / CACHE_FILE)
                 raise
             with meter.phase("validate"):  # the one validator, then the atomic publish
-                # every cache file was just hashed in full (_check_file): the memo vouches
+                # it checks each rebuilt cache file against the BLAKE3 manifest.json pins,
+                # in its own read of the staged file (trust_memo: no second, sha256 pass)
                 publish_staged(result, chosen, staging, identity, tuple(trusted_keys), True)
         finally:
             local.close()
@@ -208,8 +209,6 @@ class _Fetch:
         except BaseException:  # interrupted or refused: the blocks that arrived stay for later
             resume.keep(digest, partial)
             raise
-        with self.meter.phase("check file"):
-            self._check_file(manifest)
         self.meter.finish()
         return digest
 
@@ -292,24 +291,6 @@ class _Fetch:
             self.counts.moved_bytes += blob.size
             self.counts.moved_blobs += 1
         self.meter.advance(blob.size)
-
-    def _check_file(self, manifest: Manifest) -> None:
-        """The rebuilt file against the BLAKE3 its manifest pins (all cores, one read), recorded
-        in the hash memo so that the one validator, told to trust it, does not read it again."""
-        from blake3 import blake3
-
-        path = self.dest / CACHE_FILE
-        key = memo.stat_key(path)
-        b3 = blake3(max_threads=blake3.AUTO)
-        b3.update_mmap(path)
-        found = b3.hexdigest()
-        if found != manifest.cache.file_blake3:
-            raise self.fail(
-                f"the rebuilt {CACHE_FILE} has BLAKE3 {found[:16]}.., its manifest pins "
-                f"{manifest.cache.file_blake3[:16]}..; push the bundle again"
-            )
-        if memo.stat_key(path) == key:
-            memo.store(key, found)
 
 
 class LocalBlocks:
