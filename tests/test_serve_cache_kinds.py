@@ -178,8 +178,8 @@ def test_the_hook_hands_each_path_its_form_and_never_lets_an_unbatchable_layer_t
     from mlx_lm.models.cache import ChunkedKVCache, KVCache, QuantizedKVCache
 
     from pipeline.runtime import PromptCacheManager
-    from pipeline.runtime.servers.mlx_lm import BUNDLE_KEY, bundled_prompt_cache_class
-    from pipeline.runtime.servers.startup import Mounted
+    from pipeline.runtime.servers.mlx_lm import bundled_prompt_cache_class
+    from pipeline.runtime.servers.startup import BUNDLE_KEY, Mounted
 
     manager = PromptCacheManager()
     manager.pin(BUNDLE_KEY, list(range(40)), [quantized_layer()], "q@1")

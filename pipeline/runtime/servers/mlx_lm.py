@@ -16,17 +16,16 @@ import logging
 import signal
 import sys
 import threading
-import time
 from types import SimpleNamespace
 from typing import Any
 
 from pipeline.format.errors import PipelineError
 from pipeline.runtime.prompt_cache import at_least_one_left
+from pipeline.runtime.servers import warm_up
 from pipeline.runtime.servers.hook import ServerHook
 from pipeline.runtime.servers.lru_cache import lru_entries, pinned_lru_class
 from pipeline.runtime.servers.options import ServeOptions
 from pipeline.runtime.servers.startup import (
-    BUNDLE_KEY,
     Mounted,
     describe,
     hard_exit,
@@ -244,22 +243,9 @@ def warming_model_provider_class(mounted: Mounted, ready: threading.Event) -> ty
                 ready.set()
 
         def _warm_up(self) -> None:
-            if not self.enabled or self.warmed or self.model is None:
-                return
-            self.warmed = True
-            start = time.perf_counter()
-            try:
-                source = mounted.manager.warm_up(BUNDLE_KEY, self.model)
-            except Exception as exc:  # optional: a failed warm-up must not stop the server
-                log.warning("warm-up failed (%s); serving without it", describe(exc))
-                return
-            if source is not None:
-                log.info(
-                    "warmed up from %s in %.1f ms (the first request now costs what an "
-                    "in-memory hit costs; --no-warm-up skips it)",
-                    source.removeprefix("bundle:"),
-                    (time.perf_counter() - start) * 1000,
-                )
+            if self.enabled and not self.warmed and self.model is not None:
+                self.warmed = True
+                warm_up.through_model(mounted, self.model)
 
     return WarmingModelProvider
 

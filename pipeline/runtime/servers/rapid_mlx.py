@@ -62,10 +62,7 @@ class Hook(ServerHook):
     def warm_up_server(self, mounted: Mounted, options: ServeOptions) -> None:
         from rapid_mlx import server
 
-        model = self.clients_send(options)
-        served = lambda: server._model_name or model  # noqa: E731 - the name it checks requests against
-        headers = warm_up.api_key_headers(options.passed("--api-key"))
-        warm_up.through_app(server.app, SERVER, mounted, served, headers)
+        warm_up.through_vllm_app(server, SERVER, mounted, options, self.clients_send(options))
 
     def launch(self, mounted: Mounted, options: ServeOptions) -> int:
         from rapid_mlx.cli import main

@@ -401,6 +401,4 @@ def warm_up_before_serving(mounted: Mounted, model: str, options: ServeOptions) 
         before = set(snapshots)
         return lambda: [snapshots.pop(key, None) for key in set(snapshots) - before]
 
-    headers = warm_up.api_key_headers(options.passed("--api-key"))
-    served = lambda: server._model_name or model  # noqa: E731 - the name it checks requests against
-    warm_up.through_app(server.app, SERVER, mounted, served, headers, leave_no_snapshot)
+    warm_up.through_vllm_app(server, SERVER, mounted, options, model, leave_no_snapshot)

@@ -211,6 +211,37 @@ def check_seen(
     )
 
 
+def through_model(mounted: Any, model: Any) -> None:
+    """For a server with no app to post to in-process (mlx_lm.server, from its generation thread
+    once the model is loaded): the longest pinned bundle's cache through the model itself
+    (PromptCacheManager.warm_up); one line saying what it took, a failure one warning."""
+    from pipeline.runtime.servers.startup import BUNDLE_KEY, describe
+
+    start = time.perf_counter()
+    try:
+        source = mounted.manager.warm_up(BUNDLE_KEY, model)
+    except Exception as exc:  # optional: a failed warm-up must not stop the server
+        log.warning("warm-up failed (%s); serving without it", describe(exc))
+        return
+    if source is not None:
+        log.info(
+            "warmed up from %s in %.1f ms (the first request now costs what an in-memory hit "
+            "costs; --no-warm-up skips it)",
+            source.removeprefix("bundle:"),
+            (time.perf_counter() - start) * 1000,
+        )
+
+
+def through_vllm_app(
+    server: Any, name: str, mounted: Any, options: Any, model: str, leave_no_entry: Any = None
+) -> None:
+    """`through_app` for vllm-mlx and its fork rapid-mlx: their `server` module's app, the model
+    name it checks requests against once loaded (`_model_name`, else `model`), --api-key sent."""
+    headers = api_key_headers(options.passed("--api-key"))
+    served = lambda: server._model_name or model  # noqa: E731
+    through_app(server.app, name, mounted, served, headers, leave_no_entry)
+
+
 def api_key_headers(key: str | None) -> dict[str, str] | None:
     """What a client sends when the server was started with --api-key."""
     return None if key is None else {"Authorization": f"Bearer {key}", "x-api-key": key}
