@@ -35,7 +35,14 @@ from pipeline.distribute.hub import RemoteBundle
 from pipeline.distribute.meter import Meter
 from pipeline.distribute.oci import Registry, in_parallel, parse_repo
 from pipeline.distribute.oci_push import Transfer
-from pipeline.distribute.pull import PullResult, check_found, parse_wanted, publish_staged, select
+from pipeline.distribute.pull import (
+    PullResult,
+    check_found,
+    near_model,
+    parse_wanted,
+    publish_staged,
+    select,
+)
 from pipeline.distribute.served_identity import identity_for
 from pipeline.format.bundle_folder import (
     CACHE_FILE,
@@ -49,7 +56,6 @@ from pipeline.format.bundle_signature import check_binding, check_signature
 from pipeline.format.errors import BundleError, PipelineError
 from pipeline.format.manifest import Manifest
 from pipeline.format.signature import PublicKey
-from pipeline.runtime.mount import model_bundles_dir
 
 NOTHING = "nothing was published"
 
@@ -70,7 +76,7 @@ def pull_oci(
     `pins` ({repo path: artifact digest}, from a lockfile) are fetched by digest, not by tag."""
     ref = parse_repo(repo)
     model_dir = Path(model_dir)
-    root = Path(bundles_dir) if bundles_dir is not None else model_bundles_dir(model_dir)
+    root = Path(bundles_dir) if bundles_dir is not None else near_model(model_dir)
     wanted = parse_wanted(prefixes)
     # a bad model folder fails here, before the network (in this thread: a side thread that
     # imported mlx_lm while blocks streamed saved ~2 s, and aborted one bench pull at exit)

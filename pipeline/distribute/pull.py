@@ -28,12 +28,12 @@ from pipeline.builder.writer import (
     unplace,
 )
 from pipeline.distribute.hub import REPO_TYPE, RemoteBundle, connect, hub_errors, remote_bundles
+from pipeline.distribute.served_identity import identity_for
 from pipeline.format.bundle_folder import FINGERPRINT_CHARS
 from pipeline.format.errors import BundleError, PipelineError
 from pipeline.format.names import NAME_HINT, parse_ref
 from pipeline.format.signature import PublicKey
 from pipeline.format.validate import validate
-from pipeline.runtime.mount import identity_for, model_bundles_dir
 
 OFFLINE_FIX = (
     "pull where the hub is reachable (HF_HUB_OFFLINE unset, network up), or copy the bundles into "
@@ -153,6 +153,14 @@ def locked_selection(lockfile: Path, model_dir: Path) -> tuple[list[str], dict[s
     return prefixes, pins
 
 
+def near_model(model_dir: Path) -> Path:
+    """<model>/prefix-bundles (pipeline.runtime, imported only here: numpy and the serving path
+    cost a pull ~0.15 s that names its --bundles)."""
+    from pipeline.runtime.mount import model_bundles_dir
+
+    return model_bundles_dir(Path(model_dir))
+
+
 def select(
     remote: list[RemoteBundle], fingerprint: str, wanted: dict[str, int | None] | None
 ) -> tuple[list[RemoteBundle], list[Skipped]]:
@@ -189,7 +197,7 @@ def pull(
 
     With trusted_keys each must carry a valid signature by one of them (it is published with it)."""
     model_dir = Path(model_dir)
-    root = Path(bundles_dir) if bundles_dir is not None else model_bundles_dir(model_dir)
+    root = Path(bundles_dir) if bundles_dir is not None else near_model(model_dir)
     wanted = parse_wanted(prefixes)
     identity = identity_for(model_dir)  # a bad model folder fails here, before the network
     fix = OFFLINE_FIX.format(bundles=root, model=model_dir)
