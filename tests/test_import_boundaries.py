@@ -299,3 +299,22 @@ def test_every_server_the_format_names_has_one_hook_declaring_what_it_differs_by
                 assert shape(ours) == shape(base), f"{module}.{point}"
         assert not hasattr(importlib.import_module(module), "run"), module
     assert importlib.import_module("pipeline.runtime.serve").__all__ == ["serve"]
+
+
+def test_server_names_live_in_the_format_and_what_each_server_can_do_in_its_hook():
+    """No module of the serve layer but a hook lists server names: which servers have request
+    code to call and which follow an Anthropic body are read from their hooks, so adding a
+    server is one module, one registry line and its name in the format's list."""
+    from pipeline.format.manifest import SERVER_NAMES
+    from pipeline.runtime.servers import HOOKS
+    from pipeline.runtime.servers.tokens import anthropic_servers, request_code_servers
+
+    hooks = {module.rsplit(".", 1)[1] for module in HOOKS.values()}
+    for path in sorted(SERVERS.glob("*.py")):
+        if path.stem in hooks or path.stem == "__init__":  # the registry: one line per hook
+            continue
+        text = path.read_text()
+        listed = [n for n in SERVER_NAMES if n != "mlx-lm" and f'"{n}"' in text]
+        assert not listed, f"{path.name} names {listed}: declare it on the hook instead"
+    assert request_code_servers() == [n for n in SERVER_NAMES if n != "rapid-mlx"]
+    assert anthropic_servers() == ["vllm-mlx"]

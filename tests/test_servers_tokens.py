@@ -14,14 +14,16 @@ import pytest
 
 from pipeline.format.errors import PipelineError
 from pipeline.runtime.servers.tokens import (
-    SERVER_NAMES,
     model_type,
     parity,
     request_body,
+    request_code_servers,
     request_ids,
 )
 
 from conftest import SYSTEM, TOOLS
+
+SERVER_NAMES = request_code_servers()  # the servers whose own request code serve can call
 
 ROOT = Path(__file__).resolve().parents[1]
 BOS = "<|endoftext|>"
@@ -66,11 +68,11 @@ IDS_WORKER = """
 import json, sys
 from pathlib import Path
 from mlx_lm.utils import load_tokenizer
-from pipeline.runtime.servers.tokens import SERVER_NAMES, request_body, model_type, request_ids
+from pipeline.runtime.servers.tokens import request_body, request_code_servers, model_type, request_ids
 model, messages, tools = Path(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
 tok = load_tokenizer(model)
 body = request_body(messages, tools, {})
-print(json.dumps({s: request_ids(s, tok, body, model_type(model)) for s in SERVER_NAMES}))
+print(json.dumps({s: request_ids(s, tok, body, model_type(model)) for s in request_code_servers()}))
 """
 
 
@@ -159,9 +161,15 @@ def test_match_tokenizes_as_mlx_lm_server(bos_model: Path, tmp_path: Path):
 
 @pytest.mark.slow
 def test_match_tokenizes_as_the_named_server(bos_model: Path, tmp_path: Path):
+    from concurrent.futures import ThreadPoolExecutor
+
     from servers_env import servers_python
 
-    expected = server_ids(bos_model, tools=None)
-    for server in SERVER_NAMES[1:]:
-        line = match_first_line(servers_python(), bos_model, server, tmp_path)
-        assert line == f"request: {len(expected[server])} tokens ({server})"
+    servers = SERVER_NAMES[1:]
+    with ThreadPoolExecutor(len(servers) + 1) as pool:  # separate processes: side by side
+        expected = pool.submit(server_ids, bos_model, None)
+        lines = pool.map(
+            lambda s: match_first_line(servers_python(), bos_model, s, tmp_path), servers
+        )
+        for server, line in zip(servers, lines, strict=True):
+            assert line == f"request: {len(expected.result()[server])} tokens ({server})"

@@ -70,7 +70,7 @@ def definition_from_request(
     apart by pipeline.runtime.servers.tokens.is_anthropic): its system part (and the first
     `prefix_messages` messages after it) as message files, its tools as tools.json. An Anthropic
     request's definition has api = "anthropic" and follows `servers` (default: vllm-mlx)."""
-    from pipeline.runtime.servers.tokens import ANTHROPIC_SERVERS, is_anthropic
+    from pipeline.runtime.servers.tokens import anthropic_servers, is_anthropic
 
     where = f"--from-request {request_file}"
     try:
@@ -87,7 +87,7 @@ def definition_from_request(
     if anthropic:
         messages = _anthropic_system(body.get("system"), where, notes)
         tools = [_openai_tool(t, where) for t in body.get("tools") or []] or None
-        servers = servers or list(ANTHROPIC_SERVERS)
+        servers = servers or anthropic_servers()
     else:
         messages, tools = [], body.get("tools")
         while len(messages) < len(body["messages"]) and _role(

@@ -23,7 +23,7 @@ from pipeline.format.errors import BuildError, PipelineError
 from pipeline.format.manifest import RequestInfo, RequestMessage
 from pipeline.runtime.servers.options import install_hint
 from pipeline.runtime.servers.tokens import (
-    ANTHROPIC_SERVERS,
+    anthropic_servers,
     hook_of,
     model_type,
     request_body,
@@ -49,11 +49,12 @@ def check_servers(d: LoadedDefinition) -> None:
     """BuildError before any model is loaded when the definition's servers cannot be asked."""
     where = f"{d.path}: servers"
     if d.spec.api == "anthropic":
-        other = [s for s in d.spec.servers if s not in ANTHROPIC_SERVERS]
+        anthropic = anthropic_servers()
+        other = [s for s in d.spec.servers if s not in anthropic]
         if not d.spec.servers or other:
             raise BuildError(
                 f'{where}: api = "anthropic" needs the servers whose own Anthropic route gives '
-                f"the ids: servers = {json.dumps(list(ANTHROPIC_SERVERS))} "
+                f"the ids: servers = {json.dumps(anthropic)} "
                 f"({', '.join(other) or 'none given'} not supported for it)"
             )
     if not d.spec.servers:

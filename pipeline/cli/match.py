@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pipeline.cli.common import add_json_option, emit_json, err
 from pipeline.format.errors import PipelineError
-from pipeline.runtime.servers.tokens import ANTHROPIC_SERVERS, SERVER_NAMES
+from pipeline.format.manifest import SERVER_NAMES
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
@@ -34,7 +34,8 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         choices=SERVER_NAMES,
         default=None,
         help="tokenize the request as this server's own request code does (default: mlx-lm, "
-        f"i.e. mlx_lm.server; an Anthropic body: {ANTHROPIC_SERVERS[0]})",
+        "i.e. mlx_lm.server; an Anthropic body: the first server whose request code follows "
+        "one, vllm-mlx)",
     )
     add_json_option(m, "match")
     m.set_defaults(func=run)
@@ -66,14 +67,16 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.format.errors import BundleError
     from pipeline.format.validate import validate
     from pipeline.runtime.mount import choose_versions, find_bundles, identity_for
+    from pipeline.runtime.servers.tokens import anthropic_servers
 
     body, api = _body(args)
-    server = args.server or (ANTHROPIC_SERVERS[0] if api == "anthropic" else "mlx-lm")
-    if api == "anthropic" and server not in ANTHROPIC_SERVERS:
+    anthropic = anthropic_servers() if api == "anthropic" else []
+    server = args.server or (anthropic[0] if anthropic else "mlx-lm")
+    if anthropic and server not in anthropic:
         raise PipelineError(
             f"--server {server}: an Anthropic messages body is checked through "
-            f"{', '.join(ANTHROPIC_SERVERS)}'s /v1/messages route; pass --server "
-            f"{ANTHROPIC_SERVERS[0]} or an OpenAI chat-completions body"
+            f"{', '.join(anthropic)}'s /v1/messages route; pass --server {anthropic[0]} or an "
+            "OpenAI chat-completions body"
         )
     identity = identity_for(args.model)
     paths, problems = find_bundles(args.bundles)

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from pipeline.cli.common import add_json_option, emit_json, load_definitions, note, warn
-from pipeline.runtime.servers.tokens import SERVER_NAMES
+from pipeline.format.manifest import SERVER_NAMES
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:

@@ -25,6 +25,8 @@ class ServerHook:
     warm_up: ClassVar[bool] = True  # serve's --warm-up default (measured per server)
     live: ClassVar[bool] = True  # this process serves the mount (SIGHUP, the admin endpoint)
     snapshots: ClassVar[bool] = False  # `entries` lists what --snapshots saves
+    # it serves Anthropic messages at /v1/messages (its `request_ids`, if any, follows them too)
+    messages_route: ClassVar[bool] = False
 
     def refused(self, options: ServeOptions) -> dict[str, str]:
         """The options refused with these options (default: `unsupported`)."""
@@ -41,7 +43,8 @@ class ServerHook:
     @staticmethod
     def request_ids(tokenizer: Any, body: dict[str, Any], model_type: str) -> list[int] | None:
         """The ids the server's own request code computes for a request body, or None where
-        it has no such code to call short of its app (warm-up checks it through the app)."""
+        it has no such code to call short of its app (warm-up checks it through the app). A hook
+        that has such code defines this point (pipeline.runtime.servers.tokens.has_request_code)."""
         return None
 
     @staticmethod

@@ -30,6 +30,7 @@ REFUSED_ROUTES = ("/v1/cache/import",)
 
 class Hook(ServerHook):
     name, package, address, snapshots = SERVER, "rapid_mlx", ("127.0.0.1", 8000), True
+    messages_route = True
     unsupported = {
         "--models-config": "serve mounts bundles for the one model folder given as --model",
         "--mllm": "bundles hold text-model caches; multimodal routing is not hooked",

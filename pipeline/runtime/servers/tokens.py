@@ -19,12 +19,6 @@ from typing import Any
 
 from pipeline.format.errors import PipelineError
 
-ANTHROPIC_SERVERS = ("vllm-mlx",)  # servers whose /v1/messages route request_ids follows
-ANTHROPIC_ROUTES = ("vllm-mlx", "rapid-mlx")  # servers that serve /v1/messages at all
-# the servers whose request code can be called (rapid-mlx renders inline in its route: its ids are
-# checked through its own app at serve startup, pipeline.runtime.servers.warm_up)
-SERVER_NAMES: tuple[str, ...] = ("mlx-lm", "vllm-mlx", "mlx-omni-server", "mlx-openai-server")
-
 
 def hook_of(server: str) -> Any:
     """The hook of a server named as the format names it; PipelineError for another name."""
@@ -33,6 +27,27 @@ def hook_of(server: str) -> Any:
     if server not in HOOKS:
         raise PipelineError(f"unknown server {server!r}; choose one of {', '.join(HOOKS)}")
     return hook_for(server)
+
+
+def has_request_code(server: str) -> bool:
+    """Whether `server`'s own request code can be called short of its app (its hook defines
+    `request_ids`; rapid-mlx renders inline in its route: its ids are checked through its own app
+    at serve startup, pipeline.runtime.servers.warm_up)."""
+    from pipeline.runtime.servers.hook import ServerHook
+
+    return type(hook_of(server)).request_ids is not ServerHook.request_ids
+
+
+def request_code_servers() -> list[str]:
+    """The servers `request_ids` can ask, as the format orders them."""
+    from pipeline.runtime.servers import HOOKS
+
+    return [name for name in HOOKS if has_request_code(name)]
+
+
+def anthropic_servers() -> list[str]:
+    """The servers whose own request code follows an Anthropic messages body (/v1/messages)."""
+    return [name for name in request_code_servers() if hook_of(name).messages_route]
 
 
 def encode_text(server: str, tokenizer: Any, text: str) -> list[int]:
@@ -83,7 +98,7 @@ def request_body(
 
 def request_ids(server: str, tokenizer: Any, body: dict[str, Any], model_type: str) -> list[int]:
     """The token ids `server` computes for a request body (OpenAI chat completions, or Anthropic
-    messages on ANTHROPIC_SERVERS), through the installed server's own code (its hook's
+    messages on anthropic_servers()), through the installed server's own code (its hook's
     `request_ids`). `tokenizer` is mlx-lm's TokenizerWrapper with the template the server would
     use; `model_type` is the model's config.json model_type (omni picks its tool format by it).
     PipelineError when the server is not installed here or refuses the request."""
@@ -92,10 +107,10 @@ def request_ids(server: str, tokenizer: Any, body: dict[str, Any], model_type: s
     from pipeline.runtime.servers.options import install_hint
 
     hook = hook_of(server)
-    if server not in SERVER_NAMES:
+    if not has_request_code(server):
         raise PipelineError(
-            f"{server}'s request code cannot be called short of its app; choose one of "
-            f"{', '.join(SERVER_NAMES)}"
+            f"{server}'s request code cannot be called short of its app (serve checks its ids "
+            f"through its app at startup); choose one of {', '.join(request_code_servers())}"
         )
     if importlib.util.find_spec(hook.package.split(".")[0]) is None:
         raise PipelineError(
@@ -103,10 +118,10 @@ def request_ids(server: str, tokenizer: Any, body: dict[str, Any], model_type: s
             f"cannot be run; {install_hint(server)}"
         )
     body = copy.deepcopy(body)  # servers change messages in place
-    if is_anthropic(body) and server not in ANTHROPIC_SERVERS:
+    if is_anthropic(body) and server not in anthropic_servers():
         raise PipelineError(
             f"{server}: an Anthropic messages request is not served through a route serve checks; "
-            f"give an OpenAI chat-completions body (Anthropic form: {', '.join(ANTHROPIC_SERVERS)})"
+            f"give an OpenAI chat-completions body (Anthropic form: {', '.join(anthropic_servers())})"
         )
     try:
         return [int(t) for t in hook.request_ids(tokenizer, body, model_type)]
@@ -176,7 +191,7 @@ def request_parity(server: str, tokenizer: Any, bundle: Any, model_type: str) ->
     request = bundle.manifest.request
     ids = [int(t) for t in bundle.tokens]
     # rapid-mlx: no request code to call short of its app (warm_up checks a bundle through it)
-    if request is None or server not in SERVER_NAMES:
+    if request is None or not has_request_code(server):
         return parity(server, tokenizer, ids)
     messages = [m.model_dump() for m in request.messages] + [PROBE_TURN]
     tools = None if request.tools_json is None else json.loads(request.tools_json)
@@ -198,7 +213,7 @@ def ids_parity(server: str, tokenizer: Any, bundle: Any, theirs: Sequence[int], 
     )
     fix = (
         f'add "{server}" to the definition\'s servers and rebuild'
-        if server in SERVER_NAMES
+        if has_request_code(server)
         else f"build the definition so its text renders as {server} renders it"
     )
     why = (

@@ -46,6 +46,7 @@ CACHE_OFF = {  # options under which SimpleEngine 0.6.0 builds a fresh cache for
 
 class Hook(ServerHook):
     name, package, address, snapshots = SERVER, "vllm_mlx", ("127.0.0.1", 8000), True
+    messages_route = True
     unsupported = {
         "--models-config": "serve mounts bundles for the one model folder given as --model",
         "--mllm": "bundles hold text-model caches; multimodal routing is not hooked",

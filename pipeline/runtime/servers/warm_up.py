@@ -48,10 +48,10 @@ def longest_recorded(mounted: Any) -> Any | None:
 
 def api_of(bundle: Any, server: str) -> str:
     """The bundle's recorded API where the server serves it, else OpenAI chat completions."""
-    from pipeline.runtime.servers.tokens import ANTHROPIC_ROUTES
+    from pipeline.runtime.servers.tokens import hook_of
 
     api = bundle.manifest.request.api
-    return api if api == "openai" or server in ANTHROPIC_ROUTES else "openai"
+    return api if api == "openai" or hook_of(server).messages_route else "openai"
 
 
 def body_of(bundle: Any, model: str, api: str) -> dict[str, Any]:
