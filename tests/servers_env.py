@@ -84,14 +84,33 @@ def running(
 ) -> Iterator[subprocess.Popen]:
     """Start a server command line (with `env` added to the environment), wait until /health
     answers, stop it (by its pid) after."""
-    with open(log, "w") as out:
-        environ = {**os.environ, **(env or {})}
-        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=environ)
-        try:
+    with running_together([(args, port, log)], env) as (proc,):
+        yield proc
+
+
+@contextmanager
+def running_together(
+    servers: list[tuple[list[str], int, Path]], env: dict[str, str] | None = None
+) -> Iterator[list[subprocess.Popen]]:
+    """`running` for several (command line, port, log) at once: all start before any is waited
+    for (a warm and a cold server start side by side: each start is mostly one core's imports)."""
+    environ = {**os.environ, **(env or {})}
+    procs: list[subprocess.Popen] = []
+    try:
+        for args, _, log in servers:
+            with open(log, "w") as out:
+                procs.append(
+                    subprocess.Popen(
+                        args, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=environ
+                    )
+                )
+        for proc, (_, port, log) in zip(procs, servers, strict=True):
             wait_ready(port, proc, log)
-            yield proc
-        finally:
+        yield procs
+    finally:
+        for proc in procs:
             proc.terminate()
+        for proc in procs:
             try:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:

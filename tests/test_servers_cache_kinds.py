@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from servers_env import ROOT, after_warm_up, chat, free_port, running, servers_python
+from servers_env import ROOT, after_warm_up, chat, free_port, running_together, servers_python
 from test_serve_cache_kinds import DESK, KINDS, ONE_HEAD, build
 
 from pipeline.format.bundle_folder import MANIFEST_FILE
@@ -120,16 +120,20 @@ def test_every_cache_kind_answers_like_the_server_cold(
     used = (server, group) not in NOT_USED  # else none is mounted: nothing to remount
     lossy = [n for n, k in zip(names, kinds, strict=True) if "bit" in k and used]
     user_only = request(model, None, "Hello?")
-    port, admin = free_port(), free_port()
-    log = tmp_path / "warm.log"
-    with running(command(server, python, model, tmp_path / "bundles", port, admin), port, log):
-        warm = ask_all(port, bodies)
+    port, admin, cold_port = free_port(), free_port(), free_port()
+    log, empty = tmp_path / "warm.log", tmp_path / "none"
+    empty.mkdir()
+    warm_server = (command(server, python, model, tmp_path / "bundles", port, admin), port, log)
+    cold_server = (command(server, python, model, empty, cold_port), cold_port, tmp_path / "c.log")
+    with running_together([warm_server, cold_server]):
+        warm, cold = ask_all(port, bodies), ask_all(cold_port, bodies)
         if lossy:
             for name in lossy:
                 shutil.rmtree(tmp_path / "bundles" / name)
             report = remount(admin)
             assert sorted(report["removed"]) == sorted(f"{n}@1" for n in lossy), report
             warm.append(chat(port, user_only)[0])
+            cold.append(chat(cold_port, user_only)[0])
     text = log.read_text()
     if (server, group) in NOT_USED:
         assert f"0 bundle(s) mounted, 0 refused, {len(kinds)} not usable" in text, text[-3000:]
@@ -140,14 +144,6 @@ def test_every_cache_kind_answers_like_the_server_cold(
         for name in names:
             assert f"request: bundle {name}@1 covers" in clients, (name, text[-3000:])
     assert "Traceback" not in text and "list index out of range" not in text, text[-3000:]
-
-    empty = tmp_path / "none"
-    empty.mkdir()
-    port = free_port()
-    with running(command(server, python, model, empty, port), port, tmp_path / "cold.log"):
-        cold = ask_all(port, bodies)
-        if lossy:
-            cold.append(chat(port, user_only)[0])
     for i, (w, c) in enumerate(zip(warm, cold, strict=True)):
         assert w["choices"][0]["message"] == c["choices"][0]["message"], (server, group, i)
 

@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
-from servers_env import ROOT, after_warm_up, body, chat, free_port, running, servers_python
+from servers_env import ROOT, after_warm_up, body, chat, free_port, running_together, servers_python
 
 from pipeline.format.manifest import Manifest
 
@@ -23,22 +23,21 @@ def test_the_spawned_handler_reuses_the_bundle_and_answers_as_a_cold_server(
 ):
     python = servers_python()
     count = Manifest.model_validate_json((shop_bundle / "manifest.json").read_text()).tokens.count
-    port = free_port()
+    port, cold_port, empty = free_port(), free_port(), tmp_path / "none"
+    empty.mkdir()
     args = serve(python, tiny_model, shop_bundle.parents[2], port, "--warm-up")  # default: off
-    with running(args, port, tmp_path / "w.log"):
+    cold_args = serve(python, tiny_model, empty, cold_port)
+    with running_together(
+        [(args, port, tmp_path / "w.log"), (cold_args, cold_port, tmp_path / "c.log")]
+    ):
         warm, _ = chat(port, body(tiny_model, "Where is my order 12345?"))
+        cold, _ = chat(cold_port, body(tiny_model, "Where is my order 12345?"))
     log = (tmp_path / "w.log").read_text()
     pinned = re.search(r"mlx-openai-server: 1 bundle\(s\) pinned in the handler process (\d+)", log)
     assert pinned is not None, log
     assert "mlx-openai-server: warmed up its generation path with shop@1's request" in log
     assert f"bundle shop@1 covers {count} of " in after_warm_up(log)
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == count
-
-    empty = tmp_path / "none"
-    empty.mkdir()
-    port = free_port()
-    with running(serve(python, tiny_model, empty, port), port, tmp_path / "c.log"):
-        cold, _ = chat(port, body(tiny_model, "Where is my order 12345?"))
     assert "no bundle covers" in (tmp_path / "c.log").read_text()
     assert cold["usage"].get("prompt_tokens_details", {}).get("cached_tokens", 0) == 0
     assert warm["choices"][0]["message"] == cold["choices"][0]["message"]

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from servers_env import ROOT, body, chat, free_port, rapid_python, running
+from servers_env import ROOT, body, chat, free_port, rapid_python, running_together
 
 from pipeline.format.manifest import Manifest
 
@@ -49,8 +49,12 @@ def test_rapid_mlx_reuses_the_pinned_bundle_and_answers_as_cold(
     stale.mkdir(parents=True)
     (stale / "index.json").write_text(json.dumps({"version": 1, "entries": [{"file": "x"}]}))
     env = {"HOME": str(home)}
-    port = free_port()
-    with running(rapid(tiny_model, shop_bundle.parents[2], port), port, tmp_path / "w.log", env):
+    port, cold_port, empty = free_port(), free_port(), tmp_path / "none"
+    empty.mkdir()
+    warm_server = (rapid(tiny_model, shop_bundle.parents[2], port), port, tmp_path / "w.log")
+    cold_server = (rapid(tiny_model, empty, cold_port), cold_port, tmp_path / "c.log")
+    with running_together([warm_server, cold_server], env):
+        cold = [chat(cold_port, body(tiny_model, q))[0] for q in QUESTIONS]
         with ThreadPoolExecutor(8) as pool:  # 8 at once on the fresh bundle
             together = list(pool.map(lambda q: chat(port, body(tiny_model, q))[0], QUESTIONS))
         one_by_one = [chat(port, body(tiny_model, q))[0] for q in QUESTIONS]
@@ -72,12 +76,6 @@ def test_rapid_mlx_reuses_the_pinned_bundle_and_answers_as_cold(
     assert status == 200 and anthropic["content"]
     assert refused == 403 and "refused under serve" in answer["error"]["message"]
     assert sorted(p.name for p in stale.parent.iterdir()) == ["stale"]  # nothing written
-
-    empty = tmp_path / "none"
-    empty.mkdir()
-    port = free_port()
-    with running(rapid(tiny_model, empty, port), port, tmp_path / "c.log", env):
-        cold = [chat(port, body(tiny_model, q))[0] for q in QUESTIONS]
     assert [r["choices"][0]["message"] for r in cold] == [
         r["choices"][0]["message"] for r in one_by_one
     ]

@@ -10,7 +10,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from servers_env import ROOT, body, chat, free_port, running, servers_python, stream
+from servers_env import (
+    ROOT,
+    body,
+    chat,
+    free_port,
+    running,
+    running_together,
+    servers_python,
+    stream,
+)
 
 from pipeline.format.manifest import Manifest
 
@@ -62,10 +71,14 @@ def test_first_request_reuses_the_bundle_and_answers_as_a_cold_server(
 ):
     python = servers_python()
     manifest = Manifest.model_validate_json((shop_bundle / "manifest.json").read_text())
-    port = free_port()
+    port, cold_port, empty = free_port(), free_port(), tmp_path / "no-bundles"
+    empty.mkdir()
     args = serve_args(python, tiny_model, shop_bundle.parents[2], port)
-    with running(args, port, tmp_path / "warm.log"):
+    cold_args = serve_args(python, tiny_model, empty, cold_port)
+    warm_log, cold_log = tmp_path / "warm.log", tmp_path / "cold.log"
+    with running_together([(args, port, warm_log), (cold_args, cold_port, cold_log)]):
         warm, _ = chat(port, body(tiny_model))
+        cold, _ = chat(cold_port, body(tiny_model))
         again, _ = chat(port, body(tiny_model, "And my order 777?"))
         streamed = stream(
             port,
@@ -90,13 +103,8 @@ def test_first_request_reuses_the_bundle_and_answers_as_a_cold_server(
     assert start["message"]["usage"]["cache_read_input_tokens"] == manifest.tokens.count
     assert [e["type"] for e in anthropic][:2] == ["message_start", "content_block_start"]
 
-    empty = tmp_path / "no-bundles"
-    empty.mkdir()
-    port = free_port()
-    with running(serve_args(python, tiny_model, empty, port), port, tmp_path / "cold.log"):
-        cold, _ = chat(port, body(tiny_model))
-    cold_log = (tmp_path / "cold.log").read_text()
-    assert "0 bundle(s) mounted" in cold_log and "no bundle covers" in cold_log
+    cold_text = cold_log.read_text()
+    assert "0 bundle(s) mounted" in cold_text and "no bundle covers" in cold_text
     assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
     assert warm["usage"]["prompt_tokens"] == cold["usage"]["prompt_tokens"]
     assert cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -155,20 +163,18 @@ def test_a_request_sharing_only_the_system_prompt_reuses_the_shared_part(
 ):
     python = servers_python()
     no_tools = {k: v for k, v in body(tiny_model).items() if k != "tools"}
-    port = free_port()
+    port, cold_port, empty = free_port(), free_port(), tmp_path / "no-bundles"
+    empty.mkdir()
     args = serve_args(python, tiny_model, shop_bundle.parents[2], port)
-    with running(args, port, tmp_path / "warm.log"):
+    cold_args = serve_args(python, tiny_model, empty, cold_port)
+    servers = [(args, port, tmp_path / "warm.log"), (cold_args, cold_port, tmp_path / "cold.log")]
+    with running_together(servers):
         warm, _ = chat(port, no_tools)
+        cold, _ = chat(cold_port, no_tools)
     log = (tmp_path / "warm.log").read_text().split("vllm-mlx: warmed up its generation path")[1]
     covered = [int(n) for n in re.findall(r"bundle shop@1 covers (\d+) of \d+ prompt tokens", log)]
     assert len(covered) == 1 and covered[0] > 0, log[-3000:]
     assert warm["usage"]["prompt_tokens_details"]["cached_tokens"] == covered[0]
-
-    empty = tmp_path / "no-bundles"
-    empty.mkdir()
-    port = free_port()
-    with running(serve_args(python, tiny_model, empty, port), port, tmp_path / "cold.log"):
-        cold, _ = chat(port, no_tools)
     assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
 
 
@@ -213,11 +219,16 @@ def test_a_claude_code_shaped_messages_request_is_warm_on_the_first_request(
     # another billing hash, as each Claude Code request carries
     asked = claude_code_request(str(tiny_model))
     asked["system"][0]["text"] = "x-anthropic-billing-header: cc_version=2.1.3; cch=0a7c2;"
-    port = free_port()
-    with running(
-        serve_args(python, tiny_model, project / "bundles", port), port, tmp_path / "w.log"
-    ):
-        warm = messages(port, asked)
+    port, cold_port, empty = free_port(), free_port(), tmp_path / "no-bundles"
+    empty.mkdir()
+    warm_server = (
+        serve_args(python, tiny_model, project / "bundles", port),
+        port,
+        tmp_path / "w.log",
+    )
+    cold_server = (serve_args(python, tiny_model, empty, cold_port), cold_port, tmp_path / "c.log")
+    with running_together([warm_server, cold_server]):
+        warm, cold = messages(port, asked), messages(cold_port, asked)
     log = (tmp_path / "w.log").read_text()
     assert "requests will reuse at most" not in log
     assert "vllm-mlx: its own app computed the ids of 1 of 1 recorded bundle(s) exactly" in log
@@ -226,11 +237,6 @@ def test_a_claude_code_shaped_messages_request_is_warm_on_the_first_request(
     assert covered == [manifest.tokens.count], log[-3000:]
     assert warm["usage"]["cache_read_input_tokens"] == manifest.tokens.count
 
-    empty = tmp_path / "no-bundles"
-    empty.mkdir()
-    port = free_port()
-    with running(serve_args(python, tiny_model, empty, port), port, tmp_path / "c.log"):
-        cold = messages(port, asked)
     assert warm["content"] == cold["content"]
     assert cold["usage"]["cache_read_input_tokens"] == 0
     # Anthropic: input_tokens is the part not read from a cache; the client's sum is the prompt
