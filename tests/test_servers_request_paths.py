@@ -15,7 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from servers_env import ROOT, after_warm_up, chat, free_port, running, servers_python
+from servers_env import ROOT, after_warm_up, chat, free_port, running_together, servers_python
 
 from pipeline.format.manifest import Manifest
 
@@ -83,11 +83,19 @@ def test_omni_reuses_a_bundle_built_through_its_own_request_code_whole(
     total = plain_m.tokens.count
 
     # the builder's rendering: serve names the bundle, the token where omni parts and the fix
-    only_plain = tmp_path / "only-plain"
+    only_plain, only_own, empty = tmp_path / "only-plain", tmp_path / "only-own", tmp_path / "none"
     shutil.copytree(plain.parents[1], only_plain / "agent")
-    port = free_port()
-    with running(omni(tiny_model, only_plain, port), port, tmp_path / "plain.log"):
-        chat(port, request(tiny_model))
+    shutil.copytree(own.parents[1], only_own / "agent-omni")
+    empty.mkdir()
+    ports = {"plain": free_port(), "own": free_port(), "cold": free_port()}
+    folders = {"plain": only_plain, "own": only_own, "cold": empty}
+    servers = [
+        (omni(tiny_model, folders[k], p), p, tmp_path / f"{k}.log") for k, p in ports.items()
+    ]
+    with running_together(servers):  # side by side: each start is mostly one core's imports
+        chat(ports["plain"], request(tiny_model))
+        warm, _ = chat(ports["own"], request(tiny_model))
+        cold, _ = chat(ports["cold"], request(tiny_model))
     log = read_log(tmp_path / "plain.log")
     warned = re.search(
         rf"agent@1: requests will reuse at most (\d+) of its {total} tokens: mlx-omni-server's "
@@ -111,18 +119,8 @@ def test_omni_reuses_a_bundle_built_through_its_own_request_code_whole(
     assert f"requests will reuse at most {parted} of its {total}" in " ".join(proc.stderr.split())
 
     # built through omni's own request code: no warning, the whole bundle on the first request
-    only_own = tmp_path / "only-own"
-    shutil.copytree(own.parents[1], only_own / "agent-omni")
-    port = free_port()
-    with running(omni(tiny_model, only_own, port), port, tmp_path / "own.log"):
-        warm, _ = chat(port, request(tiny_model))
     log = read_log(tmp_path / "own.log")
     assert "requests will reuse at most" not in log
     assert covered(log, "agent-omni") == [own_m.tokens.count]
 
-    empty = tmp_path / "none"
-    empty.mkdir()
-    port = free_port()
-    with running(omni(tiny_model, empty, port), port, tmp_path / "cold.log"):
-        cold, _ = chat(port, request(tiny_model))
     assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
