@@ -18,7 +18,7 @@ import pytest
 
 from pipeline.distribute import served_identity
 from pipeline.distribute.oci import Registry, parse_repo
-from pipeline.distribute.oci_blobget import PROXY_VARS
+from pipeline.distribute.oci_plain import PROXY_VARS
 from pipeline.format.errors import PipelineError
 from pipeline.format.fingerprint import model_config
 from pipeline.runtime.mount import identity_for as mount_identity
@@ -146,7 +146,7 @@ def test_a_blob_follows_a_redirect_without_the_credentials_and_keeps_its_connect
 
         with serving(Front) as front:
             client = Registry(parse_repo(f"oci://{front}/fleet/bundles"))
-            assert client.blobs is not None
+            assert client.plain is not None
             client.header = {"authorization": "Bearer secret"}
             try:
                 assert client.get_blob(DIGEST, len(BLOB)) == BLOB
@@ -169,6 +169,6 @@ def test_with_a_proxy_set_blobs_go_through_httpx(monkeypatch):
     monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
     client = Registry(parse_repo("oci://127.0.0.1:5000/fleet/bundles"))
     try:
-        assert client.blobs is None
+        assert client.plain is None
     finally:
         client.close()

@@ -25,6 +25,7 @@ import os
 import struct
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -162,6 +163,18 @@ class Source:
 
     def block(self, k: int) -> bytes:
         return b"".join(self.map[o : o + n] for o, n in self.plan.block_ranges(k))
+
+    @contextmanager
+    def views(self, k: int) -> Iterator[list[memoryview]]:
+        """Block k as views of the mapped file, in order (no copy); released on exit."""
+        whole = memoryview(self.map)
+        parts = [whole[o : o + n] for o, n in self.plan.block_ranges(k)]
+        try:
+            yield parts
+        finally:
+            for p in parts:
+                p.release()
+            whole.release()
 
     def rest(self) -> bytes:
         return b"".join(self.map[o : o + n] for o, n in self.plan.rest_ranges())

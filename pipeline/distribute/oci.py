@@ -14,15 +14,15 @@ import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from pipeline.distribute.meter import Meter
 from pipeline.distribute.oci_auth import Challenge, auth_header, credentials
-from pipeline.distribute.oci_blobget import CHUNK, BlobReader, Unserved, usable
-from pipeline.distribute.oci_blobget import Response as BlobResponse
 from pipeline.distribute.oci_http import httpx
+from pipeline.distribute.oci_plain import CHUNK, Body, PlainHTTP, Unserved, usable
+from pipeline.distribute.oci_plain import Response as PlainResponse
 from pipeline.format.errors import PipelineError
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -89,18 +89,26 @@ class Registry:
         scheme = "http" if plain_http or ref.loopback else "https"
         self.base = f"{scheme}://{ref.host}/v2/{ref.name}"
         # plain HTTP builds no TLS context (loading the CA store costs ~0.3 s)
-        verify = False if scheme == "http" else ca_bundle or True
-        self.client = httpx.Client(verify=verify, timeout=httpx.Timeout(60.0, connect=10.0))
-        self.blobs = BlobReader(60.0) if usable(self.base) else None  # blob bodies, plain HTTP
+        self.verify = False if scheme == "http" else ca_bundle or True
+        self._client: Any = None  # httpx, made when first needed (a token realm, TLS)
+        self.plain = PlainHTTP(60.0) if usable(self.base) else None
         self.creds = credentials(ref.host)
         self.header: dict[str, str] = {}
         self.sleep: Callable[[float], None] = time.sleep
         self.meter = Meter()  # seconds hashing and writing what streams in (the benchmark)
 
+    @property
+    def client(self) -> Any:
+        if self._client is None:
+            timeout = httpx.Timeout(60.0, connect=10.0)
+            self._client = httpx.Client(verify=self.verify, timeout=timeout)
+        return self._client
+
     def close(self) -> None:
-        self.client.close()
-        if self.blobs is not None:
-            self.blobs.close()
+        if self._client is not None:
+            self._client.close()
+        if self.plain is not None:
+            self.plain.close()
 
     # --- requests: retries, the auth challenge, one line on failure ----------------------------
 
@@ -138,8 +146,14 @@ class Registry:
 
     def _once(self, method: str, url: str, extra: dict, stream: bool, kw: dict) -> Any:
         headers = {**self.header, **extra}
-        request = self.client.build_request(method, url, headers=headers, **kw)
-        r = self.client.send(request, stream=stream)
+        if self.plain is not None:
+            r = self.plain.send(method, url, headers, stream=stream, **kw)
+        else:
+            content = kw.get("content")
+            if content is not None and not isinstance(content, bytes):  # buffers: httpx wants bytes
+                kw = {**kw, "content": b"".join(content)}
+            request = self.client.build_request(method, url, headers=headers, **kw)
+            r = self.client.send(request, stream=stream)
         if stream and r.status_code >= 400:
             r.read()  # an error's body is small: read it for the message
         return r
@@ -188,9 +202,11 @@ class Registry:
             self._send("DELETE", self._location(r), "cancelling an upload")
         return r.status_code == 201
 
-    def upload(self, digest: str, data: bytes) -> None:
-        """A monolithic upload: POST opens the session, PUT sends the bytes and the digest."""
-        doing = f"uploading blob {digest[:19]} ({len(data):,} bytes)"
+    def upload(self, digest: str, data: Body) -> None:
+        """A monolithic upload: POST opens the session, PUT sends the bytes and the digest
+        (`data`: bytes, or buffers sent one after another)."""
+        size = len(data) if isinstance(data, bytes) else sum(len(b) for b in data)
+        doing = f"uploading blob {digest[:19]} ({size:,} bytes)"
         r = self.request("POST", f"{self.base}/blobs/uploads/", doing, (202,))
         location = self._location(r)
         sep = "&" if "?" in location else "?"
@@ -263,7 +279,7 @@ class Registry:
                 r.read()
                 raise self.failed(doing, r)
             skip = start if r.status_code == 200 else 0  # the server ignored the Range
-            if isinstance(r, BlobResponse):
+            if isinstance(r, PlainResponse):
                 pieces = r.chunks(memoryview(bytearray(CHUNK)))
             else:
                 pieces = r.iter_bytes(CHUNK)
@@ -276,15 +292,14 @@ class Registry:
 
     @contextmanager
     def _open_blob(self, url: str, headers: dict[str, str]) -> Iterator[Any]:
-        """A blob GET's response: read in place on plain HTTP (oci_blobget), else by httpx."""
-        if self.blobs is not None:
-            stack = ExitStack()
+        """A blob GET's response: read in place on plain HTTP (oci_plain), else by httpx."""
+        if self.plain is not None:
             try:
-                r = stack.enter_context(self.blobs.get(url, headers))
+                r = self.plain.send("GET", url, headers, stream=True, follow=True)
             except Unserved:  # redirected to TLS: httpx follows it
                 pass
             else:
-                with stack:
+                with r:
                     yield r
                 return
         with self.client.stream("GET", url, headers=headers, follow_redirects=True) as r:

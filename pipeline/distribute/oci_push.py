@@ -28,6 +28,7 @@ from pipeline.distribute.artifact import (
 from pipeline.distribute.blocks import Source, read_layout
 from pipeline.distribute.meter import Meter
 from pipeline.distribute.oci import Registry, in_parallel, parse_repo
+from pipeline.distribute.oci_plain import Body
 from pipeline.distribute.push import CheckedBundle
 from pipeline.format.bundle_folder import CACHE_FILE
 from pipeline.format.errors import PipelineError
@@ -75,9 +76,15 @@ class _Uploader:
         self.meter = meter
         self.lock = threading.Lock()
 
-    def put(self, media_type: str, data: bytes, counts: Transfer, title: str | None = None) -> Blob:
+    def put(self, media_type: str, data: Body, counts: Transfer, title: str | None = None) -> Blob:
+        """`data`: bytes, or buffers that are the blob one after another (views of the file)."""
+        parts = [data] if isinstance(data, bytes) else data
+        size = sum(len(p) for p in parts)
         with self.meter.phase("hash"):
-            digest = "sha256:" + hashlib.sha256(data).hexdigest()
+            h = hashlib.sha256()
+            for p in parts:
+                h.update(p)
+            digest = "sha256:" + h.hexdigest()
         with self.lock:  # the first to claim a digest puts it; the others find it there
             claimed = digest not in self.seen
             self.seen.add(digest)
@@ -87,13 +94,13 @@ class _Uploader:
                 self.registry.upload(digest, data)
         with self.lock:
             if there:
-                counts.reused_bytes += len(data)
+                counts.reused_bytes += size
                 counts.reused_blobs += 1
             else:
-                counts.moved_bytes += len(data)
+                counts.moved_bytes += size
                 counts.moved_blobs += 1
-        self.meter.advance(len(data), reused=there)
-        return Blob(media_type, digest, len(data), title)
+        self.meter.advance(size, reused=there)
+        return Blob(media_type, digest, size, title)
 
     def _there(self, digest: str) -> bool:
         """Whether the repository has the blob, or now has it mounted from --mount-from."""
@@ -196,7 +203,8 @@ def _push_one(
         layers.append(up.put(REST_TYPE, _read(up.meter, source.rest), counts))
 
         def block(k: int) -> Blob:
-            return up.put(BLOCK_TYPE, _read(up.meter, source.block, k), counts)
+            with source.views(k) as parts:  # hashed and sent from the mapped file: no copy
+                return up.put(BLOCK_TYPE, parts, counts)
 
         layers += in_parallel(block, range(plan.blocks))  # in block order
     finally:

@@ -1,0 +1,179 @@
+"""Requests to a plain-HTTP registry over http.client: bodies read in place and sent from the
+caller's buffers.
+
+httpx hands a body over in 64 KiB pieces that h11 copies several times in Python, and joins an
+upload into one more copy: pulling 1 GB that way cost ~0.6 s more CPU than reading it here (the
+socket filling a 1 MiB buffer with recv_into, views of it handed on), and importing httpcore
+(which imports trio) ~0.1 s more per process. This transport serves plain-HTTP registries with
+no proxy set in the environment, on keep-alive connections shared by the threads that move
+blobs; TLS, proxies and a blob redirected to another scheme stay with httpx (the same trust store
+and proxy rules as before). Transport errors are raised as httpx's, so retries see one kind.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+from urllib.parse import urlencode, urljoin, urlsplit
+
+from pipeline.distribute.oci_http import httpx
+
+CHUNK = 1 << 20
+MAX_REDIRECTS = 5
+REDIRECTS = (301, 302, 303, 307, 308)
+PROXY_VARS = ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY")
+Body = bytes | Sequence[Any]  # bytes, or buffers sent one after another (views of a mapped file)
+
+
+class Unserved(Exception):
+    """This transport does not take the request (a redirect to TLS): httpx does."""
+
+
+def usable(base_url: str) -> bool:
+    """Whether requests under base_url can go here: plain HTTP, no proxy configured."""
+    return base_url.startswith("http://") and not any(os.environ.get(v) for v in PROXY_VARS)
+
+
+class Response:
+    """Status and headers of one response; its body read whole, in pieces, or into a buffer.
+    Closing it hands its connection back for the next request when the body was read to its end."""
+
+    def __init__(self, owner: PlainHTTP, conn: Any, raw: http.client.HTTPResponse, url: str):
+        self.owner, self.conn, self.raw = owner, conn, raw
+        self.url = httpx.URL(url)
+        self.status_code = raw.status
+        self.headers = httpx.Headers(raw.getheaders())
+        self._body: bytes | None = None
+
+    def read(self) -> bytes:
+        if self._body is None:
+            self._body = _transport(self.raw.read)
+        return self._body
+
+    def json(self) -> Any:
+        return json.loads(self.read())
+
+    def iter_bytes(self, chunk_size: int = CHUNK) -> Iterator[bytes]:
+        while data := _transport(self.raw.read, chunk_size):
+            yield data
+
+    def chunks(self, buffer: memoryview) -> Iterator[memoryview]:
+        """The body in views of buffer, each valid until the next is asked for."""
+        while n := _transport(self.raw.readinto, buffer):
+            yield buffer[:n]
+
+    def close(self) -> None:
+        if self.conn is None:
+            return
+        conn, self.conn = self.conn, None
+        if self.raw.isclosed() and not self.raw.will_close:  # read to its end: reusable
+            self.owner.give(conn)
+        else:
+            conn.close()
+
+    def __enter__(self) -> Response:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+class PlainHTTP:
+    """Keep-alive connections to one plain-HTTP registry host (and hosts it redirects blobs
+    to), shared by threads."""
+
+    def __init__(self, timeout: float) -> None:
+        self.timeout = timeout
+        self.idle: dict[str, list[http.client.HTTPConnection]] = {}
+        self.lock = threading.Lock()
+
+    def close(self) -> None:
+        with self.lock:
+            for conns in self.idle.values():
+                for c in conns:
+                    c.close()
+            self.idle.clear()
+
+    def send(
+        self,
+        method: str,
+        url: str,
+        headers: dict[str, str],
+        *,
+        params: dict[str, str] | None = None,
+        content: Body | None = None,
+        stream: bool = False,
+        follow: bool = False,
+    ) -> Response:
+        """One request; `stream`: the body left unread (the caller closes the response);
+        `follow`: plain-HTTP redirects followed, credentials kept for the same host only."""
+        if params:
+            url = f"{url}{'&' if '?' in url else '?'}{urlencode(params)}"
+        headers = dict(headers)
+        if content is not None:
+            size = len(content) if isinstance(content, bytes) else sum(len(b) for b in content)
+            headers["content-length"] = str(size)
+        for _ in range(MAX_REDIRECTS + 1):
+            r = self._once(method, url, headers, content)
+            target = r.headers.get("location")
+            if not (follow and r.status_code in REDIRECTS and target):
+                break
+            r.read()
+            r.close()
+            target = urljoin(url, target)
+            if not usable(target):
+                raise Unserved(target)
+            if urlsplit(target).netloc != urlsplit(url).netloc:
+                headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+            url = target
+        if not stream:
+            r.read()
+            r.close()
+        return r
+
+    def _once(self, method: str, url: str, headers: dict[str, str], content: Any) -> Response:
+        parts = urlsplit(url)
+        path = parts.path + (f"?{parts.query}" if parts.query else "")
+        for reused in (True, False):  # an idle connection the server closed: once more, new
+            conn, was_idle = self._take(parts.netloc, reused)
+            try:
+                conn.putrequest(method, path, skip_accept_encoding=True)
+                for k, v in headers.items():
+                    conn.putheader(k, v)
+                conn.endheaders()
+                for piece in [content] if isinstance(content, bytes) else content or ():
+                    conn.send(piece)
+                return Response(self, conn, conn.getresponse(), url)
+            except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as e:
+                conn.close()
+                if not was_idle:
+                    raise httpx.ReadError(f"{e.__class__.__name__}: {e}") from None
+            except (OSError, http.client.HTTPException) as e:
+                conn.close()
+                raise httpx.ConnectError(f"{e.__class__.__name__}: {e}") from None
+        raise AssertionError("unreachable")
+
+    def _take(self, host: str, reused: bool) -> tuple[http.client.HTTPConnection, bool]:
+        with self.lock:
+            conns = self.idle.get(host)
+            if conns and reused:
+                return conns.pop(), True
+        conn = http.client.HTTPConnection(host, timeout=self.timeout)
+        conn.pool_key = host  # type: ignore[attr-defined]
+        return conn, False
+
+    def give(self, conn: http.client.HTTPConnection) -> None:
+        with self.lock:
+            self.idle.setdefault(conn.pool_key, []).append(conn)  # type: ignore[attr-defined]
+
+
+def _transport(fn: Any, *args: Any) -> Any:
+    """fn(*args), a broken connection raised as httpx.ReadError (retried by the caller)."""
+    try:
+        return fn(*args)
+    except (OSError, http.client.HTTPException) as e:
+        raise httpx.ReadError(f"{e.__class__.__name__}: {e}") from None
