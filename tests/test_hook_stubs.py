@@ -157,6 +157,53 @@ class _QuantizedCacheWrapper:
         self.orig_type, self.orig_attrs = type(layer), {}
 
 
+class StubQuantizingPrefixCache(StubMemoryAwarePrefixCache):
+    """vllm-mlx's MemoryAwarePrefixCache under --kv-cache-quantization: entries stored as
+    `_QuantizedCacheWrapper` layers, handed out dequantized (full-precision KVCache objects),
+    matched by longest common prefix (trimmed to it), the match's key in `_last_matched_key`."""
+
+    def store(self, tokens: list[int], cache: list) -> bool:
+        return super().store(tokens, [_QuantizedCacheWrapper(layer, 8, 32) for layer in cache])
+
+    def fetch(self, tokens: list[int]) -> tuple[list | None, list[int]]:
+        import mlx.core as mx
+        from mlx_lm.models.cache import KVCache
+
+        def shared(key: tuple[int, ...]) -> int:
+            return next(
+                (i for i, (a, b) in enumerate(zip(key, tokens, strict=False)) if a != b),
+                min(len(key), len(tokens)),
+            )
+
+        best = max(self._entries, key=shared, default=None)
+        if best is None or shared(best) == 0:
+            return None, list(tokens)
+        self._last_matched_key = best
+        layers = []
+        for w in self._entries[best].cache:
+            layer = KVCache()
+            keys = mx.dequantize(*w.keys, group_size=w.group_size, bits=w.bits)
+            values = mx.dequantize(*w.values, group_size=w.group_size, bits=w.bits)
+            layer.update_and_fetch(keys, values)
+            layer.trim(len(best) - shared(best))
+            layers.append(layer)
+        return layers, list(tokens[shared(best) :])
+
+
+def test_its_own_quantized_entry_handed_out_dequantized_is_held_to_the_rule(pinned_cache):
+    """vllm-mlx --kv-cache-quantization hands its own 8-bit entries out as full-precision
+    KVCache objects: the lookup must still see them as lossy, so a request sharing only the
+    opening tokens is not served from one, while one taking its share is."""
+    mounted = Mounted(Path("model"), pinned_cache.manager, SimpleNamespace(bundles=[]))
+    cache = pinned_memory_cache_class(mounted, StubQuantizingPrefixCache, "stub")()
+    entry = ids(40)
+    cache.store(entry, prefill(pinned_cache.model, entry)[0])
+    opening = [*entry[:3], 99, 98]
+    assert served(cache.fetch(opening), opening) == 0
+    whole = [*entry, 99]
+    assert served(cache.fetch(whole), whole) == len(entry)
+
+
 @pytest.fixture(scope="module")
 def tiny_prefill(tiny_model):
     """The tiny model's prompt cache after some tokens (loaded once)."""

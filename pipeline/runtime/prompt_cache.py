@@ -55,13 +55,17 @@ def lossy_min_tokens(entry_tokens: int) -> int:
     return max(1, math.ceil(entry_tokens * LOSSY_MIN_SHARE))
 
 
+QUANTIZED_LAYERS = frozenset({"QuantizedKVCache", "_QuantizedCacheWrapper"})  # mlx-lm, vllm-mlx
+
+
 def is_lossy(cache: Sequence[Any]) -> bool:
-    """True when any layer holds quantized KV (by class name: the runtime does not import mlx_lm)."""
+    """True when any layer holds quantized KV (by class name: the runtime does not import mlx_lm;
+    vllm-mlx keeps its --kv-cache-quantization entries as its own `_QuantizedCacheWrapper`)."""
     for layer in cache:
         children = _children(layer)
         if children is not None and is_lossy(children):
             return True
-        if "QuantizedKVCache" in {cls.__name__ for cls in type(layer).__mro__}:
+        if QUANTIZED_LAYERS & {cls.__name__ for cls in type(layer).__mro__}:
             return True
     return False
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipeline.runtime.prompt_cache import is_lossy, lossy_min_tokens
 from pipeline.runtime.servers import usage, warm_up
 from pipeline.runtime.servers.lru_cache import evaluate, server_entry
 from pipeline.runtime.servers.startup import Mounted
@@ -41,6 +42,9 @@ def pinned_memory_cache_class(
 
             def own(t: list[int]) -> tuple[Any, list[int]]:
                 found = base.fetch(self, t)
+                if found[0] is not None and not self.usable(t, found):
+                    self._last_match_type, self._last_matched_key = "miss", None
+                    return None, list(t)
                 if found[0] is not None and snapshots is not None:
                     key = getattr(self, "_last_matched_key", None) or next(
                         reversed(self._entries), None
@@ -59,6 +63,16 @@ def pinned_memory_cache_class(
                 self._last_match_type, self._last_matched_key = "prefix", None
             usage.record(0 if cache is None else len(tokens) - len(rest))
             return cache, rest
+
+        def usable(self, tokens: list[int], found: tuple[Any, list[int]]) -> bool:
+            """Its own entry under the lossy rule, where its hand-out hides that it is lossy:
+            vllm-mlx --kv-cache-quantization stores 8-bit entries and hands them out dequantized
+            (the entry is the one its fetch names in `_last_matched_key`)."""
+            key = getattr(self, "_last_matched_key", None)
+            entry = self._entries.get(tuple(key)) if key else None
+            if entry is None or not is_lossy(entry.cache):
+                return True
+            return len(tokens) - len(found[1]) >= lossy_min_tokens(len(key))
 
         def store(self, tokens: list[int], *args: Any, **kwargs: Any) -> Any:
             if warm_up.WARMING.is_set():  # the warm-up request leaves no entry
