@@ -189,6 +189,8 @@ class Target:
         flags = os.O_RDWR | os.O_CLOEXEC | (0 if resume else os.O_CREAT | os.O_EXCL)
         self.fd = os.open(path, flags, 0o644)
         os.ftruncate(self.fd, plan.file_bytes)
+        if not resume:
+            _allocate(self.fd, plan.file_bytes)
         os.pwrite(self.fd, plan.header, 0)
         # one writer at a time: threads writing one file at once contend for its inode lock in
         # the kernel (spinning on 2 cores); taking turns here costs a pull less
@@ -208,6 +210,20 @@ class Target:
 
     def writer(self, ranges: Iterator[tuple[int, int]]) -> Writer:
         return Writer(self.fd, list(ranges), self.lock)
+
+
+def _allocate(fd: int, size: int) -> None:
+    """Give a new file its blocks up front where the system can (Linux fallocate; elsewhere, or
+    where the filesystem cannot, it stays sparse): writing 1 GB into holes cost ext4 ~20 % more
+    kernel time than writing into allocated blocks."""
+    import ctypes
+
+    try:
+        fallocate = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return
+    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fallocate(fd, 0, 0, size)  # a failure leaves the file sparse: the writes still fill it
 
 
 class Writer:
