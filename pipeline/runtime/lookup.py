@@ -2,8 +2,9 @@
 never an entry with nothing left to process, never a lossy entry for a short overlap, and the
 batched path handed only caches it can merge.
 
-mlx_lm.server's hook (pipeline.runtime.serve) and each --server hook call `lookup` from their
-subclass of the server's prompt cache; what differs per server is only how its own cache is asked.
+Every hook's subclass of its server's prompt cache reaches it through `Mounted.answer`
+(pipeline.runtime.servers.startup: restored snapshots first, then this rule); what differs per
+server is only how its own cache is asked.
 """
 
 from __future__ import annotations
@@ -19,20 +20,6 @@ log = logging.getLogger("prefix-bundles")
 Fetch = Callable[[list[int]], tuple[Any, list[int]]]  # tokens -> (cache or None, rest)
 
 
-def lookup(
-    server: str,
-    manager: PromptCacheManager,
-    model_key: str,
-    tokens: Sequence[int],
-    own_fetch: Fetch,
-    batched: bool,
-) -> tuple[Any, list[int]]:
-    """(cache, tokens left) for a request: the server's own entry or a pinned bundle, whichever
-    serves more under the rules; `batched`: the server's path merges caches (a quantized bundle
-    is handed over dequantized)."""
-    return lookup_source(server, manager, model_key, tokens, own_fetch, batched)[:2]
-
-
 def lookup_source(
     server: str,
     manager: PromptCacheManager,
@@ -42,8 +29,10 @@ def lookup_source(
     batched: bool,
     bundles: bool = True,
 ) -> tuple[Any, list[int], bool]:
-    """`lookup`, and whether the cache came from a bundle (False: the server's own or none);
-    `bundles=False`: the server's own entries only, under the same rule."""
+    """(cache, tokens left, whether the cache came from a bundle) for a request: the server's own
+    entry (`own_fetch`) or a pinned bundle, whichever serves more under the rules; `batched`: the
+    server's path merges caches (a quantized bundle is handed over dequantized); `bundles=False`:
+    the server's own entries only, under the same rule."""
     tokens = list(tokens)
     own, rest = at_least_one_left(own_fetch, tokens)
     covered = len(tokens) - len(rest)
@@ -96,4 +85,4 @@ def log_request(
     return True
 
 
-__all__ = ["Fetch", "log_request", "lookup", "lookup_source"]
+__all__ = ["Fetch", "log_request", "lookup_source"]
