@@ -338,10 +338,12 @@ def section(r: dict[str, Any]) -> list[str]:
         "of ours (in its process; blobs move 4 at a time, so 'transfer', 'hash', 'write' and "
         "'read' are sums over the threads and exceed the wall time): 'transfer' is the time in "
         "HTTP calls, hashing and writing included (hash and write also shown alone); 'read' the "
-        "blocks cut out of the file; 'check file' the rebuilt file against the manifest's BLAKE3; "
-        "'model identity' the served model's fingerprints and cache classes (`import mlx_lm`); "
-        "'validate' the one validator (push: the bundle, trusting the hash memo; pull: against "
-        "the model, then the atomic publish).",
+        "rest blob cut out of the file (push hashes and sends each block from views of the mapped "
+        "file); 'model identity' the served model's fingerprints and cache classes (remembered "
+        "by their exact inputs: no `import mlx_lm` once known); 'validate' the one validator "
+        "(push: the bundle, trusting the hash memo; pull: against the model, its one read of the "
+        "rebuilt file checking it against the BLAKE3 its manifest pins, then the atomic "
+        "publish).",
         "",
     ]
     rows = []
