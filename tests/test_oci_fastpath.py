@@ -172,3 +172,30 @@ def test_with_a_proxy_set_blobs_go_through_httpx(monkeypatch):
         assert client.plain is None
     finally:
         client.close()
+
+
+def test_a_request_without_a_body_still_says_its_length():
+    """An upload session is opened with an empty POST: Content-Length 0, as httpx sends it
+    (registries behind a proxy answer 411 without it)."""
+    seen: list[str | None] = []
+
+    class Front(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def do_POST(self):
+            seen.append(self.headers.get("content-length"))
+            self.send_response(202)
+            self.send_header("location", "/v2/fleet/bundles/blobs/uploads/1")
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    with serving(Front) as front:
+        client = Registry(parse_repo(f"oci://{front}/fleet/bundles"))
+        try:
+            r = client.request("POST", f"{client.base}/blobs/uploads/", "opening", (202,))
+        finally:
+            client.close()
+    assert seen == ["0"] and r.headers["location"].endswith("/uploads/1")

@@ -117,6 +117,8 @@ class PlainHTTP:
         if content is not None:
             size = len(content) if isinstance(content, bytes) else sum(len(b) for b in content)
             headers["content-length"] = str(size)
+        elif method in ("POST", "PUT", "PATCH"):  # as httpx sends it: some proxies want one
+            headers["content-length"] = "0"
         for _ in range(MAX_REDIRECTS + 1):
             r = self._once(method, url, headers, content)
             target = r.headers.get("location")
