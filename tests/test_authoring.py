@@ -346,3 +346,34 @@ def test_new_json_is_one_document_with_its_schema(tmp_path: Path, tiny_model: Pa
         [],
     )
     assert doc.tokens > 0 and doc.buildable is None and doc.notes == []
+
+
+def test_a_server_without_request_code_is_a_usage_error_and_a_build_error(
+    tmp_path: Path, tiny_model: Path, capsys
+):
+    """rapid-mlx renders requests inline in its route: `match --server` and `new --server` refuse
+    it before any work (exit 2, nothing written), and a definition naming it does not build."""
+    prefixes, body = tmp_path / "prefixes", request_file(tmp_path, SYSTEM)
+    prefixes.mkdir()
+    bundles = ["--bundles", str(tmp_path / "b")]
+    model = ["--model", str(tiny_model)]
+    for argv in (
+        [*bundles, "match", *model, "--prompt-file", str(body)],
+        ["new", "x", *model, "--from-request", str(body)],
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--prefixes", str(prefixes), *argv, "--server", "rapid-mlx"])
+        assert exit_.value.code == 2
+        assert "its request code runs only inside its app" in capsys.readouterr().err
+    assert list(prefixes.iterdir()) == []
+    argv = ["--prefixes", str(prefixes)]
+    assert main([*argv, "new", "x", *model, "--from-request", str(body)]) == 0
+    definition = prefixes / "x.toml"
+    text = definition.read_text().replace(
+        "version = 1\n", 'version = 1\nservers = ["rapid-mlx"]\n', 1
+    )
+    definition.write_text(text)
+    capsys.readouterr()
+    assert main([*argv, *bundles, "build", "x", "--no-check"]) == 1
+    err = capsys.readouterr().err
+    assert "rapid-mlx's request code runs only inside its app" in err and len(err.splitlines()) == 1

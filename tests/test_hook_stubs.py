@@ -154,7 +154,10 @@ class _QuantizedCacheWrapper:
         self.keys = mx.quantize(layer.keys[..., :n, :], group_size=group_size, bits=bits)
         self.values = mx.quantize(layer.values[..., :n, :], group_size=group_size, bits=bits)
         self.offset, self.bits, self.group_size = n, bits, group_size
-        self.orig_type, self.orig_attrs = type(layer), {}
+        self.orig_type = type(layer)  # and, as vllm-mlx's, what it keeps of the original layer
+        self.orig_attrs = {
+            a: getattr(layer, a) for a in ("max_size", "keep", "step", "_idx") if hasattr(layer, a)
+        }
 
 
 class StubQuantizingPrefixCache(StubMemoryAwarePrefixCache):
@@ -190,16 +193,32 @@ class StubQuantizingPrefixCache(StubMemoryAwarePrefixCache):
         return layers, list(tokens[shared(best) :])
 
 
-def test_its_own_quantized_entry_handed_out_dequantized_is_held_to_the_rule(pinned_cache):
-    """vllm-mlx --kv-cache-quantization hands its own 8-bit entries out as full-precision
-    KVCache objects: the lookup must still see them as lossy, so a request sharing only the
-    opening tokens is not served from one, while one taking its share is."""
+class StubRapidQuantizingPrefixCache(StubQuantizingPrefixCache):
+    """rapid-mlx's the same way, naming no matched key (its hit is moved last)."""
+
+    def fetch(self, tokens: list[int]) -> tuple[list | None, list[int]]:
+        found = super().fetch(tokens)
+        if found[0] is not None:
+            self._entries.move_to_end(self._last_matched_key)
+        del self._last_matched_key
+        return found
+
+
+@pytest.mark.parametrize("base", [StubQuantizingPrefixCache, StubRapidQuantizingPrefixCache])
+def test_its_own_quantized_entry_handed_out_dequantized_is_held_to_the_rule(pinned_cache, base):
+    """vllm-mlx and rapid-mlx --kv-cache-quantization hand their own 8-bit entries out as
+    full-precision KVCache objects: the lookup must still see them as lossy, so a request sharing
+    only the opening tokens is not served from one, nor one taking half of it less the token an
+    exact hit leaves, while one taking its share is."""
     mounted = Mounted(Path("model"), pinned_cache.manager, SimpleNamespace(bundles=[]))
-    cache = pinned_memory_cache_class(mounted, StubQuantizingPrefixCache, "stub")()
+    cache = pinned_memory_cache_class(mounted, base, "stub")()
     entry = ids(40)
     cache.store(entry, prefill(pinned_cache.model, entry)[0])
+    cache.store(ids(8), prefill(pinned_cache.model, ids(8))[0])  # another entry, stored last
     opening = [*entry[:3], 99, 98]
     assert served(cache.fetch(opening), opening) == 0
+    half = entry[:20]  # a supersequence hit, handed out one token short: 19 of 40
+    assert served(cache.fetch(half), half) == 0
     whole = [*entry, 99]
     assert served(cache.fetch(whole), whole) == len(entry)
 

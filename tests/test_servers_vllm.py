@@ -111,6 +111,7 @@ def test_first_request_reuses_the_bundle_and_answers_as_a_cold_server(
     assert again["choices"][0]["message"]["content"] is not None
 
 
+@pytest.mark.slow  # it runs in the server venv, which .ci/run makes while the fast tests run
 def test_unsupported_option_is_refused_before_anything_is_mounted(tiny_model: Path, tmp_path: Path):
     python = servers_python()
     args = serve_args(python, tiny_model, tmp_path, 1, "--mllm")

@@ -24,6 +24,7 @@ from pipeline.format.manifest import RequestInfo, RequestMessage
 from pipeline.runtime.servers.options import install_hint
 from pipeline.runtime.servers.tokens import (
     anthropic_servers,
+    has_request_code,
     hook_of,
     model_type,
     request_body,
@@ -70,6 +71,11 @@ def check_servers(d: LoadedDefinition) -> None:
             "date; remove 'servers' or use a template that does not print the date"
         )
     for server in d.spec.servers:
+        if not has_request_code(server):
+            raise BuildError(
+                f"{where}: {server}'s request code runs only inside its app, so it cannot give "
+                f"the ids (serve checks them through its app at startup); remove {server!r}"
+            )
         versions(server)  # BuildError when it is not installed
 
 

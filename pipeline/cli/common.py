@@ -13,6 +13,19 @@ from typing import Any
 from pipeline.format.errors import PipelineError
 
 
+def request_code_server(name: str) -> str:
+    """argparse type of a --server whose own request code is called (match, new): a usage error
+    for a name the format does not know or a server with no such code short of its app."""
+    from pipeline.format.manifest import SERVER_NAMES
+    from pipeline.runtime.servers.tokens import has_request_code, request_code_servers
+
+    if name not in SERVER_NAMES or not has_request_code(name):
+        why = " (its request code runs only inside its app)" if name in SERVER_NAMES else ""
+        choices = ", ".join(request_code_servers())
+        raise argparse.ArgumentTypeError(f"{name!r}{why}: choose one of {choices}")
+    return name
+
+
 def one_line(message: str) -> str:
     """The message on one line: a newline or other control character inside a name or path the
     user gave is shown escaped, never as a line break."""

@@ -6,9 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from pipeline.cli.common import add_json_option, emit_json, err
+from pipeline.cli.common import add_json_option, emit_json, err, request_code_server
 from pipeline.format.errors import PipelineError
-from pipeline.format.manifest import SERVER_NAMES
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
@@ -31,7 +30,8 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
     source.add_argument("--messages", help="the request's messages as a JSON list (OpenAI form)")
     m.add_argument(
         "--server",
-        choices=SERVER_NAMES,
+        type=request_code_server,
+        metavar="SERVER",
         default=None,
         help="tokenize the request as this server's own request code does (default: mlx-lm, "
         "i.e. mlx_lm.server; an Anthropic body: the first server whose request code follows "

@@ -5,8 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.cli.common import add_json_option, emit_json, load_definitions, note, warn
-from pipeline.format.manifest import SERVER_NAMES
+from pipeline.cli.common import (
+    add_json_option,
+    emit_json,
+    load_definitions,
+    note,
+    request_code_server,
+    warn,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
@@ -27,7 +33,8 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
     n.add_argument(
         "--server",
         action="append",
-        choices=SERVER_NAMES,
+        type=request_code_server,
+        metavar="SERVER",
         default=[],
         help="with --from-request: a server whose own request code gives the ids (repeatable; "
         "Anthropic requests: vllm-mlx by default)",

@@ -55,12 +55,13 @@ def lossy_min_tokens(entry_tokens: int) -> int:
     return max(1, math.ceil(entry_tokens * LOSSY_MIN_SHARE))
 
 
-QUANTIZED_LAYERS = frozenset({"QuantizedKVCache", "_QuantizedCacheWrapper"})  # mlx-lm, vllm-mlx
+# mlx-lm's; vllm-mlx's --kv-cache-quantization entries; rapid-mlx's --kv-cache-turboquant ones
+QUANTIZED_LAYERS = frozenset({"QuantizedKVCache", "_QuantizedCacheWrapper", "TurboQuantKVCache"})
 
 
 def is_lossy(cache: Sequence[Any]) -> bool:
-    """True when any layer holds quantized KV (by class name: the runtime does not import mlx_lm;
-    vllm-mlx keeps its --kv-cache-quantization entries as its own `_QuantizedCacheWrapper`)."""
+    """True when any layer holds quantized KV (by class name: the runtime does not import mlx_lm
+    or the servers; QUANTIZED_LAYERS)."""
     for layer in cache:
         children = _children(layer)
         if children is not None and is_lossy(children):

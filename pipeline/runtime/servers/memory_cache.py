@@ -66,13 +66,16 @@ def pinned_memory_cache_class(
 
         def usable(self, tokens: list[int], found: tuple[Any, list[int]]) -> bool:
             """Its own entry under the lossy rule, where its hand-out hides that it is lossy:
-            vllm-mlx --kv-cache-quantization stores 8-bit entries and hands them out dequantized
-            (the entry is the one its fetch names in `_last_matched_key`)."""
-            key = getattr(self, "_last_matched_key", None)
+            with --kv-cache-quantization (and rapid-mlx's --kv-cache-turboquant) both store
+            quantized entries and hand them out dequantized. The entry is the one vllm-mlx's
+            fetch names in `_last_matched_key`; rapid-mlx names none and moves its hit last.
+            What counts is what the request keeps: an exact hit is handed out a token short."""
+            key = getattr(self, "_last_matched_key", None) or next(reversed(self._entries), None)
             entry = self._entries.get(tuple(key)) if key else None
             if entry is None or not is_lossy(entry.cache):
                 return True
-            return len(tokens) - len(found[1]) >= lossy_min_tokens(len(key))
+            kept = min(len(tokens) - len(found[1]), len(tokens) - 1)
+            return kept >= lossy_min_tokens(len(key))
 
         def store(self, tokens: list[int], *args: Any, **kwargs: Any) -> Any:
             if warm_up.WARMING.is_set():  # the warm-up request leaves no entry
@@ -146,7 +149,9 @@ def saved_layers(layers: list) -> list:
     out = []
     for layer in layers:
         wrapped = type(layer).__name__ == "_QuantizedCacheWrapper"
-        if wrapped and getattr(layer, "orig_type", None) is KVCache and not layer.orig_attrs:
+        # it records KVCache's class attribute `step` too: nothing a QuantizedKVCache lacks
+        plain = set(getattr(layer, "orig_attrs", None) or ()) <= {"step"}
+        if wrapped and getattr(layer, "orig_type", None) is KVCache and plain:
             quantized = QuantizedKVCache(group_size=layer.group_size, bits=layer.bits)
             quantized.keys, quantized.values = tuple(layer.keys), tuple(layer.values)
             quantized.offset = layer.offset
