@@ -318,3 +318,25 @@ def test_server_names_live_in_the_format_and_what_each_server_can_do_in_its_hook
         assert not listed, f"{path.name} names {listed}: declare it on the hook instead"
     assert request_code_servers() == [n for n in SERVER_NAMES if n != "rapid-mlx"]
     assert anthropic_servers() == ["vllm-mlx"]
+
+
+def test_no_fast_test_uses_a_server_venv():
+    """.ci/run makes the server venvs while `just test` runs: a test not marked slow that asks for
+    one would find it missing or half made. Checked on the source: every test function that names
+    servers_python, rapid_python or the other-minor venv (other_python) is marked slow."""
+    import ast
+
+    venv_names = {"servers_python", "rapid_python", "other_python"}
+    offenders = []
+    for path in sorted((ROOT / "tests").glob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        module_slow = "pytest.mark.slow" in path.read_text().split("\ndef ", 1)[0]
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or not node.name.startswith("test_"):
+                continue
+            slow = module_slow or any("slow" in ast.unparse(d) for d in node.decorator_list)
+            names = {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+            names |= {a.arg for a in node.args.args}
+            if not slow and names & venv_names:
+                offenders.append(f"{path.name}::{node.name}")
+    assert not offenders, f"mark these slow (they use a server venv): {offenders}"
