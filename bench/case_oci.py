@@ -116,11 +116,16 @@ def worker(task: str, args: dict[str, Any]) -> dict[str, Any]:
     start = time.perf_counter()
     if task == "push":
         from pipeline.distribute.oci_push import push_oci
+        from pipeline.distribute.prehash import Prehash
         from pipeline.distribute.push import check_bundle
 
-        with meter.phase("validate"):  # push validates the bundle's integrity first
-            checked = check_bundle(Path(args["bundle"]), trust_memo=True)  # as push does
-        result = push_oci([checked], args["repo"], meter=meter)
+        prehash = Prehash([Path(args["bundle"])])  # as push does: block digests meanwhile
+        try:
+            with meter.phase("validate"):  # push validates the bundle's integrity first
+                checked = check_bundle(Path(args["bundle"]), trust_memo=True)  # as push does
+            result = push_oci([checked], args["repo"], meter=meter, prehash=prehash)
+        finally:
+            prehash.close()
         bundle_bytes = result.artifacts[0].total_bytes
     else:
         from pipeline.distribute.oci_pull import pull_oci

@@ -199,3 +199,34 @@ def test_a_request_without_a_body_still_says_its_length():
         finally:
             client.close()
     assert seen == ["0"] and r.headers["location"].endswith("/uploads/1")
+
+
+def test_block_digests_computed_ahead_are_the_blocks_and_a_changed_file_gets_none(
+    shop_bundle: Path, tmp_path: Path
+):
+    """Prehash hashes while the validator reads: its digests are the blocks' own, and once the
+    file changes (another stat) none is handed out: the push hashes what it sends itself."""
+    import shutil
+
+    from pipeline.distribute.blocks import Source, read_layout
+    from pipeline.distribute.prehash import Prehash
+
+    bundle = Path(shutil.copytree(shop_bundle, tmp_path / "shop"))
+    cache = bundle / "cache.safetensors"
+    tokens = json.loads((bundle / "manifest.json").read_text())["tokens"]["count"]
+    plan = read_layout(cache, tokens)
+    source = Source(cache, plan)
+    want = ["sha256:" + hashlib.sha256(source.block(k)).hexdigest() for k in range(plan.blocks)]
+    source.close()
+    ahead = Prehash([bundle, tmp_path / "missing"])  # an unreadable bundle is left out
+    try:
+        assert plan.blocks > 1
+        assert [ahead.digest(cache, plan, k) for k in range(plan.blocks)] == want
+        other = read_layout(cache, tokens, block_size=plan.block_tokens // 2)
+        assert ahead.digest(cache, other, 0) is None  # cut another way: not this digest
+        with open(cache, "r+b") as f:  # same size, other bytes: its stat changes
+            f.seek(plan.file_bytes - 1)
+            f.write(b"\0" if f.read(1) != b"\0" else b"\1")
+        assert ahead.digest(cache, plan, 0) is None
+    finally:
+        ahead.close()

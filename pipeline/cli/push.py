@@ -15,6 +15,7 @@ from pipeline.cli.reports.fleet import Transfer
 from pipeline.format.errors import PipelineError
 
 if TYPE_CHECKING:
+    from pipeline.distribute.prehash import Prehash
     from pipeline.distribute.push import CheckedBundle
 
 
@@ -72,10 +73,23 @@ def add_registry_options(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    oci = args.repo.startswith("oci://")
+    if not oci:
+        return _run(args, None)
+    from pipeline.distribute.prehash import Prehash
+
+    prehash = Prehash([Path(b) for b in args.bundle])  # block digests while they are validated
+    try:
+        return _run(args, prehash)
+    finally:
+        prehash.close()
+
+
+def _run(args: argparse.Namespace, prehash: Prehash | None) -> int:
     from pipeline.distribute.push import HELD_BACK, check_bundle, push
 
     checked: list[CheckedBundle | PushedBundle] = []  # in argument order; PushedBundle: refused
-    oci = args.repo.startswith("oci://")
+    oci = prehash is not None
     for bundle in args.bundle:
         try:  # OCI: every block is hashed as it goes up, and the puller checks every byte
             checked.append(check_bundle(bundle, trust_memo=oci))
@@ -104,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
             emit_json(_report(args.repo, revision, None, None, entries, []))
         return 1
     if oci:
-        return _run_oci(args, checked)
+        return _run_oci(args, checked, prehash)
     if args.lockfile:
         raise PipelineError(
             f"--lockfile records OCI artifact digests; {args.repo} is a hub repo (pin it by "
@@ -132,7 +146,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_oci(args: argparse.Namespace, checked: list[CheckedBundle]) -> int:
+def _run_oci(
+    args: argparse.Namespace, checked: list[CheckedBundle], prehash: Prehash | None = None
+) -> int:
     from pipeline.distribute.oci_push import push_oci
 
     if args.revision:
@@ -153,7 +169,7 @@ def _run_oci(args: argparse.Namespace, checked: list[CheckedBundle]) -> int:
     meter = Meter(None if args.json or args.dry_run else transfer_progress("push"))
     result = push_oci(
         checked, args.repo, mount_from=args.mount_from, plain_http=args.plain_http, ca_bundle=ca,
-        dry_run=args.dry_run, meter=meter,
+        dry_run=args.dry_run, meter=meter, prehash=prehash,
     )  # fmt: skip
     if args.lockfile and not args.dry_run:
         _record_digests(args.lockfile, result.artifacts)

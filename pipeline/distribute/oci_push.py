@@ -8,8 +8,10 @@ pointing at a partial artifact.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pipeline.distribute import oci
@@ -29,6 +31,7 @@ from pipeline.distribute.blocks import Source, read_layout
 from pipeline.distribute.meter import Meter
 from pipeline.distribute.oci import Registry, in_parallel, parse_repo
 from pipeline.distribute.oci_plain import Body
+from pipeline.distribute.prehash import Prehash
 from pipeline.distribute.push import CheckedBundle
 from pipeline.format.bundle_folder import CACHE_FILE
 from pipeline.format.errors import PipelineError
@@ -76,15 +79,25 @@ class _Uploader:
         self.meter = meter
         self.lock = threading.Lock()
 
-    def put(self, media_type: str, data: Body, counts: Transfer, title: str | None = None) -> Blob:
-        """`data`: bytes, or buffers that are the blob one after another (views of the file)."""
+    def put(
+        self,
+        media_type: str,
+        data: Body,
+        counts: Transfer,
+        title: str | None = None,
+        ahead: Callable[[], str | None] | None = None,
+    ) -> Blob:
+        """`data`: bytes, or buffers that are the blob one after another (views of the file);
+        `ahead`: its digest as computed ahead (Prehash), or None to hash it here."""
         parts = [data] if isinstance(data, bytes) else data
         size = sum(len(p) for p in parts)
         with self.meter.phase("hash"):
-            h = hashlib.sha256()
-            for p in parts:
-                h.update(p)
-            digest = "sha256:" + h.hexdigest()
+            digest = ahead() if ahead is not None else None
+            if digest is None:
+                h = hashlib.sha256()
+                for p in parts:
+                    h.update(p)
+                digest = "sha256:" + h.hexdigest()
         with self.lock:  # the first to claim a digest puts it; the others find it there
             claimed = digest not in self.seen
             self.seen.add(digest)
@@ -120,10 +133,12 @@ def push_oci(
     ca_bundle: str | None = None,
     dry_run: bool = False,
     meter: Meter | None = None,
+    prehash: Prehash | None = None,
 ) -> OciPushResult:
     """Upload each validated bundle's missing blobs, then tag it; `dry_run`: only ask the
     registry which blobs it has, and count what would move (nothing is uploaded, mounted or
-    tagged; a blob --mount-from could mount counts as moving)."""
+    tagged; a blob --mount-from could mount counts as moving); `prehash`: block digests
+    computed while the bundles were validated."""
     ref = parse_repo(repo)
     sources = [_same_host(ref, parse_repo(r)) for r in mount_from]
     registry = Registry(ref, plain_http=plain_http, ca_bundle=ca_bundle)
@@ -132,7 +147,7 @@ def push_oci(
     try:
         uploader = _Uploader(registry, sources, dry_run, meter)
         for b in bundles:
-            pushed = _push_one(registry, uploader, b, dry_run)
+            pushed = _push_one(registry, uploader, b, dry_run, prehash)
             result.artifacts.append(pushed)
             result.transfer.add(pushed.transfer)
     finally:
@@ -179,7 +194,11 @@ def _check_manifest_size(
 
 
 def _push_one(
-    registry: Registry, up: _Uploader, b: CheckedBundle, dry_run: bool = False
+    registry: Registry,
+    up: _Uploader,
+    b: CheckedBundle,
+    dry_run: bool = False,
+    prehash: Prehash | None = None,
 ) -> PushedArtifact:
     name, version, folder = b.repo_path.split("/")
     tag = tag_of(name, int(version), folder)
@@ -203,8 +222,11 @@ def _push_one(
         layers.append(up.put(REST_TYPE, _read(up.meter, source.rest), counts))
 
         def block(k: int) -> Blob:
+            ahead = None
+            if prehash is not None:
+                ahead = functools.partial(prehash.digest, b.local / CACHE_FILE, plan, k)
             with source.views(k) as parts:  # hashed and sent from the mapped file: no copy
-                return up.put(BLOCK_TYPE, parts, counts)
+                return up.put(BLOCK_TYPE, parts, counts, ahead=ahead)
 
         layers += in_parallel(block, range(plan.blocks))  # in block order
     finally:
