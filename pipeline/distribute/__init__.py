@@ -14,6 +14,7 @@ __all__ = [
     "oci",
     "oci_pull",
     "oci_push",
+    "prehash",
     "pull",
     "push",
 ]
