@@ -43,7 +43,6 @@ from pipeline.distribute.pull import (
     publish_staged,
     select,
 )
-from pipeline.distribute.served_identity import identity_for
 from pipeline.format.bundle_folder import (
     CACHE_FILE,
     FINGERPRINT_CHARS,
@@ -55,6 +54,7 @@ from pipeline.format.bundle_folder import parse_manifest as parse_bundle_manifes
 from pipeline.format.bundle_signature import check_binding, check_signature
 from pipeline.format.errors import BundleError, PipelineError
 from pipeline.format.manifest import Manifest
+from pipeline.format.served_identity import identity_for
 from pipeline.format.signature import PublicKey
 
 NOTHING = "nothing was published"

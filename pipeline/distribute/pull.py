@@ -28,10 +28,10 @@ from pipeline.builder.writer import (
     unplace,
 )
 from pipeline.distribute.hub import REPO_TYPE, RemoteBundle, connect, hub_errors, remote_bundles
-from pipeline.distribute.served_identity import identity_for
 from pipeline.format.bundle_folder import FINGERPRINT_CHARS
 from pipeline.format.errors import BundleError, PipelineError
 from pipeline.format.names import NAME_HINT, parse_ref
+from pipeline.format.served_identity import identity_for
 from pipeline.format.signature import PublicKey
 from pipeline.format.validate import validate
 

@@ -18,6 +18,7 @@ __all__ = [
     "regular_files",
     "safetensors_read",
     "secret_key",
+    "served_identity",
     "signature",
     "validate",
 ]

@@ -6,7 +6,6 @@ finds candidate folders, chooses which version to mount, and collects results.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import time
 from collections.abc import Sequence
@@ -16,9 +15,9 @@ from typing import Any
 
 from pipeline.format.bundle_folder import model_folder
 from pipeline.format.errors import BundleError
-from pipeline.format.fingerprint import ModelIdentity, canonical_json, model_config, model_identity
-from pipeline.format.identity import model_cache_classes
+from pipeline.format.fingerprint import ModelIdentity
 from pipeline.format.manifest import Manifest
+from pipeline.format.served_identity import identity_for  # re-exported: pipeline.runtime's API
 from pipeline.format.signature import PublicKey
 from pipeline.format.validate import validate
 from pipeline.runtime.discovery import (  # noqa: F401  (re-exported: pipeline.runtime's API)
@@ -80,18 +79,6 @@ MODEL_BUNDLES = "prefix-bundles"  # bundles deployed next to a model: <model>/pr
 def model_bundles_dir(model_dir: Path) -> Path:
     """Where bundles copied next to a model live (same layout as bundles/): <model>/prefix-bundles."""
     return Path(model_dir) / MODEL_BUNDLES
-
-
-def identity_for(model_dir: Path, chat_template: str | None = None) -> ModelIdentity:
-    """Fingerprints of the served model, and the cache classes its architecture builds; pass the
-    server's template override if it has one."""
-    identity = model_identity(Path(model_dir), chat_template)
-    config = model_config(Path(model_dir))
-    classes = model_cache_classes(config)
-    shape = dataclasses.replace(
-        identity.shape, cache_classes=classes, config_json=canonical_json(config).decode()
-    )
-    return dataclasses.replace(identity, shape=shape)
 
 
 def model_bundles(model_dir: Path) -> tuple[list[Path], list[Path], list[RefusedBundle]]:

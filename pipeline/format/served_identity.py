@@ -1,12 +1,14 @@
-"""The served model's identity for a pull, its cache classes remembered by their exact inputs.
+"""The served model's identity: its fingerprints and the cache classes its architecture builds,
+the classes remembered by their exact inputs.
 
-pipeline.runtime.mount.identity_for asks mlx-lm which cache class each layer gets, and importing
-mlx-lm imports transformers: 1.5-3 s of a pull that otherwise never touches mlx-lm. The answer
-is a function of config.json, the installed mlx-lm's code and our own model builder, so it is
-kept in a private table (beside pipeline.format.memo's) under a key over all of them: the
-config's canonical JSON, the Python, mlx and mlx-lm versions, and the stat identity (size,
-mtime_ns, ctime_ns, inode, device) of every source file of mlx-lm and of cache_state.py. Any
-change to one of them is a new key, and the answer is asked of mlx-lm again.
+Which cache class each layer gets is asked of mlx-lm, and importing mlx-lm imports transformers:
+1.5-3 s of a pull, a verify or an inspect that otherwise never touch mlx-lm. The answer is a
+function of config.json, the installed mlx-lm's code and our own model builder, so it is kept in
+a private table (beside pipeline.format.memo's) under a key over all of them: the config's
+canonical JSON, the Python, mlx and mlx-lm versions, and the stat identity (size, mtime_ns,
+ctime_ns, inode, device) of every source file of mlx-lm and of cache_state.py. Any change to one
+of them is a new key, and the answer is asked of mlx-lm again. Every caller (mount, serve,
+verify, inspect, match, the builder, pull) computes the identity here.
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ KEY_SCHEMA = "cache-classes/1"
 VALUE = re.compile(r'^(null|\[[A-Za-z0-9_", ]*\])\Z')
 
 
-def identity_for(model_dir: Path) -> ModelIdentity:
-    """pipeline.runtime.mount.identity_for(model_dir), the cache classes from the memo when
-    their inputs are unchanged."""
-    identity = model_identity(Path(model_dir))
+def identity_for(model_dir: Path, chat_template: str | None = None) -> ModelIdentity:
+    """Fingerprints of the served model, and the cache classes its architecture builds (from the
+    memo when their inputs are unchanged); pass the server's template override if it has one."""
+    identity = model_identity(Path(model_dir), chat_template)
     config = model_config(Path(model_dir))
     shape = dataclasses.replace(
         identity.shape,
