@@ -14,6 +14,7 @@ from test_snapshots import TOKENS, host, prefilled  # noqa: F401 - host: the fix
 
 from pipeline.format.errors import PipelineError
 from pipeline.runtime import snapshot_store
+from pipeline.runtime.servers import hook_for
 from pipeline.runtime.snapshot_store import Entry
 from pipeline.runtime.snapshots import DEFAULT_BUDGET, Snapshots, every_seconds
 
@@ -47,10 +48,10 @@ EVERY = [
 def test_snapshot_every_is_checked_before_anything_loads(text, server, folder, expected):
     options = SimpleNamespace(snapshot_every=text, snapshots=folder)
     if not isinstance(expected, str):
-        assert every_seconds(options, server) == expected
+        assert every_seconds(options, hook_for(server)) == expected
         return
     with pytest.raises(PipelineError) as exc:
-        every_seconds(options, server)
+        every_seconds(options, hook_for(server))
     assert str(exc.value).startswith(expected)
 
 

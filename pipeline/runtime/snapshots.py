@@ -38,11 +38,6 @@ from pipeline.runtime.snapshot_store import Context, Entry, SnapshotFolder, cach
 
 log = logging.getLogger("prefix-bundles")
 DEFAULT_BUDGET = 2 << 30  # bytes of KV written at a stop (and restored at the next start)
-# --snapshot-every: the servers whose hook calls `tick` only on the thread that owns (and alone
-# changes) the server's entries, right after it stored one: a periodic save runs there, never
-# beside a change. mlx_lm.server's generation thread (tested with the real server); the others'
-# hooks stamp entries on request or worker threads that do not own the whole cache
-PERIODIC = {"mlx-lm": "mlx_lm.server"}
 _UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
 
 
@@ -58,19 +53,26 @@ def parse_size(text: str) -> int:
     return int(match[1]) * _UNITS[unit]
 
 
-def every_seconds(options: Any, server: str) -> float | None:
+def every_seconds(options: Any, hook: Any) -> float | None:
     """--snapshot-every MINUTES in seconds (None when not given), checked before anything is
-    loaded: it needs --snapshots, a positive number, and a server in PERIODIC."""
+    loaded: it needs --snapshots, a positive number, and a server whose hook calls `tick` only on
+    the thread that owns (and alone changes) its entries, right after it stored one
+    (`periodic_snapshots`: mlx_lm.server's generation thread; the others' hooks stamp entries on
+    request or worker threads that do not own the whole cache), so a save never runs beside a
+    change."""
     text = getattr(options, "snapshot_every", None)
     if text is None:
         return None
     if options.snapshots is None:
         raise PipelineError("--snapshot-every needs --snapshots DIR (the folder it saves to)")
-    if server not in PERIODIC:
+    if not hook.periodic_snapshots:
+        from pipeline.runtime.servers import HOOKS, hook_for
+
+        able = [h.package for h in map(hook_for, HOOKS) if h.periodic_snapshots]
         raise PipelineError(
-            f"--snapshot-every is not supported with --server {server} yet: a save while it "
+            f"--snapshot-every is not supported with --server {hook.name} yet: a save while it "
             "serves must run on the thread that owns its prompt cache, which serve guarantees "
-            f"for {', '.join(PERIODIC.values())} only (docs/snapshots.md); serve without it (the "
+            f"for {', '.join(able)} only (docs/snapshots.md); serve without it (the "
             "snapshots are still saved at a graceful stop)"
         )
     try:
@@ -153,7 +155,8 @@ class Snapshots:
 
     def tick(self) -> int:
         """A recency stamp: larger is more recent (the hook stamps each entry it stores). With
-        --snapshot-every, a save that is due runs here first, on the hook's thread (PERIODIC)."""
+        --snapshot-every, a save that is due runs here first, on the hook's thread
+        (`periodic_snapshots`)."""
         stamp = self._next()
         periodic = self._periodic
         if periodic is not None and periodic.due():
@@ -444,7 +447,6 @@ def snapshot_answer(
 
 __all__ = [
     "DEFAULT_BUDGET",
-    "PERIODIC",
     "Entry",
     "Snapshots",
     "child_snapshots",

@@ -39,6 +39,7 @@ SERVER = "mlx_lm.server"
 
 class Hook(ServerHook):
     name, package, address, snapshots = "mlx-lm", "mlx_lm.server", ("127.0.0.1", 8080), True
+    periodic_snapshots = True  # its generation thread alone stores entries (tested, real server)
 
     def refused(self, options: ServeOptions) -> dict[str, str]:
         if options.snapshots is None:

@@ -184,7 +184,7 @@ def snapshot_interval(hook: ServerHook, options: ServeOptions) -> float | None:
         return None
     from pipeline.runtime.snapshots import every_seconds
 
-    return every_seconds(options, hook.name)
+    return every_seconds(options, hook)
 
 
 def setup_logging(level: str | None) -> None:
