@@ -66,3 +66,48 @@ def test_a_refused_new_version_is_a_warning_and_the_old_one_is_kept(
     refused = [rec for rec in caplog.records if "remount: refused" in rec.getMessage()]
     assert refused and refused[0].levelno == logging.WARNING
     assert [b.name for b in r.current.values()] == ["shop@1"]
+
+
+def test_the_admin_endpoint_stops_serve_gracefully_only_with_the_token():
+    """POST /v1/stop answers 202 and begins the stop (serve's: SIGTERM to its own process, or
+    from a spawned model process to serve's); without the token nothing happens; without a stop
+    to offer the route does not exist."""
+    import json
+    import socket
+    import urllib.error
+    import urllib.request
+    from types import SimpleNamespace
+
+    from pipeline.runtime.admin import start_admin
+
+    def post(port: int, token: str | None) -> tuple[int, dict]:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/stop", data=b"", method="POST", headers=headers
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status, json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    def free() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    stops: list[bool] = []
+    port = free()
+    httpd = start_admin(port, "t0ken-0123456789", SimpleNamespace(), lambda: stops.append(True))
+    try:
+        assert post(port, None)[0] == 401 and stops == []
+        assert post(port, "t0ken-0123456789") == (202, {"stopping": True}) and stops == [True]
+    finally:
+        httpd.shutdown()
+    port = free()
+    httpd = start_admin(port, None, SimpleNamespace())
+    try:
+        status, body = post(port, None)
+        assert status == 404 and "POST /v1/stop" not in body["error"]
+    finally:
+        httpd.shutdown()

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import servers_env
-from test_serve import ROOT, server_process
+from test_serve import ROOT, admin, server_process
 
 from pipeline.format.bundle_folder import CACHE_FILE, MANIFEST_FILE, SIGNATURE_FILE, SUMS_FILE
 from pipeline.format.errors import PipelineError
@@ -215,11 +214,6 @@ def turn(port: int, answer: str | None = None, model: Path | None = None) -> dic
     return servers_env.chat(port, body | ({"model": str(model)} if model else {}))[0]
 
 
-def stop(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 0
-
-
 @pytest.mark.slow
 def test_a_conversation_survives_a_restart(tmp_path: Path, tiny_model: Path):
     env = {**os.environ, "XDG_CONFIG_HOME": str(tmp_path / "config")}
@@ -246,7 +240,9 @@ def test_a_conversation_survives_a_restart(tmp_path: Path, tiny_model: Path):
         p.wait(timeout=60)
 
     log2 = tmp_path / "serve2.log"
-    with server_process(tiny_model, bundles, log2, "--snapshots", str(snaps), env=env) as (p, port):
+    admin_port = servers_env.free_port()
+    extra = ("--snapshots", str(snaps), "--admin-port", str(admin_port))
+    with server_process(tiny_model, bundles, log2, *extra, env=env) as (p, port):
         second = turn(port, answer)
         # a second serve on the same folder is refused with one line
         other = subprocess.run(
@@ -254,7 +250,9 @@ def test_a_conversation_survives_a_restart(tmp_path: Path, tiny_model: Path):
              "--bundles", str(bundles), "--port", "1", "--snapshots", str(snaps)],
             capture_output=True, text=True, env=env, timeout=120,
         )  # fmt: skip
-        stop(p)
+        # the graceful stop asked of the admin endpoint (as SIGTERM): the set is saved first
+        assert admin(admin_port, "POST", "/v1/stop") == (202, {"stopping": True})
+        assert p.wait(timeout=60) == 0
     assert other.returncode == 1
     assert other.stderr.strip().splitlines()[-1].startswith(f"error: --snapshots {snaps} is in use")
     cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -267,6 +265,7 @@ def test_a_conversation_survives_a_restart(tmp_path: Path, tiny_model: Path):
     assert "snapshots: restored 1 of 1" in text and "0 refused" in text
     assert "request: snapshot 00-" in text
     assert "snapshots: saved 2 entries" in text  # at the graceful stop: the restored one kept
+    assert "admin: a graceful stop was asked for" in text
 
 
 def wait_for_periodic(log: Path, beyond: int, timeout: float = 30) -> None:

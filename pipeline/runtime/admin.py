@@ -6,6 +6,8 @@ whatever address that server listens on), in a daemon thread:
   POST /v1/bundles/remount   re-read --bundles as SIGHUP does; 200 with the JSON report
                              (RemountReport, "remount/2": `schema remount`)
   GET  /v1/bundles           what is mounted; 200 with BundlesReport ("bundles/1": `schema bundles`)
+  POST /v1/stop              a graceful stop, as SIGTERM to serve's process (202 {"stopping":
+                             true}): the server stops, and with --snapshots saves them first
 
 With --admin-token-file F every request must carry `Authorization: Bearer <the file's first
 line>` (401 otherwise). A failed remount answers 500 with its error; what was mounted stays.
@@ -119,8 +121,11 @@ def read_token(path: Path | None) -> str | None:
     return token
 
 
-def start_admin(port: int, token: str | None, remounter: Remounter) -> ThreadingHTTPServer:
-    """Serve the admin endpoint on HOST:port in a daemon thread; PipelineError if it cannot bind."""
+def start_admin(
+    port: int, token: str | None, remounter: Remounter, stop: Any = None
+) -> ThreadingHTTPServer:
+    """Serve the admin endpoint on HOST:port in a daemon thread; PipelineError if it cannot bind.
+    `stop()` begins a graceful stop of serve (None: /v1/stop is not offered)."""
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
@@ -154,8 +159,14 @@ def start_admin(port: int, token: str | None, remounter: Remounter) -> Threading
         def do_POST(self) -> None:  # noqa: N802
             if not self._allowed():
                 return
+            if self.path.rstrip("/") == "/v1/stop" and stop is not None:
+                log.warning("admin: a graceful stop was asked for")
+                self._answer(202, {"stopping": True})
+                stop()
+                return
             if self.path.rstrip("/") != "/v1/bundles/remount":
-                self._answer(404, {"error": f"no {self.path}; POST /v1/bundles/remount"})
+                routes = "POST /v1/bundles/remount" + (", POST /v1/stop" if stop else "")
+                self._answer(404, {"error": f"no {self.path}; {routes}"})
                 return
             try:
                 changes = remounter.remount()
@@ -176,9 +187,10 @@ def start_admin(port: int, token: str | None, remounter: Remounter) -> Threading
     httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, name="prefix-bundles-admin", daemon=True).start()
     log.info(
-        "admin endpoint on http://%s:%d (POST /v1/bundles/remount, GET /v1/bundles)%s",
+        "admin endpoint on http://%s:%d (POST /v1/bundles/remount, GET /v1/bundles%s)%s",
         HOST,
         port,
+        ", POST /v1/stop" if stop else "",
         "; a bearer token is required" if token else "",
     )
     return httpd

@@ -354,7 +354,7 @@ def live_remount(
     remounter = Remounter(result, manager, BUNDLE_KEY, reload, unusable)
     if serve_options.admin_port is not None:
         token = read_token(serve_options.admin_token_file)
-        start_admin(serve_options.admin_port, token, remounter)
+        start_admin(serve_options.admin_port, token, remounter, stop_serve)
 
     def run() -> None:
         try:
@@ -367,6 +367,16 @@ def live_remount(
 
     if hasattr(signal, "SIGHUP") and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGHUP, on_hangup)
+
+
+def stop_serve() -> None:
+    """A graceful stop of serve, as SIGTERM gives it (the admin endpoint's POST /v1/stop): to this
+    process, or from a server's spawned model process (mlx-openai-server's, where the endpoint
+    runs) to serve's, whose stop orders that process to save and close."""
+    import multiprocessing
+
+    spawned = multiprocessing.parent_process() is not None
+    os.kill(os.getppid() if spawned else os.getpid(), signal.SIGTERM)
 
 
 def hub_cache_or_none(scan: Callable[[], Any]) -> Callable[[], Any]:
