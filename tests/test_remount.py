@@ -74,6 +74,7 @@ def test_the_admin_endpoint_stops_serve_gracefully_only_with_the_token():
     to offer the route does not exist."""
     import json
     import socket
+    import time
     import urllib.error
     import urllib.request
     from types import SimpleNamespace
@@ -101,7 +102,11 @@ def test_the_admin_endpoint_stops_serve_gracefully_only_with_the_token():
     httpd = start_admin(port, "t0ken-0123456789", SimpleNamespace(), lambda: stops.append(True))
     try:
         assert post(port, None)[0] == 401 and stops == []
-        assert post(port, "t0ken-0123456789") == (202, {"stopping": True}) and stops == [True]
+        assert post(port, "t0ken-0123456789") == (202, {"stopping": True})
+        deadline = time.monotonic() + 10  # the stop begins once the answer has gone out
+        while not stops and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert stops == [True]
     finally:
         httpd.shutdown()
     port = free()
