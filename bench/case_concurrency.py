@@ -37,7 +37,7 @@ from case_servers import (  # noqa: E402
     request_body,
     serve,
 )
-from common import REPO, Context, clean_env, ratio, stat  # noqa: E402
+from common import REPO, Context, clean_env, ratio, standalone, stat  # noqa: E402
 
 CLIENTS = 8
 # two bursts of CLIENTS distinct questions: the first right after startup, the second once warm
@@ -230,12 +230,4 @@ def section(result: dict[str, Any]) -> list[str]:
 
 
 if __name__ == "__main__":
-    from pipeline.blas import ensure_fast_blas
-
-    ensure_fast_blas(sys.argv[1:])
-    work = REPO / "bench" / "out" / "concurrency"
-    work.mkdir(parents=True, exist_ok=True)
-    if "--render" not in sys.argv:  # --render: print the section of the last run's result
-        result = run(Context("--quick" in sys.argv, work))
-        (work / "concurrency.json").write_text(json.dumps(result, indent=2) + "\n")
-    print("\n".join(section(json.loads((work / "concurrency.json").read_text()))))
+    standalone("concurrency", run, section)

@@ -26,7 +26,7 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH), str(BENCH.parent)]
 
-from common import REPO, Context, clean_env, ratio, stat  # noqa: E402
+from common import REPO, Context, clean_env, post_json, ratio, standalone, stat  # noqa: E402
 
 MODEL = REPO / "models" / "demo-tiny"
 VENV = Path(os.environ.get("PREFIX_BUNDLES_SERVERS_VENV", REPO / ".venv-servers"))
@@ -76,15 +76,7 @@ def request_body(kind: str = "full") -> dict[str, Any]:
 def _post(port: int, kind: str) -> tuple[float, str | None, int | None]:
     """(seconds, answer, cached tokens the usage reports) of one request."""
     route = "/v1/messages" if kind == "anthropic" else "/v1/chat/completions"
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}{route}",
-        data=json.dumps(request_body(kind)).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    t = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=1800) as resp:
-        answer = json.loads(resp.read())
-    seconds = time.perf_counter() - t
+    seconds, answer = post_json(port, route, request_body(kind))
     usage = answer.get("usage") or {}
     if kind == "anthropic":
         text = "".join(b.get("text") or "" for b in answer.get("content") or [])
@@ -480,12 +472,4 @@ def _speedups(server: str, rows: dict[str, Any]) -> list[str]:
 
 
 if __name__ == "__main__":
-    from pipeline.blas import ensure_fast_blas
-
-    ensure_fast_blas(sys.argv[1:])
-    work = REPO / "bench" / "out" / "servers"
-    work.mkdir(parents=True, exist_ok=True)
-    if "--render" not in sys.argv:  # --render: print the section of the last run's servers.json
-        result = run(Context("--quick" in sys.argv, work))
-        (work / "servers.json").write_text(json.dumps(result, indent=2) + "\n")
-    print("\n".join(section(json.loads((work / "servers.json").read_text()))))
+    standalone("servers", run, section)

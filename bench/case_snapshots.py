@@ -12,7 +12,6 @@ The float32 bench model (`--quick`: the 4-layer one), OpenBLAS as serve loads it
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -37,7 +36,9 @@ from common import (  # noqa: E402
     Context,
     clean_env,
     ensure_models,
+    post_json,
     ratio,
+    standalone,
     stat,
     text_with_tokens,
 )
@@ -71,18 +72,8 @@ def messages(notes: str, answer: str | None, question: str) -> list[dict[str, st
 
 def ask(port: int, msgs: list[dict[str, str]]) -> tuple[float, str, int, int]:
     """(seconds, answer, prompt tokens, cached tokens) of one chat request, 8 tokens greedy."""
-    import urllib.request
-
     body = {"messages": msgs, "max_tokens": 8, "temperature": 0.0}
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    t = time.perf_counter()
-    with urllib.request.urlopen(req, timeout=1800) as resp:
-        answer = json.loads(resp.read())
-    seconds = time.perf_counter() - t
+    seconds, answer = post_json(port, "/v1/chat/completions", body)
     usage = answer.get("usage") or {}
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return seconds, answer["choices"][0]["message"]["content"], usage["prompt_tokens"], cached
@@ -219,12 +210,4 @@ def section(result: dict[str, Any]) -> list[str]:
 
 
 if __name__ == "__main__":
-    from pipeline.blas import ensure_fast_blas
-
-    ensure_fast_blas(sys.argv[1:])
-    work = REPO / "bench" / "out" / "snapshots"
-    work.mkdir(parents=True, exist_ok=True)
-    if "--render" not in sys.argv:  # --render: print the section of the last run's snapshots.json
-        result = run(Context("--quick" in sys.argv, work))
-        (work / "snapshots.json").write_text(json.dumps(result, indent=2) + "\n")
-    print("\n".join(section(json.loads((work / "snapshots.json").read_text()))))
+    standalone("snapshots", run, section)

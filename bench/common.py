@@ -215,3 +215,33 @@ def stat(values: list[float]) -> Stat:
 def ratio(a: float, b: float) -> float:
     """a / b, guarded against zero."""
     return a / b if b else float("inf")
+
+
+def standalone(name: str, run: Any, section: Any) -> None:
+    """A case run as its own script (`python bench/case_NAME.py [--quick] [--render]`): run it
+    into bench/out/NAME/NAME.json (`--render`: only print the last run's section), then print
+    its section of RESULTS.md."""
+    from pipeline.blas import ensure_fast_blas
+
+    ensure_fast_blas(sys.argv[1:])
+    work = REPO / "bench" / "out" / name
+    work.mkdir(parents=True, exist_ok=True)
+    if "--render" not in sys.argv:
+        result = run(Context("--quick" in sys.argv, work))
+        (work / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    print("\n".join(section(json.loads((work / f"{name}.json").read_text()))))
+
+
+def post_json(port: int, route: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    """(seconds, answer) of one JSON POST to a server on loopback."""
+    import urllib.request
+
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{route}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    t = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=1800) as resp:
+        answer = json.loads(resp.read())
+    return time.perf_counter() - t, answer

@@ -34,6 +34,15 @@ def private_memo(tmp_path: Path, monkeypatch):
         monkeypatch.delenv(var, raising=False)
 
 
+class Quiet(http.server.BaseHTTPRequestHandler):
+    """A loopback handler speaking HTTP/1.1 (keep-alive), logging nothing."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):
+        pass
+
+
 def test_the_remembered_identity_is_the_one_mount_computes(tiny_model: Path):
     first = served_identity.identity_for(tiny_model)  # asked of mlx-lm, then remembered
     assert served_identity.table_path().exists()
@@ -117,9 +126,7 @@ def test_a_blob_follows_a_redirect_without_the_credentials_and_keeps_its_connect
     blob reuses the open connections."""
     seen: list[tuple[str, str | None, int]] = []
 
-    class Store(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
+    class Store(Quiet):
         def do_GET(self):
             seen.append(("store", self.headers.get("authorization"), self.client_address[1]))
             data = BLOB if self.path.endswith("good") else BLOB[:-1] + b"x"
@@ -128,14 +135,9 @@ def test_a_blob_follows_a_redirect_without_the_credentials_and_keeps_its_connect
             self.end_headers()
             self.wfile.write(data)
 
-        def log_message(self, *args):
-            pass
-
     with serving(Store) as store:
 
-        class Front(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
+        class Front(Quiet):
             def do_GET(self):
                 seen.append(("registry", self.headers.get("authorization"), self.client_address[1]))
                 self.send_response(307)
@@ -143,9 +145,6 @@ def test_a_blob_follows_a_redirect_without_the_credentials_and_keeps_its_connect
                 self.send_header("location", f"http://{store}/data/{tail}")
                 self.send_header("content-length", "0")
                 self.end_headers()
-
-            def log_message(self, *args):
-                pass
 
         with serving(Front) as front:
             client = Registry(parse_repo(f"oci://{front}/fleet/bundles"))
@@ -182,18 +181,13 @@ def test_a_request_without_a_body_still_says_its_length():
     (registries behind a proxy answer 411 without it)."""
     seen: list[str | None] = []
 
-    class Front(http.server.BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
+    class Front(Quiet):
         def do_POST(self):
             seen.append(self.headers.get("content-length"))
             self.send_response(202)
             self.send_header("location", "/v2/fleet/bundles/blobs/uploads/1")
             self.send_header("content-length", "0")
             self.end_headers()
-
-        def log_message(self, *args):
-            pass
 
     with serving(Front) as front:
         client = Registry(parse_repo(f"oci://{front}/fleet/bundles"))
