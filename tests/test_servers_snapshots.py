@@ -18,18 +18,18 @@ from servers_env import ROOT, free_port, running
 from test_snapshots import turn
 
 SERVERS = {  # name: (venv python, serve options)
-    # vllm-mlx --continuous-batching passes too (3,829 of 3,871): its snapshot code is rapid-mlx's
-    # (servers/memory_cache.py), so rapid-mlx (which adds its hard exit) carries both here within
-    # CI's budget; the stubs in tests/test_hook_stubs.py check the shared class
     "vllm-mlx --prefix-trie-cache": (
         "servers_python",
         ("--server", "vllm-mlx", "--prefix-trie-cache"),
     ),
+    "vllm-mlx --continuous-batching": (
+        "servers_python",
+        ("--server", "vllm-mlx", "--continuous-batching"),
+    ),
     "rapid-mlx": ("rapid_python", ("--server", "rapid-mlx")),
     "mlx-omni-server": ("servers_python", ("--server", "mlx-omni-server")),
-    # mlx-openai-server passes this test too (3,829 of 3,871 cached after the restart, the same
-    # answer) but added ~70 s here (each start spawns and mounts in a model process): the stubs in
-    # tests/test_hook_stubs.py carry it; add it back when CI has the headroom
+    # its model process saves at the graceful stop its parent orders, and restores at its start
+    "mlx-openai-server": ("servers_python", ("--server", "mlx-openai-server")),
 }
 OMNI_APP = ROOT / "tests" / "envs" / "omni_chat_app.py"  # omni's chat route (its app needs mflux)
 
