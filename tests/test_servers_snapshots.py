@@ -42,8 +42,14 @@ def serve(name: str, model: Path, bundles: Path, port: int, *extra: str) -> list
     return [*head, *options, "--model", str(model), "--port", str(port), *extra]
 
 
-def stop(proc: subprocess.Popen) -> int:
-    proc.send_signal(signal.SIGTERM)
+def stop(proc: subprocess.Popen, admin_port: int | None = None) -> int:
+    """A graceful stop: SIGTERM, or POST /v1/stop on the admin endpoint when it has one."""
+    if admin_port is None:
+        proc.send_signal(signal.SIGTERM)
+    else:
+        from test_serve import admin
+
+        assert admin(admin_port, "POST", "/v1/stop") == (202, {"stopping": True})
     return proc.wait(timeout=120)
 
 
@@ -55,10 +61,14 @@ def restart(name: str, model: Path, tmp_path: Path, env: dict) -> dict:
     work.mkdir(exist_ok=True)
     logs = {k: work / f"{name.replace(' ', '_')}-{k}.log" for k in ("ref", "one", "two")}
     ports = {k: free_port() for k in logs}
+    # mlx-openai-server stops through the admin endpoint, which runs in its model process: that
+    # process asks serve's for the graceful stop (the others: SIGTERM)
+    admin_port = free_port() if name == "mlx-openai-server" else None
+    admin = ("--admin-port", str(admin_port)) if admin_port else ()
     out: dict = {"logs": logs}
     with running(serve(name, model, bundles, ports["ref"]), ports["ref"], logs["ref"], env):
         with running(
-            serve(name, model, bundles, ports["one"], "--snapshots", str(snaps)),
+            serve(name, model, bundles, ports["one"], "--snapshots", str(snaps), *admin),
             ports["one"],
             logs["one"],
             env,
@@ -67,7 +77,7 @@ def restart(name: str, model: Path, tmp_path: Path, env: dict) -> dict:
             answer = out["first"]["choices"][0]["message"]["content"]
             assert turn(ports["ref"], model=model)["choices"][0]["message"]["content"] == answer
             out["reference"] = turn(ports["ref"], answer, model)
-            out["exit"] = stop(one)
+            out["exit"] = stop(one, admin_port)
     args = serve(name, model, bundles, ports["two"], "--snapshots", str(snaps))
     with running(args, ports["two"], logs["two"], env) as two:
         out["second"] = turn(ports["two"], answer, model)
@@ -97,6 +107,8 @@ def test_a_conversation_survives_a_graceful_restart_on_every_server(
         assert prompt > 3000, name
         assert "snapshots: saved 1 entr" in one or "snapshots: saved 2 entr" in one, (name, one)
         assert "snapshots: restored" in two and " 0 refused" in two, (name, two)
+        if name == "mlx-openai-server":
+            assert "admin: a graceful stop was asked for" in one, one[-3000:]
         assert "request: snapshot 00-" in two, (name, two)
         second, reference = out["second"], out["reference"]
         cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
