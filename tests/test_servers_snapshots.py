@@ -18,6 +18,7 @@ from servers_env import ROOT, free_port, running
 from test_snapshots import turn
 
 SERVERS = {  # name: (venv python, serve options)
+    "vllm-mlx": ("servers_python", ("--server", "vllm-mlx")),  # its system-prompt snapshots
     "vllm-mlx --prefix-trie-cache": (
         "servers_python",
         ("--server", "vllm-mlx", "--prefix-trie-cache"),
