@@ -139,13 +139,10 @@ def _cell(p: dict[str, Any] | None, key: str = "error") -> str:
 
 def section(r: dict[str, Any]) -> list[str]:
     """The RESULTS.md section."""
-    from report import table
+    from report import heading, table
 
     lines = [
-        "## ETA of a build (honest on long prefills)",
-        "",
-        __doc__.split("\n\n", 1)[1].strip(),
-        "",
+        *heading("ETA of a build (honest on long prefills)", __doc__),
     ]
     rows = [
         [x["model"], x["prefix"], f"{x['tokens']:,}", len(x["points"]), _cell(x["first"]),

@@ -164,13 +164,10 @@ def summarize(points: list[dict[str, Any]]) -> dict[str, Any]:
 
 def section(r: dict[str, Any]) -> list[str]:
     """The RESULTS.md section."""
-    from report import table
+    from report import heading, table
 
     lines = [
-        "## 6. Incremental builds (a sweep over the base length, default settings)",
-        "",
-        __doc__.split("\n\n", 1)[1].strip(),
-        "",
+        *heading("6. Incremental builds (a sweep over the base length, default settings)", __doc__),
         f"Seconds of the build call; children: median (min–max) of n = {r['reps']} builds from "
         "the same parent. 'fixed' is the build less its prefill (model load, parent, write and "
         "read back, checks, self-check). 'child/full' divides by the base's own build.",

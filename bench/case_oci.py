@@ -331,14 +331,11 @@ def summarize(reps: list[dict[str, Any]]) -> dict[str, Any]:
 
 def section(r: dict[str, Any]) -> list[str]:
     """The RESULTS.md section."""
-    from report import cell, table
+    from report import cell, heading, table
 
     gb = r["file_bytes"] / 1e9
     lines = [
-        "## Fleet distribution through an OCI registry (float32 model)",
-        "",
-        __doc__.split("\n\n", 1)[1].strip(),
-        "",
+        *heading("Fleet distribution through an OCI registry (float32 model)", __doc__),
         f"A {r['tokens']}-token bundle, cache file {gb:.2f} GB. Seconds, median (min–max). Phases "
         "of ours (in its process; blobs move 4 at a time, so 'transfer', 'hash', 'write' and "
         "'read' are sums over the threads and exceed the wall time): 'transfer' is the time in "

@@ -75,6 +75,12 @@ def cell(s: dict[str, float], fmt: str = "{:.3g}") -> str:
     return f"{fmt.format(s['median'])} ({fmt.format(s['min'])}–{fmt.format(s['max'])})"
 
 
+def heading(title: str, doc: str) -> list[str]:
+    """A case's RESULTS.md section opening: its title, then its module docstring past the first
+    paragraph (what the case measures)."""
+    return [f"## {title}", "", doc.split("\n\n", 1)[1].strip(), ""]
+
+
 def table(header: list[str], rows: list[list[Any]]) -> list[str]:
     """A markdown table."""
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
