@@ -12,6 +12,19 @@ from pipeline.testmodels.model import generate_model
 # Before any test module imports mlx: the tests' prefills run on OpenBLAS (see pipeline/blas.py).
 ensure_fast_blas()
 
+# --- This user's private cache folder (pipeline.format.memo) -------------------------------------
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache_folder(tmp_path_factory: pytest.TempPathFactory):
+    """The session's own sha256 memo, build record and cache-class table: no test reads or fills
+    the user's (~/.cache/mlx-prefix-bundles), so no run depends on what earlier runs left there.
+    Servers and builds the tests start inherit it."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PREFIX_BUNDLES_CACHE_DIR", str(tmp_path_factory.mktemp("user-cache")))
+        yield
+
+
 # --- Generated test models (pipeline.testmodels.model) -------------------------------------------------
 
 

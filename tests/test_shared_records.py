@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -163,6 +164,24 @@ def test_the_build_record_keeps_entries_written_beside_it(tmp_path: Path, monkey
     from pipeline.format.memo import load_table
 
     assert len(load_table(record_path())) == 120
+
+
+def test_a_full_build_record_forgets_its_oldest_entries_not_its_newest(tmp_path: Path, monkeypatch):
+    """At MAX_ENTRIES the record drops the entries recorded longest ago: a bundle just built stays
+    a proven parent whatever its manifest digest (a record kept in digest order dropped the
+    smallest digest, so a fresh bundle could be forgotten by the very next build)."""
+    from pipeline.builder.build_record import MAX_ENTRIES, built_here, record_built, record_path
+    from pipeline.format.memo import update_table
+
+    monkeypatch.setenv("PREFIX_BUNDLES_CACHE_DIR", str(tmp_path / "memo"))
+    update_table(record_path(), lambda t: {f"f{i:063x}": "0" * 64 for i in range(MAX_ENTRIES)})
+    built = lambda sha: SimpleNamespace(cache=SimpleNamespace(file_sha256=sha))  # noqa: E731
+    record_built("0" * 64, built("1" * 64))  # the smallest digest there is, recorded last
+    record_built("e" * 64, built("2" * 64))  # the next build
+    assert built_here("0" * 64, built("1" * 64)) and built_here("e" * 64, built("2" * 64))
+    assert not built_here(f"f{0:063x}", built("0" * 64))  # the oldest two went
+    assert not built_here(f"f{1:063x}", built("0" * 64))
+    assert built_here(f"f{2:063x}", built("0" * 64))
 
 
 def test_sign_waits_for_no_build_it_refuses_while_one_writes_the_bundle(

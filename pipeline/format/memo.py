@@ -122,7 +122,7 @@ def _store(memo: Path, table: dict[str, str]) -> None:
         tmp = memo.with_name(f".{memo.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as fh:
-            json.dump(table, fh, sort_keys=True)
+            json.dump(table, fh)  # in the table's order: the build record evicts its oldest first
         os.replace(tmp, memo)
     except OSError:
         pass
