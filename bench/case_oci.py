@@ -95,6 +95,15 @@ class Registry:
         blobs = self.storage / "docker/registry/v2/blobs"
         return sum(p.stat().st_size for p in blobs.rglob("data")) if blobs.exists() else 0
 
+    def cpu(self) -> float:
+        """CPU seconds the registry process has used so far (Linux /proc; 0.0 elsewhere)."""
+        try:
+            stat = Path(f"/proc/{self.process.pid}/stat").read_text()
+        except OSError:
+            return 0.0
+        fields = stat.rsplit(")", 1)[1].split()  # fields 14 and 15: utime, stime (all threads)
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         os.kill(self.process.pid, signal.SIGTERM)
         try:
@@ -110,10 +119,12 @@ class Registry:
 
 def worker(task: str, args: dict[str, Any]) -> dict[str, Any]:
     """One push or pull through pipeline.distribute, in this (fresh) process, with its phases."""
+    import resource
+
     from pipeline.distribute.meter import Meter
 
     meter = Meter()
-    start = time.perf_counter()
+    start, cpu0 = time.perf_counter(), time.process_time()
     if task == "push":
         from pipeline.distribute.oci_push import push_oci
         from pipeline.distribute.prehash import Prehash
@@ -121,7 +132,7 @@ def worker(task: str, args: dict[str, Any]) -> dict[str, Any]:
 
         prehash = Prehash([Path(args["bundle"])])  # as push does: block digests meanwhile
         try:
-            with meter.phase("validate"):  # push validates the bundle's integrity first
+            with meter.phase("validate", cpu=True):  # push validates the bundle's integrity first
                 checked = check_bundle(Path(args["bundle"]), trust_memo=True)  # as push does
             result = push_oci([checked], args["repo"], meter=meter, prehash=prehash)
         finally:
@@ -137,13 +148,25 @@ def worker(task: str, args: dict[str, Any]) -> dict[str, Any]:
             raise RuntimeError(f"pull published nothing: {result.refused or result.failed}")
         bundle_bytes = result.transfer.moved_bytes + result.transfer.reused_bytes
     t = result.transfer
+    used = resource.getrusage(resource.RUSAGE_SELF)
     return {
         "seconds": time.perf_counter() - start,
         "phases": meter.seconds,
+        "phase_cpu": meter.cpu,
+        "cpu_in_process": time.process_time() - cpu0,
+        "cpu_whole": used.ru_utime + used.ru_stime,  # interpreter start and bench imports too
         "moved_bytes": t.moved_bytes,
         "reused_bytes": t.reused_bytes,
         "bundle_bytes": bundle_bytes,
     }
+
+
+def children_cpu() -> float:
+    """CPU seconds (user + system) of this process's waited-for children so far."""
+    import resource
+
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
 
 
 def run_ours(task: str, args: dict[str, Any]) -> dict[str, Any]:
@@ -254,22 +277,34 @@ def one_rep(ctx: Context, rep: int, base: Path, digest: str) -> dict[str, Any]:
         for who in order:
             ctx.note(f"oci: rep {rep + 1}, {who}")
             if who == "curl":
-                out["curl_push"] = curl_push(reg, base / "cache.safetensors", digest)
+                push = metered(reg, curl_push, reg, base / "cache.safetensors", digest)
                 target = folder / "curl-download.safetensors"
-                out["curl_pull"] = curl_pull(reg, digest, target)
+                pull = metered(reg, curl_pull, reg, digest, target)
                 target.unlink()
+                for way, (seconds, cpu, registry_cpu) in (("push", push), ("pull", pull)):
+                    out[f"curl_{way}"] = seconds
+                    out[f"curl_{way}_cpu"] = {"client": cpu, "registry": registry_cpu}
                 continue
             before = reg.stored_bytes()
-            out["push"] = run_ours("push", {"bundle": str(base), "repo": reg.repo()})
+            push = metered(reg, run_ours, "push", {"bundle": str(base), "repo": reg.repo()})
             out["storage_growth"] = reg.stored_bytes() - before
             pulled = folder / "pulled"
             args = {"repo": reg.repo(), "model": str(MODEL_F32), "bundles": str(pulled)}
-            out["pull"] = run_ours("pull", {**args, "prefix": "oci-base"})
+            pull = metered(reg, run_ours, "pull", {**args, "prefix": "oci-base"})
             shutil.rmtree(pulled)
+            for way, (result, cpu, registry_cpu) in (("push", push), ("pull", pull)):
+                out[way] = {**result, "cpu": {"client": cpu, "registry": registry_cpu}}
         return out
     finally:
         reg.stop()
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def metered(reg: Registry, fn: Any, *args: Any) -> tuple[Any, float, float]:
+    """fn(*args), the CPU seconds of the processes it ran and waited for, and the registry's."""
+    c0, r0 = children_cpu(), reg.cpu()
+    out = fn(*args)
+    return out, children_cpu() - c0, reg.cpu() - r0
 
 
 def incremental_moves(ctx: Context, bundles: dict[str, Path]) -> dict[str, Any]:
@@ -306,6 +341,27 @@ def incremental_moves(ctx: Context, bundles: dict[str, Path]) -> dict[str, Any]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def cpu_summary(reps: list[dict[str, Any]], way: str) -> dict[str, Any]:
+    """CPU seconds of each side (the client's processes, the registry) and what the two cost
+    together spread over every core: the least wall time they could take side by side."""
+    cores = os.cpu_count() or 1
+    ours = [r[way]["cpu"] for r in reps]
+    curl = [r[f"curl_{way}_cpu"] for r in reps]
+    both = [o["client"] + o["registry"] for o in ours]
+    return {
+        "cores": cores,
+        "ours_client": stat([o["client"] for o in ours]).as_dict(),
+        "ours_registry": stat([o["registry"] for o in ours]).as_dict(),
+        "ours_validate": stat([r[way].get("phase_cpu", {}).get("validate", 0.0) for r in reps]).as_dict(),
+        "curl_client": stat([c["client"] for c in curl]).as_dict(),
+        "curl_registry": stat([c["registry"] for c in curl]).as_dict(),
+        "ours_floor_s": stat([b / cores for b in both]).as_dict(),
+        "cpu_ratio": stat(
+            [b / (c["client"] + c["registry"]) for b, c in zip(both, curl, strict=True)]
+        ).as_dict(),
+    }  # fmt: skip
+
+
 def summarize(reps: list[dict[str, Any]]) -> dict[str, Any]:
     s: dict[str, Any] = {}
     for way in ("push", "pull"):
@@ -320,6 +376,7 @@ def summarize(reps: list[dict[str, Any]]) -> dict[str, Any]:
             "ratio": ratio(ours.median, curl.median),
             "ratio_per_rep": stat(per_rep).as_dict(),
             "phases": {p: stat([r[way]["phases"].get(p, 0.0) for r in reps]).as_dict() for p in phases},
+            "cpu": cpu_summary(reps, way),
         }  # fmt: skip
     growth = [r["storage_growth"] / r["push"]["moved_bytes"] - 1 for r in reps]
     s["storage_growth_error"] = max(growth, key=abs)
@@ -359,9 +416,9 @@ def section(r: dict[str, Any]) -> list[str]:
         )  # fmt: skip
     header = ["way", "curl s", "ours s (process)", "ours s (in process)", "ours / curl",
               "per repetition", "ours: phases (s)", "n"]  # fmt: skip
-    lines += table(header, rows)
+    lines += table(header, rows) + cpu_lines(r)
     err = r["summary"]["storage_growth_error"]
-    lines += ["", f"Registry storage growth vs bytes the push reported moving: {err:+.2%}.", ""]
+    lines += [f"Registry storage growth vs bytes the push reported moving: {err:+.2%}.", ""]
     moves = r["moves"]
     rows = [
         [name, f"{m['shared_tokens']:,}", f"{m['bundle_bytes'] / 1e6:,.1f}",
@@ -373,6 +430,35 @@ def section(r: dict[str, Any]) -> list[str]:
     header = ["after the base", "shared tokens", "MB", "push moved / bytes",
               "pull moved / bytes", "goal", "storage growth vs moved", "push s", "pull s"]  # fmt: skip
     return lines + table(header, rows)
+
+
+def cpu_lines(r: dict[str, Any]) -> list[str]:
+    """The CPU table: what each side costs, whatever else the machine runs meanwhile."""
+    from report import cell, table
+
+    if "cpu" not in r["summary"]["push"]:  # a run from before the case measured CPU
+        return []
+    rows = []
+    for way in ("push", "pull"):
+        c = r["summary"][way]["cpu"]
+        rows.append(
+            [way, cell(c["curl_client"]), cell(c["curl_registry"]), cell(c["ours_client"]),
+             cell(c["ours_validate"]), cell(c["ours_registry"]), cell(c["cpu_ratio"], "{:.2f}"),
+             cell(c["ours_floor_s"])]
+        )  # fmt: skip
+    cores = r["summary"]["push"]["cpu"]["cores"]
+    header = ["way", "curl: client CPU s", "curl: registry CPU s", "ours: client CPU s",
+              "ours: in its validate phase", "ours: registry CPU s", "CPU ours / curl",
+              f"ours: CPU / {cores} cores (least wall s)"]  # fmt: skip
+    return [
+        "CPU seconds, median (min–max): the client's processes (curl's; ours, interpreter start "
+        "included) and the registry's (from /proc); 'in its validate phase' is the whole process's "
+        "CPU meanwhile (push hashes its blocks on other threads then). CPU depends little on what "
+        "else runs; wall time does. Ours cannot take less wall time than its CPU and the "
+        "registry's spread over every core.",
+        "",
+        *table(header, rows),
+    ]
 
 
 def targets(r: dict[str, Any]) -> list[dict[str, Any]]:

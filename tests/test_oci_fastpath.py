@@ -227,3 +227,41 @@ def test_block_digests_computed_ahead_are_the_blocks_and_a_changed_file_gets_non
         assert ahead.digest(cache, plan, 0) is None
     finally:
         ahead.close()
+
+
+def test_plain_http_needs_no_httpx(tmp_path: Path):
+    """A plain-HTTP registry is served without importing httpx (its import cost a pull's start
+    ~30-45 ms): a blob GET, a Location resolved against its request and a repeated challenge
+    header, in a fresh process."""
+
+    class Front(Quiet):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("content-length", str(len(BLOB)))
+            self.send_header("WWW-Authenticate", 'Basic realm="a"')
+            self.send_header("www-authenticate", 'Bearer realm="b"')
+            self.send_header("Location", "../uploads/1?_state=x")
+            self.end_headers()
+            self.wfile.write(BLOB)
+
+    with serving(Front) as front:
+        code = (
+            "import sys\n"
+            "from pipeline.distribute.oci import Registry, parse_repo\n"
+            f"c = Registry(parse_repo('oci://{front}/fleet/bundles'))\n"
+            f"assert c.get_blob({DIGEST!r}, {len(BLOB)}) == bytes(range(256)) * 4096\n"
+            "r = c.request('GET', c.base + '/blobs/x/y', 'asking', (200,))\n"
+            "print(c._location(r))\n"
+            "print(r.headers.get('Www-Authenticate'))\n"
+            "print(sorted(m for m in ('httpx', 'httpx2') if m in sys.modules))\n"
+        )
+        env = {"PREFIX_BUNDLES_CACHE_DIR": str(tmp_path / "memo"), "PATH": "/usr/bin:/bin"}
+        out = subprocess.run(
+            [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True
+        )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        f"http://{front}/v2/fleet/bundles/blobs/uploads/1?_state=x",
+        'Basic realm="a", Bearer realm="b"',
+        "[]",
+    ]

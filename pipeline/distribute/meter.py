@@ -21,6 +21,7 @@ class Meter:
         self.report = report
         self.lock = threading.Lock()
         self.seconds: dict[str, float] = {}
+        self.cpu: dict[str, float] = {}  # process CPU seconds in phases timed with cpu=True
         self.label, self.total, self.done, self.reused, self.started = "", 0, 0, 0, 0.0
 
     def start(self, label: str, total: int) -> None:
@@ -45,12 +46,16 @@ class Meter:
             self.report(self.label, self.done, self.total, self.reused, elapsed)
 
     @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        """Add the time spent inside to `seconds[name]`."""
-        t0 = time.perf_counter()
+    def phase(self, name: str, cpu: bool = False) -> Iterator[None]:
+        """Add the time spent inside to `seconds[name]`; with `cpu`, the process's CPU time
+        meanwhile to `cpu[name]` (all its threads: exact for a phase that runs alone)."""
+        t0, c0 = time.perf_counter(), time.process_time() if cpu else 0.0
         try:
             yield
         finally:
             spent = time.perf_counter() - t0
+            used = time.process_time() - c0 if cpu else 0.0
             with self.lock:
                 self.seconds[name] = self.seconds.get(name, 0.0) + spent
+                if cpu:
+                    self.cpu[name] = self.cpu.get(name, 0.0) + used

@@ -20,7 +20,7 @@ from typing import Any
 
 from pipeline.distribute.meter import Meter
 from pipeline.distribute.oci_auth import Challenge, auth_header, credentials
-from pipeline.distribute.oci_http import httpx
+from pipeline.distribute.oci_http import lib
 from pipeline.distribute.oci_plain import CHUNK, Body, PlainHTTP, Unserved, usable
 from pipeline.distribute.oci_plain import Response as PlainResponse
 from pipeline.format.errors import PipelineError
@@ -100,6 +100,7 @@ class Registry:
     @property
     def client(self) -> Any:
         if self._client is None:
+            httpx = lib()
             timeout = httpx.Timeout(60.0, connect=10.0)
             self._client = httpx.Client(verify=self.verify, timeout=timeout)
         return self._client
@@ -131,7 +132,7 @@ class Registry:
                 if r.status_code == 401 and self._authorize(r, doing):
                     r.close()
                     r = self._once(method, url, extra, stream, kw)
-            except httpx.TransportError as exc:
+            except lib().TransportError as exc:
                 last = f"{exc.__class__.__name__}: {' '.join(str(exc).split())[:120]}"
                 continue
             if r.status_code != 429 and r.status_code < 500:
@@ -244,7 +245,7 @@ class Registry:
                         sink(chunk)
                     n += len(chunk)
                 break
-            except httpx.TransportError:
+            except lib().TransportError:
                 if attempt == RETRIES - 1:
                     raise PipelineError(
                         f"registry {self.ref.host}: {doing} failed after {RETRIES} tries (the "
@@ -374,7 +375,7 @@ class Registry:
                 n += len(chunk)
                 if n > cap:
                     return b"", True
-        except httpx.TransportError as exc:
+        except lib().TransportError as exc:
             raise PipelineError(
                 f"registry {self.ref.host}: {doing} failed (the connection broke: "
                 f"{exc.__class__.__name__}); retry: nothing was published"

@@ -7,7 +7,8 @@ socket filling a 1 MiB buffer with recv_into, views of it handed on), and import
 (which imports trio) ~0.1 s more per process. This transport serves plain-HTTP registries with
 no proxy set in the environment, on keep-alive connections shared by the threads that move
 blobs; TLS, proxies and a blob redirected to another scheme stay with httpx (the same trust store
-and proxy rules as before). Transport errors are raised as httpx's, so retries see one kind.
+and proxy rules as before). Transport errors are raised as httpx's (imported only then), so retries
+see one kind.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 from urllib.parse import urlencode, urljoin, urlsplit
 
-from pipeline.distribute.oci_http import httpx
+from pipeline.distribute.oci_http import lib
 
 CHUNK = 1 << 20
 MAX_REDIRECTS = 5
@@ -38,15 +39,39 @@ def usable(base_url: str) -> bool:
     return base_url.startswith("http://") and not any(os.environ.get(v) for v in PROXY_VARS)
 
 
+class URL(str):
+    """A response's URL: `join` resolves a reference (a Location, a Link) against it."""
+
+    def join(self, reference: str) -> URL:
+        return URL(urljoin(self, reference))
+
+
+class Headers(dict):
+    """Response headers by lower-case name (a repeated header's values joined with ", ", as
+    httpx does); `get` and `[]` take any case."""
+
+    def __init__(self, pairs: list[tuple[str, str]]) -> None:
+        super().__init__()
+        for k, v in pairs:
+            k = k.lower()
+            super().__setitem__(k, f"{super().__getitem__(k)}, {v}" if k in self else v)
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return super().get(name.lower(), default)
+
+    def __getitem__(self, name: str) -> str:
+        return super().__getitem__(name.lower())
+
+
 class Response:
     """Status and headers of one response; its body read whole, in pieces, or into a buffer.
     Closing it hands its connection back for the next request when the body was read to its end."""
 
     def __init__(self, owner: PlainHTTP, conn: Any, raw: http.client.HTTPResponse, url: str):
         self.owner, self.conn, self.raw = owner, conn, raw
-        self.url = httpx.URL(url)
+        self.url = URL(url)
         self.status_code = raw.status
-        self.headers = httpx.Headers(raw.getheaders())
+        self.headers = Headers(raw.getheaders())
         self._body: bytes | None = None
 
     def read(self) -> bytes:
@@ -153,10 +178,10 @@ class PlainHTTP:
             except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError) as e:
                 conn.close()
                 if not was_idle:
-                    raise httpx.ReadError(f"{e.__class__.__name__}: {e}") from None
+                    raise lib().ReadError(f"{e.__class__.__name__}: {e}") from None
             except (OSError, http.client.HTTPException) as e:
                 conn.close()
-                raise httpx.ConnectError(f"{e.__class__.__name__}: {e}") from None
+                raise lib().ConnectError(f"{e.__class__.__name__}: {e}") from None
         raise AssertionError("unreachable")
 
     def _take(self, host: str, reused: bool) -> tuple[http.client.HTTPConnection, bool]:
@@ -178,4 +203,4 @@ def _transport(fn: Any, *args: Any) -> Any:
     try:
         return fn(*args)
     except (OSError, http.client.HTTPException) as e:
-        raise httpx.ReadError(f"{e.__class__.__name__}: {e}") from None
+        raise lib().ReadError(f"{e.__class__.__name__}: {e}") from None

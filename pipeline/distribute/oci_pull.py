@@ -108,7 +108,7 @@ def pull_oci(
                 for path, digest in result.digests.items():
                     resume.keep(digest, staging / path / CACHE_FILE)
                 raise
-            with meter.phase("validate"):  # the one validator, then the atomic publish
+            with meter.phase("validate", cpu=True):  # the one validator, then the atomic publish
                 # it checks each rebuilt cache file against the BLAKE3 manifest.json pins,
                 # in its own read of the staged file (trust_memo: no second, sha256 pass)
                 publish_staged(result, chosen, staging, identity, tuple(trusted_keys), True)
