@@ -60,6 +60,7 @@ from pipeline.format.fingerprint import (
     FileDigests,
     ModelIdentity,
     canonical_json,
+    folder_state,
     sha256_bytes,
 )
 from pipeline.format.lockfile import Lockfile
@@ -79,8 +80,8 @@ from pipeline.format.manifest import (
     manifest_bytes,
 )
 from pipeline.format.secret_key import SecretKey
+from pipeline.format.served_identity import changed_message, settled_identity
 from pipeline.format.validate import validate
-from pipeline.runtime.mount import identity_for
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,8 @@ def build(
     before the bundle is published (an up-to-date bundle is signed in place); trusted_keys: a
     parent must carry a valid signature by one of them."""
     d = target.definition
-    identity = identity_for(target.model_dir)  # with the cache state its architecture builds
+    # with the cache state its architecture builds; the folder's state proves the load read these
+    identity, state = settled_identity(target.model_dir)
     if target.expected_fingerprint and target.expected_fingerprint != identity.model:
         raise ModelError(
             f"model {target.model_dir}: fingerprint {identity.model[:12]}.. differs from the "
@@ -218,7 +220,9 @@ def build(
     current = None if force else existing_manifest(dest, identity)
     reuse = parent if parent is not None else incremental
     job = Job(target, identity, rendered, builder, key, dest, check, progress, reuse, sign_key)
-    job = dataclasses.replace(job, trusted_keys=tuple(trusted_keys), parent_check=parent_check)
+    job = dataclasses.replace(
+        job, trusted_keys=tuple(trusted_keys), parent_check=parent_check, state=state
+    )
     up_to_date = current is not None and current.build_key == key
     # --full asks for a bundle that owes no parent anything: a child is not that
     up_to_date = up_to_date and not (reuse is False and current.parent is not None)
@@ -256,6 +260,7 @@ class Job:
     sign_key: SecretKey | None = None  # sign before publishing (pipeline.builder.signing)
     trusted_keys: tuple = ()  # a parent must be signed by one of these (incremental.Wanted)
     parent_check: str = "proven"  # a parent neither signed nor built here (incremental.Wanted)
+    state: tuple[str, ...] = ()  # the model folder as fingerprinted (fingerprint.folder_state)
 
 
 def _signed_already(job: Job) -> bool:
@@ -400,6 +405,11 @@ def _produce(job: Job, bundles_root: Path, tmp: Path) -> tuple[Manifest, dict[st
     began = time.perf_counter()
     validate(tmp, job.identity, trust_memo=True)
     report["self_check_seconds"] = round(time.perf_counter() - began, 4)  # not in the file
+    if folder_state(job.target.model_dir) != job.state:  # a load read other bytes than hashed
+        raise ModelError(
+            f"{changed_message(job.target.model_dir, 'during the build')}: nothing was written; "
+            "build again once the folder is settled"
+        )
     return manifest, report
 
 

@@ -122,6 +122,22 @@ def weight_files(model_dir: Path) -> list[Path]:
     return sorted(p for p in Path(model_dir).glob("*.safetensors") if p.is_file())
 
 
+def folder_state(model_dir: Path) -> tuple[str, ...]:
+    """The stat key (pipeline.format.memo) of every file the fingerprints read: config.json, the
+    weights, the tokenizer and template files. The same state later means none of them was
+    replaced, edited, added or removed in between (a deploy renaming new weights in changes the
+    inode and ctime); a server that loaded the model in between loaded these bytes."""
+    names = ("config.json", "chat_template.jinja", *TOKENIZER_FILES)
+    paths = [Path(model_dir) / n for n in names] + weight_files(model_dir)
+    state = []
+    for path in paths:
+        try:
+            state.append(memo.stat_key(path))
+        except OSError:
+            state.append(f"{path}|absent")
+    return tuple(state)
+
+
 def check_model_folder(model_dir: Path) -> None:
     """ModelError naming the --model folder when it does not exist or is not a folder."""
     if not Path(model_dir).is_dir():

@@ -25,7 +25,14 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.format import cache_state, memo
-from pipeline.format.fingerprint import ModelIdentity, canonical_json, model_config, model_identity
+from pipeline.format.errors import ModelError
+from pipeline.format.fingerprint import (
+    ModelIdentity,
+    canonical_json,
+    folder_state,
+    model_config,
+    model_identity,
+)
 
 TABLE = "cache-classes-memo.json"
 KEY_SCHEMA = "cache-classes/1"
@@ -44,6 +51,30 @@ def identity_for(model_dir: Path, chat_template: str | None = None) -> ModelIden
         config_json=canonical_json(config).decode(),
     )
     return dataclasses.replace(identity, shape=shape)
+
+
+def settled_identity(
+    model_dir: Path, chat_template: str | None = None
+) -> tuple[ModelIdentity, tuple[str, ...]]:
+    """identity_for, and the folder state it was read in (fingerprint.folder_state), for a caller
+    that loads the model after: the same state after the load proves the load read the bytes the
+    identity is of. ModelError when a file the fingerprints read changed while they were read."""
+    before = folder_state(Path(model_dir))
+    identity = identity_for(model_dir, chat_template)
+    if folder_state(Path(model_dir)) != before:
+        raise ModelError(
+            f"{changed_message(model_dir, 'while it was fingerprinted')}; run it again once the "
+            "folder is settled"
+        )
+    return identity, before
+
+
+def changed_message(model_dir: Path, when: str) -> str:
+    """The one line for a model folder whose files changed under a reader."""
+    return (
+        f"model folder {model_dir}: a file the fingerprints read (config, weights, tokenizer or "
+        f"template) was replaced or edited {when}"
+    )
 
 
 def cache_classes(config: dict[str, Any]) -> tuple[str, ...] | None:

@@ -132,6 +132,7 @@ def mount(
     verify_full: bool = False,
     versions: dict[str, int] | None = None,
     trusted_keys: Sequence[PublicKey] = (),
+    identity: ModelIdentity | None = None,
 ) -> MountResult:
     """Mount the newest version of every bundle found for the served model; refuse bad ones.
 
@@ -144,10 +145,11 @@ def mount(
     {prefix name: version} (from a lockfile) instead of the newest, and mounts no other prefix.
     With trusted_keys every bundle must carry a valid signature by one of them (the version rules
     then apply to signed manifests, so an older signed version copied back stays unmounted).
+    `identity`: the served model's, when the caller read it already (serve: the weights it runs).
     """
     start = time.perf_counter()
     result = MountResult()
-    identity = identity_for(model_dir, chat_template)
+    identity = identity or identity_for(model_dir, chat_template)
     bundles = model_bundles_dir(model_dir) if bundles is None else bundles
     paths = [Path(b) for b in bundles] if isinstance(bundles, list) else []
     if not isinstance(bundles, list):

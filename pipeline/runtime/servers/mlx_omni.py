@@ -119,19 +119,19 @@ def pinned_pool_class(mounted: Mounted, snapshots: Any = None) -> type:
             if model_folder(model_key) != folder:
                 return super().get_cache(prompt_tokens, model_key)
             self._evict_expired()
+            shelf = snapshots if mounted.loaded_as_fingerprinted() else None  # (bundles unpinned)
             ours = [e.cache for e in self._entries if e.cache.model_key == model_key]
-            held = {id(c) for c in ours if not entry_usable(mounted, c, prompt_tokens, snapshots)}
+            held = {id(c) for c in ours if not entry_usable(mounted, c, prompt_tokens, shelf)}
             usable = [c.tokens for c in ours if id(c) not in held]
             own = max((common_prefix_len(t, prompt_tokens) for t in usable), default=0)
             hit = mounted.manager.fetch(BUNDLE_KEY, prompt_tokens)
             better = max(own, hit.cache_hit_tokens)  # a snapshot answers only where it covers more
-            found, keep, _ = snapshot_answer(snapshots, prompt_tokens, better, SERVER)
+            found, keep, _ = snapshot_answer(shelf, prompt_tokens, better, SERVER)
             if found is None and log_request(SERVER, hit, len(prompt_tokens), own):
                 found, keep = hit.cache, hit.cache_hit_tokens
             if found is not None:  # a checkout omni extends by the rest of the prompt, then returns
                 return PromptCache(list(prompt_tokens[:keep]), found, model_key)
-            # omni's own checkout over the entries the rule allows (the others stay in the pool)
-            kept = self._entries
+            kept = self._entries  # omni's own checkout over the entries the rule allows
             self._entries = [e for e in kept if id(e.cache) not in held]
             try:
                 return super().get_cache(prompt_tokens, model_key)

@@ -24,7 +24,9 @@ from typing import Any
 
 from pipeline.format.compat import SUPPORTED_RANGE, installed_mlx_lm, mlx_lm_supported
 from pipeline.format.errors import PipelineError
+from pipeline.format.fingerprint import ModelIdentity, folder_state
 from pipeline.format.lockfile import locked_versions
+from pipeline.format.served_identity import changed_message, settled_identity
 from pipeline.format.signature import read_trusted_keys
 from pipeline.runtime.hugepages import ensure_huge_pages
 from pipeline.runtime.lookup import Fetch, log_request, lookup_source
@@ -69,6 +71,30 @@ class Mounted:
     strict: bool = False  # --strict: a bundle the server will not reuse whole is refused
     # {bundle name: tokens the server's request code keeps}, as check_tokenization found
     reusable: dict[str, int] = field(default_factory=dict)
+    # the model folder's files as fingerprinted (fingerprint.folder_state); None: not checked
+    state: tuple[str, ...] | None = None
+    _loaded: list[bool] = field(default_factory=list, repr=False)  # [verdict] once checked
+    _checking: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def loaded_as_fingerprinted(self) -> bool:
+        """Whether the server runs the weights the bundles were checked against, asked at its
+        first lookup (its model is loaded by then): the files the fingerprints read are as they
+        were when read. When not (a deploy swapped the weights while serve started), what the
+        server loaded is unknown: every bundle is unpinned, no snapshot is served or saved, one
+        ERROR line says so, and the server answers from its own entries only (cold, not wrong)."""
+        with self._checking:
+            if not self._loaded:
+                fine = self.state is None or folder_state(self.model) == self.state
+                self._loaded.append(fine)
+                if not fine:
+                    for b in list(self.result.bundles):
+                        self.manager.unpin(BUNDLE_KEY, b.name)
+                    self.result.bundles.clear()
+                    log.error(
+                        "%s: no bundle or snapshot is served or saved by this process; restart "
+                        "serve", changed_message(self.model, "after serve fingerprinted it"),
+                    )  # fmt: skip
+            return self._loaded[0]
 
     def covered(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of a request the best pinned bundle can serve (no copy)."""
@@ -87,6 +113,8 @@ class Mounted:
         """The one rule for a request, as every hook's cache subclass asks it: the server's own
         fetch `own`, the restored `snapshots` (`answered(name)` told when one answers) and the
         pinned bundles (`bundles=False`: not them); (cache, tokens left, from a bundle)."""
+        if not self.loaded_as_fingerprinted():
+            snapshots, bundles = None, False
         fetch = with_snapshots(own, snapshots, self.covered, server, answered)
         return lookup_source(server, self.manager, BUNDLE_KEY, tokens, fetch, batched, bundles)
 
@@ -144,14 +172,23 @@ def serve(hook: ServerHook, options: ServeOptions) -> int:
     if snapshots is None:
         return hook.launch(mounted, options)
     if every is not None:  # saved from the hook's `tick` on the thread that owns the entries
-        snapshots.save_every(every, lambda: hook.entries(mounted, snapshots), mounted.covered)
+        snapshots.save_every(every, lambda: listed(hook, mounted, snapshots), mounted.covered)
     try:
         code = hook.launch(mounted, options)
     except KeyboardInterrupt:  # SIGTERM/SIGINT as re-raised by uvicorn after its graceful stop
         code = 0
     snapshots.stop_saving()  # a periodic save under way ends first; none starts after
-    snapshots.save(hook.entries(mounted, snapshots), mounted.covered)  # the server has stopped
+    if mounted.loaded_as_fingerprinted():  # else what the server ran is unknown: nothing saved
+        snapshots.save(hook.entries(mounted, snapshots), mounted.covered)  # the server stopped
     return code
+
+
+def listed(hook: ServerHook, mounted: Mounted, snapshots: Any) -> list[Any]:
+    """The entries a periodic save writes; PipelineError (the save is skipped, the previous set
+    stays) when what the server loaded is unknown (Mounted.loaded_as_fingerprinted)."""
+    if not mounted.loaded_as_fingerprinted():
+        raise PipelineError("the model folder changed under serve: nothing is saved")
+    return hook.entries(mounted, snapshots)
 
 
 def try_it(hook: ServerHook, options: ServeOptions) -> str:
@@ -206,12 +243,15 @@ def mount_for(
     check_mlx_lm()
     manager = PromptCacheManager()
     read_options = mount_options(options, chat_template)
+    # the weights the server will load: every mount (remounts too) checks bundles against these
+    identity, state = settled_identity(options.model, chat_template)
     result = mount(
         options.model,
         options.bundles,
         skip_refused=not options.strict,
         manager=manager,
         model_key=BUNDLE_KEY,
+        identity=identity,
         **read_options(),
     )
     if unusable is not None:
@@ -225,8 +265,9 @@ def mount_for(
             f"--strict: no bundle for {options.model} was found in {options.bundles}"
         )
     if live:
-        live_remount(options, result, manager, read_options, unusable or (lambda b: None))
-    return Mounted(options.model, manager, result, chat_template, options.strict)
+        served = (identity, state)
+        live_remount(options, result, manager, read_options, unusable or (lambda b: None), served)
+    return Mounted(options.model, manager, result, chat_template, options.strict, state=state)
 
 
 def check_tokenization(hook: ServerHook, mounted: Mounted) -> dict[str, int]:
@@ -340,17 +381,17 @@ def live_remount(
     manager: PromptCacheManager,
     options: Callable[[], dict],
     unusable: Callable[[MountedBundle], str | None],
+    served: tuple[ModelIdentity, tuple[str, ...]],
 ) -> None:
     """A new bundle version goes live without a restart: SIGHUP re-reads the bundles (`kill
-    -HUP <pid>` after a deploy) with startup's rules and options, in a thread of its own so the
+    -HUP <pid>` after a deploy) with startup's rules and options, against the weights the server
+    runs (`served`: its identity and folder state at startup), in a thread of its own so the
     server goes on answering, one log line per change, a failure logged and never fatal (only
     the main thread can install the handler); with --admin-port, POST /v1/bundles/remount on
     the loopback interface does the same and answers with a JSON report (pipeline.runtime.admin)."""
     from pipeline.runtime.admin import read_token, start_admin
 
-    def reload() -> MountResult:
-        return mount(serve_options.model, serve_options.bundles, skip_refused=True, **options())
-
+    reload = remount_read(serve_options, options, served)
     remounter = Remounter(result, manager, BUNDLE_KEY, reload, unusable)
     if serve_options.admin_port is not None:
         token = read_token(serve_options.admin_token_file)
@@ -367,6 +408,29 @@ def live_remount(
 
     if hasattr(signal, "SIGHUP") and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGHUP, on_hangup)
+
+
+def remount_read(
+    serve_options: ServeOptions,
+    options: Callable[[], dict],
+    served: tuple[ModelIdentity, tuple[str, ...]],
+) -> Callable[[], MountResult]:
+    """A remount's read of the bundles: startup's rules and options (read afresh), checked
+    against the weights the server runs (`served`), never the folder's newer ones; a WARNING on
+    each remount once the folder's files changed since startup."""
+    identity, state = served
+
+    def read() -> MountResult:
+        if folder_state(serve_options.model) != state:
+            log.warning(
+                "remount: %s; bundles are checked against the weights this server runs (built "
+                "for the new ones, they are refused): restart serve to serve the new weights",
+                changed_message(serve_options.model, "since serve started"),
+            )
+        model, bundles = serve_options.model, serve_options.bundles
+        return mount(model, bundles, skip_refused=True, identity=identity, **options())
+
+    return read
 
 
 def stop_serve() -> None:
