@@ -16,7 +16,7 @@ from test_incremental import MORE, define, run_build
 
 from pipeline.builder.kernels import kernels
 from pipeline.format.bundle_folder import CACHE_FILE, MANIFEST_FILE, SUMS_FILE
-from pipeline.format.errors import BundleError
+from pipeline.format.errors import BuildError, BundleError
 from pipeline.format.fingerprint import model_identity, sha256_file
 from pipeline.format.validate import validate
 from pipeline.runtime import mount
@@ -201,3 +201,47 @@ def test_kernels_name_the_device_the_mlx_build_and_the_blas():
     assert line.startswith(("cpu ", "gpu "))
     assert "mlx " in line and "libmlx " in line and "; blas " in line
     assert "OpenBLAS" in line  # conftest loads it before mlx
+
+
+def test_a_bundle_is_not_its_own_parent(tmp_path: Path, tiny_model: Path):
+    """--parent naming the bundle the build writes (a forced rebuild) is refused: its manifest
+    would name itself as parent, pinning a digest that the build replaces."""
+    root = tmp_path / "project"
+    define(root, tiny_model)
+    old = run_build(root)
+    with pytest.raises(BuildError, match=r"that is the bundle this build writes"):
+        run_build(root, force=True, parent=old.bundle)
+    os.symlink(old.bundle, root / "link-to-it")
+    with pytest.raises(BuildError, match=r"that is the bundle this build writes"):
+        run_build(root, force=True, parent=root / "link-to-it")
+
+
+def test_a_parent_passed_through_a_link_is_recorded_by_its_own_folder(
+    tmp_path: Path, tiny_model: Path
+):
+    """The manifest records the parent's real folder, where a later step (signing) finds it."""
+    root = tmp_path / "project"
+    define(root, tiny_model)
+    old = run_build(root)
+    os.symlink(old.bundle, tmp_path / "parentlink")
+    define(root, tiny_model, version=2, system=SYSTEM + MORE)
+    child = run_build(root, parent=tmp_path / "parentlink")
+    assert child.manifest.parent.folder == old.bundle.name
+
+
+def test_a_private_cache_folder_reached_through_a_link_keeps_the_build_record(
+    tmp_path: Path, tiny_model: Path, monkeypatch
+):
+    """PREFIX_BUNDLES_CACHE_DIR may be a link to this user's private folder: the record is read
+    and written there (it was ignored without a word, so every parent was refused)."""
+    (tmp_path / "real").mkdir(mode=0o700)
+    os.symlink(tmp_path / "real", tmp_path / "cachelink")
+    monkeypatch.setenv("PREFIX_BUNDLES_CACHE_DIR", str(tmp_path / "cachelink"))
+    root = tmp_path / "project"
+    define(root, tiny_model)
+    run_build(root)
+    define(root, tiny_model, version=2, system=SYSTEM + MORE)
+    child = run_build(root)
+    assert child.manifest.parent is not None
+    assert child.manifest.parent.checked.startswith("built by this builder")
+    assert (tmp_path / "real" / "built-caches.json").is_file()

@@ -207,6 +207,7 @@ def build(
         )
     if parent is not None and not parent.is_dir():
         raise BuildError(f"--parent {parent}: no such bundle folder; pass a bundle's folder")
+    parent = parent.resolve() if parent is not None else None  # recorded by its real folder
     check_version(d, bundles_root, lock or Lockfile())
     check_group_size(d, identity.shape.head_dim)
     rendered = render_prefix(d, target.model_dir)
@@ -217,6 +218,11 @@ def build(
     builder = builder_info(d.spec.cache.compute_dtype)
     key = build_key(target, identity, rendered, builder)
     dest = bundle_path(bundles_root, d.name, d.version, target.slug, identity.model)
+    if parent is not None and parent == dest.resolve():
+        raise BuildError(
+            f"--parent {parent}: that is the bundle this build writes; pass the bundle it "
+            "continues (an older version or another prefix), or drop --parent"
+        )
     current = None if force else existing_manifest(dest, identity)
     reuse = parent if parent is not None else incremental
     job = Job(target, identity, rendered, builder, key, dest, check, progress, reuse, sign_key)

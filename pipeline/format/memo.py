@@ -47,9 +47,10 @@ def open_key(real: str, st: os.stat_result) -> str:
 
 
 def _private(path: Path, want_dir: bool) -> bool:
-    """Owned by this user, of the right kind, and not readable or writable by anyone else."""
+    """Owned by this user, of the right kind, and not readable or writable by anyone else (a
+    folder reached through a link is judged as the folder it leads to; a file never is one)."""
     try:
-        st = os.lstat(path)
+        st = os.stat(path) if want_dir else os.lstat(path)
     except OSError:
         return False
     kind_ok = stat.S_ISDIR(st.st_mode) if want_dir else stat.S_ISREG(st.st_mode)
@@ -115,7 +116,7 @@ def _load(memo: Path, values: re.Pattern[str] = _HEX64) -> dict[str, str]:
 def _store(memo: Path, table: dict[str, str]) -> None:
     try:  # best effort: a read-only home only costs a re-hash next time
         memo.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if os.lstat(memo.parent).st_uid == os.geteuid():
+        if os.stat(memo.parent).st_uid == os.geteuid():
             os.chmod(memo.parent, 0o700)
         if not _private(memo.parent, want_dir=True):
             return
