@@ -126,8 +126,10 @@ def test_a_failed_periodic_save_keeps_the_previous_set_and_never_raises(
     with caplog.at_level(logging.INFO, logger="prefix-bundles"):
         assert snaps.tick() == 2  # the server's thread goes on
     assert (
-        "snapshots: periodic save failed (OSError: [Errno 28] No space left on device); the "
-        "previous set stays, the next save is due in 0 min"
+        f"snapshots: periodic save failed: the new set was not saved under {set1.parent} "
+        "(OSError: [Errno 28] No space left on device: the disk is full or cannot be written); "
+        f"the previous set {set1} stays; free space there or lower --snapshot-budget; the next "
+        "save is due in 0 min"
     ) in caplog.text
     assert sorted(p.name for p in (tmp_path / "snaps").iterdir()) == [".lock", "set-1"]
     after = {p.relative_to(set1): p.read_bytes() for p in set1.rglob("*") if p.is_file()}

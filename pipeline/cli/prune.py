@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
+import stat
 from pathlib import Path
 
-from pipeline.cli.common import add_json_option, emit, err, error_text, plural
+from pipeline.cli.common import add_json_option, emit, err, error_text, plural, warn
 from pipeline.cli.reports import KeptFolder, PrunedFolder, PruneReport, PruneTotals
 from pipeline.format.errors import PipelineError
 from pipeline.format.names import parse_version
@@ -82,12 +84,13 @@ def _snapshots(args: argparse.Namespace) -> int:
 
     if args.json:
         raise PipelineError("--json does not apply to prune --snapshots; leave it out")
-    if not args.snapshots.is_dir():
-        raise PipelineError(f"--snapshots {args.snapshots}: no such folder; pass serve's DIR")
-    folder = SnapshotFolder(args.snapshots)  # its lock: refused while a serve process holds it
-    try:
+    # DIR is never made here, and a dry run changes nothing (no lock file is made)
+    folder = SnapshotFolder(args.snapshots, create=False, listing=not args.apply)
+    try:  # its lock: refused while a serve process holds it
+        for line in folder.strays():
+            warn(line)
         sets = [path for _, path in folder.sets()]
-        size = sum(f.stat().st_size for s in sets for f in s.rglob("*") if f.is_file())
+        size = sum(_bytes(s) for s in sets)
         if not args.apply:
             for path in sets:
                 print(f"would delete {path}")
@@ -98,6 +101,16 @@ def _snapshots(args: argparse.Namespace) -> int:
         return 0
     finally:
         folder.close()
+
+
+def _bytes(folder: Path) -> int:
+    """The bytes of the regular files under `folder`, no link followed."""
+    return sum(
+        st.st_size
+        for top, _, names in os.walk(folder)
+        for name in names
+        if stat.S_ISREG((st := os.lstat(os.path.join(top, name))).st_mode)
+    )
 
 
 def _folder(candidate, args: argparse.Namespace) -> PrunedFolder:

@@ -14,7 +14,9 @@ removed at the next start or save, so a half-written set is never read.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import itertools
 import os
 import platform
 import re
@@ -59,6 +61,7 @@ from pipeline.runtime.prompt_cache import fork_cache
 
 LOCK_FILE = ".lock"
 SET_NAME = re.compile(r"^set-([1-9][0-9]{0,8})\Z")
+MAX_SET = 999_999_999  # the highest number SET_NAME matches
 STAGING_PREFIX = ".staging-"
 
 
@@ -84,32 +87,13 @@ class Context:
 
 
 class SnapshotFolder:
-    """DIR, owner-only and locked by this process for as long as it lives."""
+    """DIR, private and locked by this process for as long as it lives. `create`: a missing
+    DIR is made (serve); `listing`: only read (prune's dry run), no lock file is made."""
 
-    def __init__(self, root: Path) -> None:
-        import fcntl
-
+    def __init__(self, root: Path, create: bool = True, listing: bool = False) -> None:
         self.root = Path(root)
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = os.stat(self.root)
-        if st.st_uid != os.getuid():
-            raise PipelineError(
-                f"--snapshots {self.root} belongs to uid {st.st_uid}, not this user; give serve "
-                "a folder of its own"
-            )
-        if stat.S_IMODE(st.st_mode) & 0o077:
-            os.chmod(self.root, 0o700)  # snapshots hold client prompts: owner-only
-        self._lock = os.open(self.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(self._lock)
-            if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise
-            raise PipelineError(
-                f"--snapshots {self.root} is in use by another serve process (it holds "
-                f"{self.root / LOCK_FILE}); give each serve its own snapshot folder"
-            ) from None
+        private_folder(self.root, create=create and not listing)
+        self._lock = lock_folder(self.root, create=not listing)
 
     def close(self) -> None:
         """Release the folder (the process's exit does it too)."""
@@ -117,54 +101,156 @@ class SnapshotFolder:
             os.close(self._lock)
             self._lock = -1
 
-    def sets(self) -> list[tuple[int, Path]]:
-        """The complete sets in the folder, newest first."""
-        found = [(int(m[1]), p) for p in self.root.iterdir() if (m := SET_NAME.match(p.name))]
-        return sorted(found, reverse=True)
+    def scan(self) -> tuple[list[tuple[int, Path]], list[Path], list[tuple[Path, str]]]:
+        """(the sets, newest first; staging leftovers; what is neither, with why). A set or a
+        staging folder is a real folder (a link is never followed) of a name serve writes."""
+        sets, staging, strays = [], [], []
+        for entry in sorted(os.scandir(self.root), key=lambda e: e.name):
+            path, folder = Path(entry.path), entry.is_dir(follow_symlinks=False)
+            if entry.name == LOCK_FILE:
+                continue
+            if folder and (match := SET_NAME.match(entry.name)):
+                sets.append((int(match[1]), path))
+            elif folder and entry.name.startswith(STAGING_PREFIX):
+                staging.append(path)
+            else:
+                strays.append((path, _stray(entry, folder)))
+        return sorted(sets, reverse=True), staging, strays
 
-    def current(self) -> Path | None:
-        """The newest complete set, if any."""
-        sets = self.sets()
-        return sets[0][1] if sets else None
+    def sets(self) -> list[tuple[int, Path]]:
+        """The sets in the folder, newest first."""
+        return self.scan()[0]
+
+    def strays(self) -> list[str]:
+        """One line for each entry that is neither a set nor staging (left as it is)."""
+        return [f"{path} {why}; skipped (left as it is)" for path, why in self.scan()[2]]
 
     def tidy(self) -> None:
-        """Remove staging leftovers and every set but the newest (this process holds the lock)."""
-        for path in self.root.iterdir():
-            if path.name.startswith(STAGING_PREFIX):
-                shutil.rmtree(path, ignore_errors=True)
-        for _, path in self.sets()[1:]:
+        """Remove staging leftovers (a crash mid-save; this process holds the lock)."""
+        for path in self.scan()[1]:
             shutil.rmtree(path, ignore_errors=True)
+
+    def drop_sets(self, keep: Path, older_only: bool = False) -> None:
+        """Remove every set but `keep` (`older_only`: those numbered below it)."""
+        number = int(SET_NAME.match(keep.name)[1])
+        for n, path in self.sets():
+            if path != keep and (n < number or not older_only):
+                shutil.rmtree(path, ignore_errors=True)
 
     def wipe(self) -> list[Path]:
         """Remove every set and staging leftover (this process holds the lock: no serve uses the
-        folder); return what was removed."""
-        gone = [
-            p
-            for p in self.root.iterdir()
-            if SET_NAME.match(p.name) or p.name.startswith(STAGING_PREFIX)
-        ]
+        folder); return what was removed. Anything else is left as it is."""
+        sets, staging, _ = self.scan()
+        gone = [path for _, path in sets] + staging
         for path in gone:
             shutil.rmtree(path)
         return gone
 
     def write_set(self, entries: Sequence[Entry], context: Context, key: Any) -> Path:
         """Write `entries` (hottest first) as the new set, signed with `key`; the previous set
-        stays until the new one is complete, then is removed."""
-        number = (self.sets() or [(0, None)])[0][0] + 1
+        stays until the new one is complete, then every other set is removed. A failed write
+        (a full disk) is a PipelineError and leaves the folder as it was."""
+        sets = self.sets()
+        try:
+            final = self._publish(entries, context, key, _free_name(self.root, sets))
+        except (OSError, RuntimeError) as exc:  # mlx's writer raises RuntimeError when full
+            kept = f"the previous set {sets[0][1]} stays" if sets else "no set was saved before"
+            raise PipelineError(
+                f"snapshots: the new set was not saved under {self.root} ({type(exc).__name__}: "
+                f"{exc}: the disk is full or cannot be written); {kept}; free space there or "
+                "lower --snapshot-budget"
+            ) from None
+        self.drop_sets(final)
+        return final
+
+    def _publish(self, entries: Sequence[Entry], context: Context, key: Any, final: Path) -> Path:
         staging = self.root / f"{STAGING_PREFIX}{os.getpid()}-{time.monotonic_ns()}"
         staging.mkdir(mode=0o700)
         try:
             for rank, entry in enumerate(entries):
                 write_snapshot(staging, rank, entry, context, key)
             _fsync(staging)
+            os.rename(staging, final)
         except BaseException:  # a full disk, a stop cut short: the previous set stays alone
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        final = self.root / f"set-{number}"
-        os.rename(staging, final)
-        _fsync(self.root)
-        self.tidy()
+        with contextlib.suppress(OSError):  # the set is in place; only its durability is unsure
+            _fsync(self.root)
         return final
+
+
+def _stray(entry: os.DirEntry, folder: bool) -> str:
+    if entry.is_symlink():
+        return "is a symbolic link (never followed)"
+    if not folder:
+        return "is not a folder"
+    if entry.name.startswith("set-"):
+        return f"is not a set name (set-1 to set-{MAX_SET})"
+    return "is not a snapshot set"
+
+
+def _free_name(root: Path, sets: list[tuple[int, Path]]) -> Path:
+    """set-<N+1> after the newest set, or the first free name in SET_NAME's range after it."""
+    first = sets[0][0] + 1 if sets else 1
+    for n in itertools.chain(range(first, MAX_SET + 1), range(1, first)):
+        if not os.path.lexists(root / f"set-{n}"):
+            return root / f"set-{n}"
+    raise PipelineError(f"--snapshots {root}: no free set name; empty the folder")
+
+
+def private_folder(root: Path, create: bool) -> None:
+    """DIR as serve may use it: one it creates (0700), or an existing folder of this user that
+    no one else can read. It is never chmod-ed: it may be shared (a link to /tmp)."""
+    if create and not os.path.lexists(root):
+        root.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(root, 0o700)
+    try:
+        st = os.stat(root)
+    except FileNotFoundError:
+        raise PipelineError(f"--snapshots {root}: no such folder; pass serve's DIR") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise PipelineError(
+            f"--snapshots {root} is not a folder; pass a folder (serve creates a missing one)"
+        )
+    if st.st_uid != os.getuid():
+        raise PipelineError(
+            f"--snapshots {root} belongs to uid {st.st_uid}, not this user; snapshots hold "
+            "client prompts: pass a folder of your own that only you can read (serve creates "
+            "a missing one with mode 0700)"
+        )
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        raise PipelineError(
+            f"--snapshots {root} is open to other users (mode {stat.S_IMODE(st.st_mode):04o}); "
+            "snapshots hold client prompts: pass a folder of your own that only you can read "
+            "(serve creates a missing one with mode 0700)"
+        )
+
+
+def lock_folder(root: Path, create: bool) -> int:
+    """DIR's lock, held until closed (-1: a listing of a folder no serve has used)."""
+    import fcntl
+
+    flags = (os.O_RDWR | os.O_CREAT if create else os.O_RDONLY) | os.O_NOFOLLOW
+    try:
+        fd = os.open(root / LOCK_FILE, flags, 0o600)
+    except FileNotFoundError:
+        return -1
+    except OSError as exc:
+        raise PipelineError(
+            f"--snapshots {root}: {LOCK_FILE} cannot be opened ({exc.strerror}); remove it"
+        ) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            raise
+        raise PipelineError(
+            f"--snapshots {root} is in use by another serve process (it holds "
+            f"{root / LOCK_FILE}); give each serve its own snapshot folder"
+        ) from None
+    return fd
 
 
 def write_snapshot(parent: Path, rank: int, entry: Entry, context: Context, key: Any) -> Path:
@@ -286,6 +372,9 @@ def read_set(
     refused ones with their reasons."""
     mounted, refused = [], []
     for path in sorted(p for p in folder.iterdir()):
+        if path.is_symlink():  # nothing is read through a link out of DIR
+            refused.append(BundleError(str(path), "a symbolic link (never followed)"))
+            continue
         try:
             mounted.append(
                 validate(path, identity, load=True, trusted_keys=(public_key,), kind="snapshot")

@@ -183,15 +183,14 @@ class Snapshots:
         snapshot whose tokens a mounted bundle holds whole adds nothing and is left out."""
         start = time.perf_counter()
         self.folder.tidy()
-        current = self.folder.current()
+        for line in self.folder.strays():
+            log.warning("snapshots: %s", line)
+        current, mounted, refused = self._newest_that_mounts()
         if current is None:
             log.info(
                 "snapshots: none in %s yet (they are written at a graceful stop)", self.folder.root
             )
             return
-        mounted, refused = read_set(current, self.context.identity, self.key.public_key())
-        for exc in refused:
-            log.warning("refused snapshot %s: %s", exc.bundle, exc.reason)
         bundles = [np.asarray(t, dtype=np.int64) for t in bundle_tokens]
         kept = []
         for v in sorted(mounted, key=lambda v: -v.manifest.snapshot.rank):  # coldest first
@@ -205,6 +204,30 @@ class Snapshots:
             len(kept), len(mounted) + len(refused), current, sum(len(s.tokens) for s in kept),
             nbytes / 2**20, len(refused), (time.perf_counter() - start) * 1000,
         )  # fmt: skip
+
+    def _newest_that_mounts(self) -> tuple[Path | None, list, list]:
+        """The newest set a snapshot of which mounts (the older sets are removed), else the
+        newest set, else None; with its mounted and refused snapshots. A newer set that mounts
+        nothing (empty, another host's) is skipped with a warning, and removed only once a new
+        set is saved."""
+        sets, first = self.folder.sets(), None
+        for i, (_, path) in enumerate(sets):
+            mounted, refused = read_set(path, self.context.identity, self.key.public_key())
+            for exc in refused:
+                log.warning("refused snapshot %s: %s", exc.bundle, exc.reason)
+            if mounted:
+                self.folder.drop_sets(path, older_only=True)
+                return path, mounted, refused
+            first = first or (path, mounted, refused)
+            if i + 1 < len(sets):
+                what = "snapshot" if len(refused) == 1 else "snapshots"
+                log.warning(
+                    "snapshots: %s; skipped, the older sets are tried",
+                    f"none of the {len(refused)} {what} in {path} mounts"
+                    if refused
+                    else f"{path} holds no snapshot",
+                )
+        return first or (None, [], [])
 
     def _shelve(self, v: Any, ids: np.ndarray) -> _Shelved:
         cache = v.cache or []
@@ -291,9 +314,14 @@ class Snapshots:
             every = f"{periodic.seconds / 60:g} min"
             self._write(listed, periodic.covered, f" (periodic, every {every}; the server waited)")
         except Exception as exc:  # noqa: BLE001 - serving goes on; the previous set is intact
+            why = (
+                str(exc).removeprefix("snapshots: ")
+                if isinstance(exc, PipelineError)
+                else f"{type(exc).__name__}: {exc}; the previous set stays"
+            )
             log.error(
-                "snapshots: periodic save failed (%s: %s); the previous set stays, the next "
-                "save is due in %g min", type(exc).__name__, exc, periodic.seconds / 60,
+                "snapshots: periodic save failed: %s; the next save is due in %g min",
+                why, periodic.seconds / 60,
             )  # fmt: skip
         finally:
             self._saving.release()
