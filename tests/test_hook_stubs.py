@@ -652,18 +652,39 @@ def test_every_hooked_cache_prefers_its_own_longer_entry(hooked):
     assert hooked.fetch([*longer, 5]) == len(longer)
 
 
+def opening_apart(prefix: list[int], n: int) -> list[int]:
+    """n random ids whose first differs from `prefix`'s (the fixture's exact bundle serves none)."""
+    head = 2 if prefix[0] == 1 else 1
+    return [head, *ids(n - 1)]
+
+
 def test_every_hooked_cache_holds_its_own_lossy_entry_to_the_rule_also_after_a_remount(hooked):
     """An entry the server stored after a request continued a 4-bit bundle: a request sharing
     only its opening tokens is not served from it, while the bundle is pinned and after a remount
     removed it (the entry itself is quantized: its lossiness travels with it)."""
-    lossy = ids(30)
+    lossy = opening_apart(hooked.prefix, 30)
     hooked.manager.pin(BUNDLE_KEY, lossy, quantized_bundle(hooked.model, lossy), "q@1")
+    assert hooked.fetch([*lossy, 7]) == len(lossy)  # the request that continues it
     hooked.store(lossy, quantized_bundle(hooked.model, lossy))
     opening = [*lossy[:3], 99, 98]
     assert hooked.fetch(opening) == 0
     hooked.manager.unpin(BUNDLE_KEY, "q@1")  # a remount replaced or removed it
     assert hooked.fetch(opening) == 0
     assert hooked.fetch([*lossy, 99]) == len(lossy)  # its whole share: allowed
+
+
+def test_a_lossy_bundle_no_request_took_leaves_the_servers_own_cache_whole(hooked):
+    """A 4-bit bundle pinned, and the server's own exact entry for another prompt that shares
+    only the template's opening with it: nothing can descend from a bundle no request took, so
+    the entry serves its repeat whole (it was held to half the bundle: a lossy bundle made the
+    server colder than no bundle). The warm-up's hand-out does not count."""
+    lossy = opening_apart(hooked.prefix, 30)
+    hooked.manager.pin(BUNDLE_KEY, lossy, quantized_bundle(hooked.model, lossy), "q@1")
+    with hooked.manager.provisional():  # the warm-up took it: it keeps nothing
+        hooked.fetch([*lossy, 7])
+    other = [*lossy[:3], 2 if lossy[3] == 1 else 1, *lossy[4:12]]  # diverges after the opening
+    hooked.store(other, prefill(hooked.model, other)[0])
+    assert hooked.fetch([*other, 9]) == len(other)
 
 
 def test_no_hooked_cache_keeps_the_warm_up_request(hooked):

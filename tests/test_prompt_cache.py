@@ -498,7 +498,8 @@ def test_an_exact_bundle_wins_over_a_lossy_one_covering_the_same_tokens():
     assert (hit.source, hit.cache_hit_tokens) == ("bundle:exact", 20)
     assert manager.covered("m", request) == 20
     assert_fresh(model, hit, request)
-    assert manager.lossy_floor("m", request) == 12 and manager.lossy_floor("m", [0, 1]) == 0
+    # the lossy one was never handed out: no entry of the server's can descend from it
+    assert manager.lossy_floor("m", request) == 0 and manager.lossy_floor("m", [0, 1]) == 0
 
 
 def test_an_exact_hit_on_a_cache_that_cannot_trim_leaves_a_token(model):
@@ -533,6 +534,8 @@ def test_the_lossy_floor_outlives_a_remount_that_removes_the_lossy_bundle():
     manager = PromptCacheManager()
     manager.pin("m", prefix, quantized_bundle(model, prefix), "v1")
     request = prefix[:3] + [0] + ids(5)  # shares the template's opening only
+    assert manager.lossy_floor("m", request) == 0  # no request took v1 yet: nothing descends
+    assert manager.fetch("m", prefix + [7]).source == "bundle:v1"  # now one did
     assert manager.lossy_floor("m", request) == 12
     manager.unpin("m", "v1")  # remount: v1 removed (or replaced by an exact v2)
     manager.pin("m", prefix, prefill(model, prefix)[0], "v2")
@@ -570,5 +573,7 @@ def test_omni_pool_entries_holding_4_bit_kv_serve_only_their_share():
     assert entry_usable(mounted, exact, other_system)
     # an exact entry continued from a 4-bit bundle: held by that bundle's rule, also after it
     mounted.manager.pin("bundles", prefix, quantized_bundle(model, prefix), "q")
+    assert entry_usable(mounted, exact, other_system)  # no request took it: no descendants
+    mounted.manager.fetch("bundles", prefix + [0])  # a request continues it
     mounted.manager.unpin("bundles", "q")
     assert not entry_usable(mounted, exact, other_system)

@@ -7,6 +7,7 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -246,6 +247,10 @@ class PromptCacheManager:
         # every lossy bundle ever pinned per model, kept after an unpin: the server's own entries
         # continued from one stay held to its rule after a remount replaces or removes it
         self._lossy_lineage: dict[str, dict[bytes, _Entry]] = {}
+        # the lineage entries `fetch` handed out while the server could keep what it made of them
+        # (not while `provisional`): only those can have descendants among its own entries
+        self._handed_out: dict[str, set[bytes]] = {}
+        self._provisional = 0
         self._entries: OrderedDict[tuple[str, bytes], _Entry] = OrderedDict()
         self._bytes = 0
         self._counts = dict(hits=0, misses=0, hit_tokens=0, evictions=0, rejected=0)
@@ -286,6 +291,8 @@ class PromptCacheManager:
         cache = _hand_out(best, keep)  # built outside the lock: entries are never written
         key = (model_key, best.tokens.tobytes())
         with self._lock:
+            if best.lossy and best.source.startswith("bundle:") and not self._provisional:
+                self._handed_out.setdefault(model_key, set()).add(key[1])
             self._counts["hits"] += 1
             self._counts["hit_tokens"] += keep
             if self._entries.get(key) is best:
@@ -340,6 +347,18 @@ class PromptCacheManager:
                 self._drop(next(iter(self._entries)))
                 self._counts["evictions"] += 1
 
+    @contextmanager
+    def provisional(self) -> Iterator[None]:
+        """Meanwhile, what `fetch` hands out leaves nothing behind (the warm-up: the server keeps
+        no entry of it), so it makes no descendants for `lossy_floor` to hold."""
+        with self._lock:
+            self._provisional += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._provisional -= 1
+
     def lossy_floor(
         self, model_key: str, tokens: Sequence[int], own: Sequence[Any] | None = None,
         own_tokens: int | None = None,
@@ -347,14 +366,17 @@ class PromptCacheManager:
         """How many leading tokens of `tokens` the server's own entry must cover to be reused
         (0: any number), for entries whose history serve cannot see:
         - one that shares its opening with a lossy bundle pinned for `model_key` at any time
-          in this process (a remount that replaced or removed it included) may descend from
-          it, so it is held to that bundle's rule;
+          in this process (a remount that replaced or removed it included), and handed out to
+          a request since, may descend from it, so it is held to that bundle's rule (a lossy
+          bundle no request took has no descendants: requests that merely share the template's
+          opening keep the server's own cache);
         - `own` (the entry's cache, when given) holding quantized KV is itself lossy: held to
           the rule for its own length `own_tokens` (when the server tells it), else to at
           least one token (its KV never becomes the start of an unrelated prompt)."""
         request = np.asarray(tokens, dtype=np.int64).reshape(-1)
         with self._lock:
-            lineage = list(self._lossy_lineage.get(model_key, {}).values())
+            taken = self._handed_out.get(model_key, set())
+            lineage = [e for k, e in self._lossy_lineage.get(model_key, {}).items() if k in taken]
         floors = [e.min_reuse() for e in lineage if _common_prefix(e.tokens, request) > 0]
         if own is not None and is_lossy(own):
             floors.append(lossy_min_tokens(own_tokens) if own_tokens else 1)

@@ -141,7 +141,7 @@ def warm_up_handler(mounted: Mounted, model: str) -> None:
         ready = await original(self, *args, **kwargs)
         body = warm_up.body_of(bundle, model, "openai")
         request = lambda: self.generate_text_response(ChatCompletionRequest(**body))  # noqa: E731
-        await warm_up.run_logged(SERVER, [bundle], request)
+        await warm_up.run_logged(SERVER, mounted, [bundle], request)
         return ready
 
     MLXLMHandler.initialize = initialize

@@ -75,12 +75,14 @@ def warming() -> Iterator[None]:
         WARMING.clear()
 
 
-async def run_logged(server: str, bundles: list[Any], send: Callable[[], Awaitable[None]]) -> bool:
-    """Run `send` (the requests of `bundles`, the warm-up first) with WARMING set; one line saying
-    what it took, or why it failed (False)."""
+async def run_logged(
+    server: str, mounted: Any, bundles: list[Any], send: Callable[[], Awaitable[None]]
+) -> bool:
+    """Run `send` (the requests of `bundles`, the warm-up first) with WARMING set (and the
+    bundles' hand-outs provisional); one line saying what it took, or why it failed (False)."""
     start = time.perf_counter()
     try:
-        with warming():
+        with warming(), mounted.manager.provisional():
             await send()
     except Exception as exc:  # optional: the server serves without it
         log.warning("%s: warm-up failed (%s); serving without it", server, _one_line(exc))
@@ -144,7 +146,7 @@ def through_app(
     @asynccontextmanager
     async def lifespan(app: Any) -> Any:
         async with original(app) as state:
-            if await run_logged(server, bundles, every_bundle):
+            if await run_logged(server, mounted, bundles, every_bundle):
                 try:
                     check_seen(server, mounted, bundles, seen)
                 except PipelineError as exc:  # --strict: no port opens; the supervisor sees why
