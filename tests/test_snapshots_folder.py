@@ -276,3 +276,27 @@ def test_a_folder_serve_creates_is_private(tmp_path: Path, tiny_model: Path):
     root = tmp_path / "new" / "snaps"
     Snapshots(root, DEFAULT_BUDGET, tiny_model, None, "mlx-lm").close()
     assert os.stat(root).st_mode & 0o7777 == 0o700 and names(root) == [".lock"]
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a folder to another user needs root")
+def test_a_folder_of_another_user_is_refused(tmp_path: Path, capsys):
+    folder = shared(tmp_path / "theirs", 0o700)
+    os.chown(folder, 12345, 12345)
+    assert main(["prune", "--snapshots", str(folder)]) == 1
+    assert capsys.readouterr().err == (
+        f"error: --snapshots {folder} belongs to uid 12345, not this user; snapshots hold client "
+        "prompts: pass a folder of your own that only you can read (serve creates a missing one "
+        "with mode 0700)\n"
+    )
+    assert os.stat(folder).st_uid == 12345 and names(folder) == []
+
+
+def test_a_lock_file_that_is_a_link_is_not_followed(tmp_path: Path, capsys):
+    folder = shared(tmp_path / "snaps", 0o700)
+    (folder / ".lock").symlink_to(tmp_path / "elsewhere")
+    assert main(["prune", "--snapshots", str(folder), "--apply"]) == 1
+    assert capsys.readouterr().err == (
+        f"error: --snapshots {folder}: .lock cannot be opened (Too many levels of symbolic "
+        "links); remove it\n"
+    )
+    assert not (tmp_path / "elsewhere").exists()
