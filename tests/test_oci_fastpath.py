@@ -253,6 +253,7 @@ def test_plain_http_needs_no_httpx(tmp_path: Path):
             "r = c.request('GET', c.base + '/blobs/x/y', 'asking', (200,))\n"
             "print(c._location(r))\n"
             "print(r.headers.get('Www-Authenticate'))\n"
+            "print('LOCATION' in r.headers, r.headers['Content-Length'])\n"
             "print(sorted(m for m in ('httpx', 'httpx2') if m in sys.modules))\n"
         )
         env = {"PREFIX_BUNDLES_CACHE_DIR": str(tmp_path / "memo"), "PATH": "/usr/bin:/bin"}
@@ -263,5 +264,6 @@ def test_plain_http_needs_no_httpx(tmp_path: Path):
     assert out.stdout.splitlines() == [
         f"http://{front}/v2/fleet/bundles/blobs/uploads/1?_state=x",
         'Basic realm="a", Bearer realm="b"',
+        f"True {len(BLOB)}",
         "[]",
     ]

@@ -62,6 +62,9 @@ class Headers(dict):
     def __getitem__(self, name: str) -> str:
         return super().__getitem__(name.lower())
 
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and super().__contains__(name.lower())
+
 
 class Response:
     """Status and headers of one response; its body read whole, in pieces, or into a buffer.
