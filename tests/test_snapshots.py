@@ -90,8 +90,9 @@ def test_a_lossy_snapshot_serves_only_its_share(
     snaps = restore(tmp_path / "snaps", tiny_model, caplog)
     short = [*TOKENS[:100], 5, 6]  # a third of it: an exact entry would serve 100 tokens
     assert snaps.fetch(short, better_than=0)[0] is None
+    assert snaps.lossy_floor(short) == 0  # no request took it: no entry descends from it
     assert snaps.fetch([*TOKENS[:200], 5], better_than=0)[1] == 200
-    assert snaps.lossy_floor(short) == 150
+    assert snaps.lossy_floor(short) == 150  # one did: entries sharing its opening are held
     snaps.close()
 
 

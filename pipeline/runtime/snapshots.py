@@ -111,6 +111,7 @@ class _Shelved:
     lossy: bool  # as the snapshot recorded it
     nbytes: int
     stamp: int
+    taken: bool = False  # handed to a request: the server's entries may descend from it since
 
 
 @dataclass
@@ -255,7 +256,7 @@ class Snapshots:
                 best, rank = s, r
         if best is None:
             return None, 0, ""
-        best.stamp = self._next()
+        best.stamp, best.taken = self._next(), True
         return fork_cache(best.cache, len(best.tokens) - rank[0]), rank[0], best.name
 
     def covered(self, tokens: Sequence[int]) -> int:
@@ -273,11 +274,12 @@ class Snapshots:
             return len(self._shelf)
 
     def lossy_floor(self, tokens: Sequence[int]) -> int:
-        """The fewest leading tokens a server entry sharing its opening with a lossy snapshot
-        must cover (it may descend from it; 0: no such snapshot)."""
+        """The fewest leading tokens a server entry sharing its opening with a lossy snapshot a
+        request took must cover (it may descend from it; 0: no such snapshot: one no request
+        took has no descendants, as PromptCacheManager.lossy_floor's bundles)."""
         request = np.asarray(tokens, dtype=np.int64).reshape(-1)
         with self._lock:
-            lossy = [s for s in self._shelf if s.lossy]
+            lossy = [s for s in self._shelf if s.lossy and s.taken]
         floors = [
             lossy_min_tokens(len(s.tokens))
             for s in lossy

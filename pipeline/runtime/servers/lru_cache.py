@@ -7,10 +7,14 @@ model, cut to what each cache holds. Shared by the hooks whose server keeps one;
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from pipeline.format.errors import PipelineError
 from pipeline.runtime.prompt_cache import fork_cache, is_lossy
 from pipeline.runtime.snapshot_store import Entry
+
+log = logging.getLogger("prefix-bundles")
 
 
 def evaluate(cache: Any) -> None:
@@ -119,8 +123,12 @@ def saving_lru_class(base: type, mounted: Any, snapshots: Any, server: str) -> t
                 return super().close()
             if getattr(type(self), "warmed_up", False):
                 self.clear()
-            try:
-                snapshots.save(disk_lru_entries(self, mounted, snapshots, server), mounted.covered)
+            try:  # (not when what the server loaded is unknown: Mounted.loaded_as_fingerprinted)
+                if mounted.loaded_as_fingerprinted():
+                    entries = disk_lru_entries(self, mounted, snapshots, server)
+                    snapshots.save(entries, mounted.covered)
+            except PipelineError as exc:  # in the server's own cleanup: one line, not its trace
+                log.error("%s", exc)
             finally:
                 super().close()
 

@@ -43,6 +43,7 @@ from pipeline.runtime.servers.options import (
     require,
 )
 from pipeline.runtime.servers.tokens import model_type, request_parity
+from pipeline.runtime.snapshot_store import private_folder
 from pipeline.runtime.snapshots import with_snapshots
 
 log = logging.getLogger("prefix-bundles")
@@ -149,6 +150,8 @@ def serve(hook: ServerHook, options: ServeOptions) -> int:
             "lists the servers that support it); serve without --snapshots"
         )
     every = snapshot_interval(hook, options)
+    if options.snapshots is not None and os.path.lexists(options.snapshots):
+        private_folder(options.snapshots, create=False)  # before anything loads (created later)
     require(hook.package, hook.name)
     refuse_options(list(options.rest), hook.name, hook.refused(options))
     check_port(hook.address, list(options.rest))
