@@ -307,7 +307,8 @@ def test_the_memory_cache_lists_what_it_held_at_the_engines_stop(shelf, tmp_path
     c.store([*plain, 8], shelf.prefill(plain))  # prompt + output: the last token never fed
     quantized = [(13 * i + 3) % 900 + 10 for i in range(20)]  # opens like no other entry
     c.store(quantized, [_QuantizedCacheWrapper(layer) for layer in shelf.prefill(quantized)])
-    descends = [*LOSSY[:130], 4, 4]  # continued from the lossy snapshot
+    descends = [*LOSSY[:130], 4, 4]  # continued from the lossy snapshot a request took
+    assert shelf.snaps.fetch(descends, better_than=0)[1] == 130
     c.store(descends, shelf.prefill(descends))
     shelf.scheduler(c).deep_reset()
     assert c._entries == {}
@@ -823,7 +824,8 @@ def test_a_hooked_pool_lists_its_entries_at_a_stop(snap_hooked, tmp_path, tiny_m
     h.store([*plain, 8], shelf.prefill(plain))  # prompt + output: the last token never fed
     quantized = [(13 * i + 3) % 900 + 10 for i in range(20)]
     h.store(quantized, quantized_kv(shelf.prefill(quantized)))
-    descends = [*LOSSY[:130], 4, 4]  # continued from the lossy snapshot
+    descends = [*LOSSY[:130], 4, 4]  # continued from the lossy snapshot a request took
+    assert shelf.snaps.fetch(descends, better_than=0)[1] == 130
     h.store(descends, shelf.prefill(descends))
     ahead = [(7 * i + 5) % 900 + 10 for i in range(25)]  # omni feeds its finishing token
     h.store(ahead, shelf.prefill([*ahead, 9]))  # the KV runs one ahead: a copy cut to `ahead`
