@@ -25,7 +25,7 @@ from pipeline.runtime.servers.memory_cache import (
     memory_entries,
     pinned_memory_cache_class,
 )
-from pipeline.runtime.servers.startup import BUNDLE_KEY, Mounted
+from pipeline.runtime.servers.mounted import BUNDLE_KEY, Mounted
 
 
 class StubMemoryAwarePrefixCache:
@@ -368,7 +368,7 @@ def test_mlx_openai_servers_handler_mounts_only_what_serve_validated(
     import logging
 
     from pipeline.runtime import mount
-    from pipeline.runtime.servers.startup import Mounted
+    from pipeline.runtime.servers.mounted import Mounted
 
     manager = PromptCacheManager()
     result = mount(tiny_model, [shop_bundle], manager=manager, model_key=BUNDLE_KEY)

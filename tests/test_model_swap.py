@@ -15,8 +15,9 @@ from pipeline.format.errors import ModelError
 from pipeline.format.served_identity import settled_identity
 from pipeline.runtime.mount import mount
 from pipeline.runtime.prompt_cache import PromptCacheManager
+from pipeline.runtime.servers.mounted import BUNDLE_KEY, Mounted
 from pipeline.runtime.servers.options import ServeOptions
-from pipeline.runtime.servers.startup import BUNDLE_KEY, Mounted, mount_options, remount_read
+from pipeline.runtime.servers.startup import mount_options, remount_read
 
 from conftest import build_bundle, write_definition
 

@@ -344,7 +344,8 @@ def test_a_bundle_the_options_would_never_use_is_not_counted_and_strict_refuses(
     shop_bundle: Path, tiny_model: Path, tmp_path: Path, option
 ):
     from pipeline.runtime import PromptCacheManager, mount
-    from pipeline.runtime.servers.startup import BUNDLE_KEY, drop_unusable
+    from pipeline.runtime.servers.mounted import BUNDLE_KEY
+    from pipeline.runtime.servers.startup import drop_unusable
 
     manager = PromptCacheManager()
     result = mount(tiny_model, shop_bundle, manager=manager, model_key=BUNDLE_KEY)

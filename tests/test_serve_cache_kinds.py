@@ -179,7 +179,7 @@ def test_the_hook_hands_each_path_its_form_and_never_lets_an_unbatchable_layer_t
 
     from pipeline.runtime import PromptCacheManager
     from pipeline.runtime.servers.mlx_lm import bundled_prompt_cache_class
-    from pipeline.runtime.servers.startup import BUNDLE_KEY, Mounted
+    from pipeline.runtime.servers.mounted import BUNDLE_KEY, Mounted
 
     manager = PromptCacheManager()
     manager.pin(BUNDLE_KEY, list(range(40)), [quantized_layer()], "q@1")

@@ -12,7 +12,7 @@ import pytest
 from pipeline.format.errors import PipelineError
 from pipeline.runtime.mount import mount
 from pipeline.runtime.prompt_cache import PromptCacheManager
-from pipeline.runtime.servers.startup import BUNDLE_KEY, Mounted
+from pipeline.runtime.servers.mounted import BUNDLE_KEY, Mounted
 from pipeline.runtime.servers.warm_up import check_seen, looked_up, recorded
 
 

@@ -13,7 +13,7 @@ from mlx_lm.models.cache import RotatingKVCache
 
 from pipeline.runtime.mount import MountResult
 from pipeline.runtime.prompt_cache import PromptCacheManager
-from pipeline.runtime.servers.startup import Mounted
+from pipeline.runtime.servers.mounted import Mounted
 
 
 def rotating_entry(tokens: int) -> list:

@@ -155,7 +155,7 @@ def entry_usable(mounted: Any, entry: Any, prompt: Any, snapshots: Any = None) -
     for `prompt`: one holding lossy KV, or sharing its opening with a lossy bundle or restored
     snapshot, only for its share (omni hands any entry out trimmed, even to 0 tokens, and
     prefills the prompt into its quantized layers)."""
-    from pipeline.runtime.servers.startup import BUNDLE_KEY
+    from pipeline.runtime.servers.mounted import BUNDLE_KEY
 
     held, layers = entry.tokens, entry.cache if isinstance(entry.cache, list) else []
     n = min(len(held), len(prompt))
@@ -168,7 +168,7 @@ def server_entry(ids: list[int], cache: Any, source: str, mounted: Any, snapshot
     """A server's entry covering `ids` as snapshots save it: lossy when it holds quantized KV or
     may descend from lossy KV (its opening shared with a lossy bundle pinned at any time in this
     process, or with a lossy restored snapshot), with the longest bundle that opens it."""
-    from pipeline.runtime.servers.startup import BUNDLE_KEY
+    from pipeline.runtime.servers.mounted import BUNDLE_KEY
 
     lossy = (
         is_lossy(cache)

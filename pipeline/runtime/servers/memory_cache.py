@@ -17,7 +17,7 @@ from typing import Any
 from pipeline.runtime.prompt_cache import is_lossy, lossy_min_tokens
 from pipeline.runtime.servers import usage, warm_up
 from pipeline.runtime.servers.lru_cache import evaluate, server_entry
-from pipeline.runtime.servers.startup import Mounted
+from pipeline.runtime.servers.mounted import Mounted
 
 
 def pinned_memory_cache_class(

@@ -24,13 +24,9 @@ from pipeline.runtime.prompt_cache import at_least_one_left
 from pipeline.runtime.servers import warm_up
 from pipeline.runtime.servers.hook import ServerHook
 from pipeline.runtime.servers.lru_cache import lru_entries, pinned_lru_class
+from pipeline.runtime.servers.mounted import Mounted
 from pipeline.runtime.servers.options import ServeOptions
-from pipeline.runtime.servers.startup import (
-    Mounted,
-    describe,
-    hard_exit,
-    hub_cache_or_none,
-)
+from pipeline.runtime.servers.startup import describe, hard_exit, hub_cache_or_none
 from pipeline.runtime.snapshots import Snapshots
 
 log = logging.getLogger("prefix-bundles")

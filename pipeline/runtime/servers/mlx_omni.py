@@ -19,8 +19,9 @@ from typing import Any
 from pipeline.runtime.servers import warm_up
 from pipeline.runtime.servers.hook import ServerHook
 from pipeline.runtime.servers.lru_cache import entry_usable, evaluate, held_entry
+from pipeline.runtime.servers.mounted import BUNDLE_KEY, Mounted
 from pipeline.runtime.servers.options import ServeOptions
-from pipeline.runtime.servers.startup import BUNDLE_KEY, Mounted, hub_cache_or_none, log_request
+from pipeline.runtime.servers.startup import hub_cache_or_none, log_request
 from pipeline.runtime.servers.tokens import quiet
 from pipeline.runtime.snapshots import snapshot_answer
 
@@ -68,7 +69,9 @@ class Hook(ServerHook):
         and runs the longest bundle's request through its chat route. The request names the model
         as --model gives it; a client spelling the folder differently gets a ChatGenerator of its
         own from omni, loaded on its first request."""
-        warm_up.through_app(self._app(), SERVER, mounted, lambda: str(options.model))
+        from mlx_omni_server.main import app
+
+        warm_up.through_app(app, SERVER, mounted, lambda: str(options.model))
 
     def launch(self, mounted: Mounted, options: ServeOptions) -> int:
         from mlx_omni_server.main import start
@@ -83,11 +86,6 @@ class Hook(ServerHook):
         ours = [c for c in pooled.values() if model_folder(c.model_key) == mounted.model.resolve()]
         held = [(getattr(c, "stamp", 0), c.tokens, c.cache, f"{SERVER} prompt pool") for c in ours]
         return [e for e in (held_entry(*h, mounted, snapshots) for h in held) if e is not None]
-
-    def _app(self) -> Any:
-        from mlx_omni_server.main import app
-
-        return app
 
 
 @cache

@@ -19,8 +19,9 @@ from typing import Any
 from pipeline.runtime.servers import warm_up
 from pipeline.runtime.servers.hook import ServerHook
 from pipeline.runtime.servers.lru_cache import saving_lru_class
+from pipeline.runtime.servers.mounted import BUNDLE_KEY, Mounted
 from pipeline.runtime.servers.options import ServeOptions
-from pipeline.runtime.servers.startup import BUNDLE_KEY, Mounted, mount_for, setup_logging
+from pipeline.runtime.servers.startup import mount_for, setup_logging
 from pipeline.runtime.snapshots import child_snapshots, parent_of_snapshots
 
 SERVER = "mlx-openai-server"

@@ -20,8 +20,8 @@ from typing import Any
 from pipeline.runtime.servers import warm_up
 from pipeline.runtime.servers.hook import ServerHook
 from pipeline.runtime.servers.memory_cache import install_memory_cache, memory_entries
+from pipeline.runtime.servers.mounted import Mounted
 from pipeline.runtime.servers.options import ServeOptions
-from pipeline.runtime.servers.startup import Mounted
 
 log = logging.getLogger("prefix-bundles")
 SERVER = "rapid-mlx"

@@ -16,8 +16,7 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -29,11 +28,12 @@ from pipeline.format.lockfile import locked_versions
 from pipeline.format.served_identity import changed_message, settled_identity
 from pipeline.format.signature import read_trusted_keys
 from pipeline.runtime.hugepages import ensure_huge_pages
-from pipeline.runtime.lookup import Fetch, log_request, lookup_source
+from pipeline.runtime.lookup import log_request
 from pipeline.runtime.mount import MountedBundle, MountResult, mount
 from pipeline.runtime.prompt_cache import PromptCacheManager
 from pipeline.runtime.remount import Remounter
 from pipeline.runtime.servers.hook import ServerHook
+from pipeline.runtime.servers.mounted import BUNDLE_KEY, Mounted
 from pipeline.runtime.servers.options import (
     ServeOptions,
     check_admin,
@@ -44,13 +44,9 @@ from pipeline.runtime.servers.options import (
 )
 from pipeline.runtime.servers.tokens import model_type, request_parity
 from pipeline.runtime.snapshot_store import private_folder
-from pipeline.runtime.snapshots import with_snapshots
 
 log = logging.getLogger("prefix-bundles")
-BUNDLE_KEY = "bundles"
 __all__ = [
-    "BUNDLE_KEY",
-    "Mounted",
     "describe",
     "hard_exit",
     "hub_cache_or_none",
@@ -59,85 +55,6 @@ __all__ = [
     "passed_option",
     "serve",
 ]
-
-
-@dataclass
-class Mounted:
-    """The bundles mounted for one served model, pinned in `manager` under BUNDLE_KEY."""
-
-    model: Path
-    manager: PromptCacheManager
-    result: MountResult
-    chat_template: str | None = None  # the template text the server was given, if not the model's
-    strict: bool = False  # --strict: a bundle the server will not reuse whole is refused
-    # {bundle name: tokens the server's request code keeps}, as check_tokenization found
-    reusable: dict[str, int] = field(default_factory=dict)
-    # the model folder's files as fingerprinted (fingerprint.folder_state); None: not checked
-    state: tuple[str, ...] | None = None
-    _loaded: list[bool] = field(default_factory=list, repr=False)  # [verdict] once checked
-    _checking: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def loaded_as_fingerprinted(self) -> bool:
-        """Whether the server runs the weights the bundles were checked against, asked at its
-        first lookup (its model is loaded by then): the files the fingerprints read are as they
-        were when read. When not (a deploy swapped the weights while serve started), what the
-        server loaded is unknown: every bundle is unpinned, no snapshot is served or saved, one
-        ERROR line says so, and the server answers from its own entries only (cold, not wrong)."""
-        with self._checking:
-            if not self._loaded:
-                fine = self.state is None or folder_state(self.model) == self.state
-                self._loaded.append(fine)
-                if not fine:
-                    for b in list(self.result.bundles):
-                        self.manager.unpin(BUNDLE_KEY, b.name)
-                    self.result.bundles.clear()
-                    log.error(
-                        "%s: no bundle or snapshot is served or saved by this process; restart "
-                        "serve", changed_message(self.model, "after serve fingerprinted it"),
-                    )  # fmt: skip
-            return self._loaded[0]
-
-    def covered(self, tokens: Sequence[int]) -> int:
-        """How many leading tokens of a request the best pinned bundle can serve (no copy)."""
-        return self.manager.covered(BUNDLE_KEY, tokens)
-
-    def answer(
-        self,
-        server: str,
-        tokens: Sequence[int],
-        own: Fetch,
-        batched: bool,
-        snapshots: Any = None,
-        answered: Callable[[str], None] | None = None,
-        bundles: bool = True,
-    ) -> tuple[Any, list[int], bool]:
-        """The one rule for a request, as every hook's cache subclass asks it: the server's own
-        fetch `own`, the restored `snapshots` (`answered(name)` told when one answers) and the
-        pinned bundles (`bundles=False`: not them); (cache, tokens left, from a bundle)."""
-        if not self.loaded_as_fingerprinted():
-            snapshots, bundles = None, False
-        fetch = with_snapshots(own, snapshots, self.covered, server, answered)
-        return lookup_source(server, self.manager, BUNDLE_KEY, tokens, fetch, batched, bundles)
-
-    def validated(self) -> dict[str, str]:
-        """{bundle path: cache sha256} of what is mounted (for a process the server spawns)."""
-        return {str(b.path): b.manifest.cache.file_sha256 for b in self.result.bundles}
-
-    def keep_validated(self, validated: dict[str, str], server: str, where: str) -> None:
-        """Serve in `where` exactly what serve validated and reported (`validated()` there): a
-        bundle that changed or appeared in between is unpinned with a WARNING (a remount takes
-        it), one that is gone is named; then one line of what `where` serves."""
-        for b in list(self.result.bundles):
-            if validated.get(str(b.path)) != b.manifest.cache.file_sha256:
-                self.result.bundles.remove(b)
-                self.manager.unpin(BUNDLE_KEY, b.name)
-                log.warning(
-                    "%s: %s changed after serve validated it: not mounted in %s (SIGHUP or "
-                    "the admin endpoint mounts it)", server, b.path, where,
-                )  # fmt: skip
-        for path in sorted(set(validated) - set(self.validated())):
-            log.warning("%s: %s was validated by serve but is gone from %s", server, path, where)
-        log.info("%s: %d bundle(s) pinned in %s", server, len(self.result.bundles), where)
 
 
 def serve(hook: ServerHook, options: ServeOptions) -> int:

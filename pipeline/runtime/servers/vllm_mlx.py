@@ -24,8 +24,8 @@ from pipeline.runtime.servers import usage, warm_up
 from pipeline.runtime.servers.hook import ServerHook
 from pipeline.runtime.servers.lru_cache import lru_entries, pinned_lru_class, server_entry
 from pipeline.runtime.servers.memory_cache import install_memory_cache, memory_entries
+from pipeline.runtime.servers.mounted import Mounted
 from pipeline.runtime.servers.options import ServeOptions
-from pipeline.runtime.servers.startup import Mounted
 from pipeline.runtime.servers.tokens import is_anthropic
 
 log = logging.getLogger("prefix-bundles")

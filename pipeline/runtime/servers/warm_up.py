@@ -217,7 +217,8 @@ def through_model(mounted: Any, model: Any) -> None:
     """For a server with no app to post to in-process (mlx_lm.server, from its generation thread
     once the model is loaded): the longest pinned bundle's cache through the model itself
     (PromptCacheManager.warm_up); one line saying what it took, a failure one warning."""
-    from pipeline.runtime.servers.startup import BUNDLE_KEY, describe
+    from pipeline.runtime.servers.mounted import BUNDLE_KEY
+    from pipeline.runtime.servers.startup import describe
 
     start = time.perf_counter()
     try:
