@@ -51,7 +51,7 @@ def test_a_build_whose_weights_are_swapped_before_its_load_publishes_nothing(
 
     monkeypatch.setattr(builder, "load_model", load_after_a_deploy)
     with pytest.raises(ModelError, match=r"model folder .*model: a file the fingerprints read .* "
-                       r"was replaced or edited during the build: nothing was written"):  # fmt: skip
+                       r"was replaced, edited or relinked during the build: nothing was written"):  # fmt: skip
         build_bundle(tmp_path)
     assert not list((tmp_path / "bundles").glob("shop/*/*"))
 
@@ -87,9 +87,10 @@ def test_serve_serves_no_bundle_when_the_weights_changed_before_its_first_lookup
         cache, rest, from_bundle = ask(mounted)
     assert cache is None and not from_bundle and not mounted.result.bundles
     assert not mounted.loaded_as_fingerprinted()
-    assert [r.message for r in caplog.records if "replaced or edited" in r.message] == [
+    assert [r.message for r in caplog.records if "relinked" in r.message] == [
         f"model folder {model}: a file the fingerprints read (config, weights, tokenizer or "
-        "template) was replaced or edited after serve fingerprinted it: no bundle or snapshot is "
+        "template, or a link to one) was replaced, edited or relinked after serve fingerprinted "
+        "it: no bundle or snapshot is "
         "served or saved by this process; restart serve"
     ]
 
@@ -114,3 +115,36 @@ def test_a_remount_checks_bundles_against_the_weights_the_server_runs(
     assert [r.path for r in result.refused] == [new]
     assert "model" in (result.refused[0].field or "") or "weights" in result.refused[0].reason
     assert any("restart serve to serve the new weights" in r.message for r in caplog.records)
+
+
+def test_a_swap_after_the_first_lookup_is_seen_at_the_next(
+    tmp_path: Path, model: Path, tiny_model_other_weights: Path
+):
+    """The server may load its model again while it runs (mlx_lm.server drops it for a request
+    naming another model, then reloads the folder as it is): the folder is checked at every
+    lookup, and once it changed no bundle answers for the rest of the process."""
+    write_definition(tmp_path, model)
+    build_bundle(tmp_path)
+    mounted = served(model, tmp_path / "bundles")
+    assert ask(mounted)[2]
+    swap_weights(model, tiny_model_other_weights)
+    assert not ask(mounted)[2] and not mounted.result.bundles
+    assert not mounted.loaded_as_fingerprinted()
+
+
+def test_a_link_flipped_and_flipped_back_is_seen(
+    tmp_path: Path, model: Path, tiny_model_other_weights: Path
+):
+    """Blue/green: the model path is a link; flipped to other weights while the server loads,
+    then back before its first lookup, every file resolves to the same bytes again, but the link
+    is a new one: what the server loaded is unknown, and no bundle answers."""
+    write_definition(tmp_path, model)
+    build_bundle(tmp_path)
+    current = tmp_path / "current"
+    os.symlink(model, current)
+    mounted = served(current, tmp_path / "bundles")
+    assert mounted.result.bundles
+    for target in (tiny_model_other_weights, model):  # ln -sfn, there and back
+        os.symlink(target, tmp_path / ".flip")
+        os.replace(tmp_path / ".flip", current)
+    assert not ask(mounted)[2] and not mounted.loaded_as_fingerprinted()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,19 +125,37 @@ def weight_files(model_dir: Path) -> list[Path]:
 
 
 def folder_state(model_dir: Path) -> tuple[str, ...]:
-    """The stat key (pipeline.format.memo) of every file the fingerprints read: config.json, the
-    weights, the tokenizer and template files. The same state later means none of them was
-    replaced, edited, added or removed in between (a deploy renaming new weights in changes the
-    inode and ctime); a server that loaded the model in between loaded these bytes."""
+    """What the fingerprints read, as the filesystem reports it: every link on the way to the
+    folder and to each file (config.json, the weights, the tokenizer and template files), by its
+    own inode and ctime, and the stat key (pipeline.format.memo) of what each file resolves to.
+    The same state later means none was replaced, edited, added or removed, and no link was
+    flipped (a link flipped back is a new link), so a load in between read these bytes. Not seen:
+    the whole folder renamed aside and back (its files keep their keys)."""
+    folder = Path(model_dir).absolute()
     names = ("config.json", "chat_template.jinja", *TOKENIZER_FILES)
-    paths = [Path(model_dir) / n for n in names] + weight_files(model_dir)
-    state = []
+    paths = [folder / n for n in names] + weight_files(folder)
+    state = [_links(folder)]
     for path in paths:
         try:
-            state.append(memo.stat_key(path))
+            st = os.lstat(path)
+            link = f"{st.st_ino}:{st.st_ctime_ns}|" if stat.S_ISLNK(st.st_mode) else ""
+            state.append(link + memo.stat_key(path))
         except OSError:
             state.append(f"{path}|absent")
     return tuple(state)
+
+
+def _links(path: Path) -> str:
+    """Each symbolic link among the components of an absolute path, by inode and ctime."""
+    found = []
+    for part in [*reversed(path.parents), path]:
+        try:
+            st = os.lstat(part)
+        except OSError:
+            return f"{part}|absent"
+        if stat.S_ISLNK(st.st_mode):
+            found.append(f"{part}@{st.st_ino}:{st.st_ctime_ns}")
+    return "|".join(found)
 
 
 def check_model_folder(model_dir: Path) -> None:

@@ -73,7 +73,7 @@ def changed_message(model_dir: Path, when: str) -> str:
     """The one line for a model folder whose files changed under a reader."""
     return (
         f"model folder {model_dir}: a file the fingerprints read (config, weights, tokenizer or "
-        f"template) was replaced or edited {when}"
+        f"template, or a link to one) was replaced, edited or relinked {when}"
     )
 
 

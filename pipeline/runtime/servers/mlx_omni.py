@@ -117,12 +117,13 @@ def pinned_pool_class(mounted: Mounted, snapshots: Any = None) -> type:
             if model_folder(model_key) != folder:
                 return super().get_cache(prompt_tokens, model_key)
             self._evict_expired()
-            shelf = snapshots if mounted.loaded_as_fingerprinted() else None  # (bundles unpinned)
+            fine = mounted.loaded_as_fingerprinted()  # else no bundle or snapshot answers
+            shelf = snapshots if fine else None
             ours = [e.cache for e in self._entries if e.cache.model_key == model_key]
             held = {id(c) for c in ours if not entry_usable(mounted, c, prompt_tokens, shelf)}
             usable = [c.tokens for c in ours if id(c) not in held]
             own = max((common_prefix_len(t, prompt_tokens) for t in usable), default=0)
-            hit = mounted.manager.fetch(BUNDLE_KEY, prompt_tokens)
+            hit = mounted.manager.fetch(BUNDLE_KEY, prompt_tokens if fine else [])
             better = max(own, hit.cache_hit_tokens)  # a snapshot answers only where it covers more
             found, keep, _ = snapshot_answer(shelf, prompt_tokens, better, SERVER)
             if found is None and log_request(SERVER, hit, len(prompt_tokens), own):
