@@ -142,7 +142,8 @@ def warm_up_handler(mounted: Mounted, model: str) -> None:
         ready = await original(self, *args, **kwargs)
         body = warm_up.body_of(bundle, model, "openai")
         request = lambda: self.generate_text_response(ChatCompletionRequest(**body))  # noqa: E731
-        await warm_up.run_logged(SERVER, mounted, [bundle], request)
+        # its scheduler may store the warm-up's entry after the response: hand-outs count
+        await warm_up.run_logged(SERVER, mounted, [bundle], request, keeps_nothing=False)
         return ready
 
     MLXLMHandler.initialize = initialize

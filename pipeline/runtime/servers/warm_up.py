@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager, contextmanager, nullcontext
 from typing import Any
 
 from pipeline.format.errors import PipelineError
@@ -76,13 +76,19 @@ def warming() -> Iterator[None]:
 
 
 async def run_logged(
-    server: str, mounted: Any, bundles: list[Any], send: Callable[[], Awaitable[None]]
+    server: str,
+    mounted: Any,
+    bundles: list[Any],
+    send: Callable[[], Awaitable[None]],
+    keeps_nothing: bool = True,
 ) -> bool:
-    """Run `send` (the requests of `bundles`, the warm-up first) with WARMING set (and the
-    bundles' hand-outs provisional); one line saying what it took, or why it failed (False)."""
+    """Run `send` (the requests of `bundles`, the warm-up first) with WARMING set; one line saying
+    what it took, or why it failed (False). `keeps_nothing`: the server stores nothing of them
+    once `send` returns, so their bundles' hand-outs are provisional (PromptCacheManager)."""
     start = time.perf_counter()
+    provisional = mounted.manager.provisional() if keeps_nothing else nullcontext()
     try:
-        with warming(), mounted.manager.provisional():
+        with warming(), provisional:
             await send()
     except Exception as exc:  # optional: the server serves without it
         log.warning("%s: warm-up failed (%s); serving without it", server, _one_line(exc))
