@@ -9,6 +9,7 @@ on Linux (its image and audio routes need mflux and misaki), so the tests serve 
 from __future__ import annotations
 
 import sys
+import types
 
 
 def main() -> None:
@@ -29,12 +30,12 @@ def main() -> None:
     app.include_router(router)
     app.include_router(models_router)
     app.get("/health")(lambda: {"status": "ok"})
+    main_module = types.ModuleType("mlx_omni_server.main")  # where the hook imports omni's app
+    main_module.app = app
+    sys.modules[main_module.__name__] = main_module
 
     class ChatRoute(Hook):
         """omni's hook, serving this chat-only app instead of omni's whole one."""
-
-        def _app(self) -> FastAPI:
-            return app
 
         def launch(self, mounted: object, options: ServeOptions) -> int:
             port = int(options.passed("--port") or 10240)  # omni's default port
