@@ -18,7 +18,7 @@ from pipeline.format.errors import PipelineError
 from pipeline.format.fingerprint import file_digests, sha256_bytes
 from pipeline.format.manifest import Manifest, manifest_bytes
 from pipeline.format.secret_key import generate
-from pipeline.runtime.snapshot_store import Entry
+from pipeline.runtime.snapshot_store import MARK_TEXT, SET_MARK, Entry
 from pipeline.runtime.snapshots import DEFAULT_BUDGET, Snapshots, parse_size
 
 TOKENS = [(7 * i + 3) % 900 + 10 for i in range(300)]
@@ -49,7 +49,7 @@ def save_one(root: Path, model_dir: Path, lossy: bool = False) -> Path:
     entry = Entry(TOKENS, prefilled(model_dir, TOKENS), "test", lossy)
     snaps.save([(1, entry)], lambda ids: 0)
     snaps.close()
-    (folder,) = (root / "set-1").iterdir()
+    (folder,) = (p for p in (root / "set-1").iterdir() if p.name != SET_MARK)
     return folder
 
 
@@ -172,7 +172,9 @@ def test_a_stop_cut_short_leaves_the_previous_set(
     tmp_path: Path, tiny_model: Path, host: Path, caplog
 ):
     save_one(tmp_path / "snaps", tiny_model)
-    (tmp_path / "snaps" / ".staging-1-2" / "00-half").mkdir(parents=True)  # a crash mid-save
+    staging = tmp_path / "snaps" / ".staging-1-2"
+    (staging / "00-half").mkdir(parents=True)  # a crash mid-save
+    (staging / SET_MARK).write_bytes(MARK_TEXT)
     snaps = restore(tmp_path / "snaps", tiny_model, caplog)
     assert "restored 1 of 1 from" in caplog.text
     assert sorted(p.name for p in (tmp_path / "snaps").iterdir()) == [".lock", "set-1"]

@@ -18,7 +18,7 @@ from test_snapshots import TOKENS, host, prefilled, restore, save_one  # noqa: F
 from pipeline.cli import main
 from pipeline.format.errors import PipelineError
 from pipeline.runtime import snapshot_store
-from pipeline.runtime.snapshot_store import Entry
+from pipeline.runtime.snapshot_store import MARK_TEXT, SET_MARK, Entry
 from pipeline.runtime.snapshots import DEFAULT_BUDGET, Snapshots
 
 pytestmark = pytest.mark.usefixtures("host")  # a host key folder of each test's own
@@ -54,7 +54,7 @@ import resource, signal, sys
 from pipeline.format.errors import PipelineError
 from pipeline.runtime.snapshots import DEFAULT_BUDGET, Snapshots
 from test_snapshots import TOKENS, prefilled
-from pipeline.runtime.snapshot_store import Entry
+from pipeline.runtime.snapshot_store import MARK_TEXT, SET_MARK, Entry
 root, model = sys.argv[1], sys.argv[2]
 entry = Entry(TOKENS, prefilled(model, TOKENS), "test", False)
 snaps = Snapshots(root, DEFAULT_BUDGET, model, None, "mlx-lm")
@@ -143,6 +143,7 @@ def test_an_empty_set_out_of_range_neither_costs_the_good_set_nor_leaves_the_ran
     root = tmp_path / "snaps"
     good = set_two(root, tiny_model)
     (root / "set-999999999").mkdir()
+    (root / "set-999999999" / SET_MARK).write_bytes(MARK_TEXT)  # serve's, with no snapshot
     snaps = restore(root, tiny_model, caplog)
     assert f"snapshots: {root / 'set-999999999'} holds no snapshot; skipped" in caplog.text
     assert f"snapshots: restored 1 of 1 from {good} " in caplog.text

@@ -298,6 +298,11 @@ class Manifest(Record):
                 raise ValueError(
                     f"a snapshot manifest has a snapshot record and no {', '.join(extra) or 'prefix'}"
                 )
+            if self.cache.kv_bits is not None and not self.snapshot.lossy:
+                raise ValueError(
+                    f"snapshot.lossy is false for {self.cache.kv_bits}-bit KV (cache.kv_bits): "
+                    "quantized KV is lossy"
+                )
             return self
         missing = [k for k in ("prefix", "text") if getattr(self, k) is None]
         if missing or self.snapshot is not None:

@@ -16,8 +16,10 @@ class FileProblem(ValueError):
 
 
 def kind_of(mode: int) -> str:
-    """'directory', 'FIFO', 'socket', ... for a st_mode that is not a regular file."""
+    """'a directory', 'a FIFO', 'a regular file', ... for a st_mode (what a path is, for a
+    message saying it is not what was expected)."""
     kinds = {
+        stat.S_ISREG: "a regular file",
         stat.S_ISDIR: "a directory",
         stat.S_ISFIFO: "a FIFO",
         stat.S_ISSOCK: "a socket",
@@ -25,7 +27,7 @@ def kind_of(mode: int) -> str:
         stat.S_ISBLK: "a block device",
         stat.S_ISLNK: "a symlink",
     }
-    return next((name for test, name in kinds.items() if test(mode)), "not a regular file")
+    return next((name for test, name in kinds.items() if test(mode)), "of an unknown file type")
 
 
 def read_regular(path: Path, max_bytes: int) -> bytes:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 from pipeline.format.errors import PipelineError
@@ -65,8 +66,9 @@ def _check_private(path: Path, what: str, forbidden: int) -> None:
 
 def _create(path: Path, text: str) -> None:
     """Write the key once, atomically (a concurrent first start keeps the first key)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    # a name no earlier start can have left behind (a container reuses its pids)
+    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = Path(name)
     try:
         with os.fdopen(fd, "w", encoding="ascii") as out:
             out.write(text)

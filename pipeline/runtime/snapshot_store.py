@@ -9,7 +9,9 @@ DIR/
   .staging-<pid>-<ns>/        a set being written; renamed to set-<N+1> once complete
 
 A set appears by one rename; older sets and staging leftovers (a crash, a stop cut short) are
-removed at the next start or save, so a half-written set is never read.
+removed at the next start or save, so a half-written set is never read. Serve reads and removes
+only what it wrote: a set or staging folder holds SET_MARK, written first; anything else in DIR
+(an operator's own `set-2/`) is left as it is, with a warning.
 """
 
 from __future__ import annotations
@@ -62,7 +64,9 @@ from pipeline.runtime.prompt_cache import fork_cache
 LOCK_FILE = ".lock"
 SET_NAME = re.compile(r"^set-([1-9][0-9]{0,8})\Z")
 MAX_SET = 999_999_999  # the highest number SET_NAME matches
-STAGING_PREFIX = ".staging-"
+STAGING_NAME = re.compile(r"^\.staging-[0-9]+-[0-9]+\Z")
+SET_MARK = ".snapshot-set"  # in every set and staging folder serve writes (its first file)
+MARK_TEXT = b"a set of runtime snapshots written by serve --snapshots (prefix-bundles)\n"
 
 
 @dataclass(frozen=True)
@@ -103,15 +107,17 @@ class SnapshotFolder:
 
     def scan(self) -> tuple[list[tuple[int, Path]], list[Path], list[tuple[Path, str]]]:
         """(the sets, newest first; staging leftovers; what is neither, with why). A set or a
-        staging folder is a real folder (a link is never followed) of a name serve writes."""
+        staging folder is a real folder (a link is never followed) of a name serve writes, with
+        serve's mark in it (a staging folder may lack it: a crash right after its mkdir)."""
         sets, staging, strays = [], [], []
         for entry in sorted(os.scandir(self.root), key=lambda e: e.name):
             path, folder = Path(entry.path), entry.is_dir(follow_symlinks=False)
             if entry.name == LOCK_FILE:
                 continue
-            if folder and (match := SET_NAME.match(entry.name)):
-                sets.append((int(match[1]), path))
-            elif folder and entry.name.startswith(STAGING_PREFIX):
+            set_name, staged = SET_NAME.match(entry.name), STAGING_NAME.match(entry.name)
+            if folder and set_name and _marked(path):
+                sets.append((int(set_name[1]), path))
+            elif folder and staged and (_marked(path) or _empty(path)):
                 staging.append(path)
             else:
                 strays.append((path, _stray(entry, folder)))
@@ -123,7 +129,7 @@ class SnapshotFolder:
 
     def strays(self) -> list[str]:
         """One line for each entry that is neither a set nor staging (left as it is)."""
-        return [f"{path} {why}; skipped (left as it is)" for path, why in self.scan()[2]]
+        return [f"{shown(path)} {why}; skipped (left as it is)" for path, why in self.scan()[2]]
 
     def tidy(self) -> None:
         """Remove staging leftovers (a crash mid-save; this process holds the lock)."""
@@ -164,9 +170,10 @@ class SnapshotFolder:
         return final
 
     def _publish(self, entries: Sequence[Entry], context: Context, key: Any, final: Path) -> Path:
-        staging = self.root / f"{STAGING_PREFIX}{os.getpid()}-{time.monotonic_ns()}"
+        staging = self.root / f".staging-{os.getpid()}-{time.monotonic_ns()}"
         staging.mkdir(mode=0o700)
         try:
+            _write_private(staging / SET_MARK, MARK_TEXT)
             for rank, entry in enumerate(entries):
                 write_snapshot(staging, rank, entry, context, key)
             _fsync(staging)
@@ -184,9 +191,43 @@ def _stray(entry: os.DirEntry, folder: bool) -> str:
         return "is a symbolic link (never followed)"
     if not folder:
         return "is not a folder"
+    if SET_NAME.match(entry.name) or STAGING_NAME.match(entry.name):
+        return f"was not written by serve (it has no {SET_MARK})"
     if entry.name.startswith("set-"):
         return f"is not a set name (set-1 to set-{MAX_SET})"
     return "is not a snapshot set"
+
+
+def _marked(folder: Path) -> bool:
+    """The folder holds serve's mark: a regular file of exactly MARK_TEXT (never a link)."""
+    try:
+        fd = os.open(folder / SET_MARK, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        return stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, 256) == MARK_TEXT
+    finally:
+        os.close(fd)
+
+
+def _empty(folder: Path) -> bool:
+    try:
+        return not any(os.scandir(folder))
+    except OSError:
+        return False
+
+
+def shown(path: Path | str) -> str:
+    """A path as one log line may show it: control characters (a newline in a name someone
+    chose) escaped, so that one line stays one line."""
+    text = str(path)
+    return text if text.isprintable() else repr(text)[1:-1]
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
 
 
 def _free_name(root: Path, sets: list[tuple[int, Path]]) -> Path:
@@ -231,7 +272,13 @@ def lock_folder(root: Path, create: bool) -> int:
     """DIR's lock, held until closed (-1: a listing of a folder no serve has used)."""
     import fcntl
 
-    flags = (os.O_RDWR | os.O_CREAT if create else os.O_RDONLY) | os.O_NOFOLLOW
+    # never blocks on a FIFO someone put there; only a regular file is a lock
+    flags = (os.O_RDWR | os.O_CREAT if create else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK
+    if not os.access(root, os.R_OK | os.W_OK | os.X_OK):
+        raise PipelineError(
+            f"--snapshots {root}: this user cannot read and write the folder (mode "
+            f"{stat.S_IMODE(os.stat(root).st_mode):04o}); give it mode 0700 or pass another folder"
+        )
     try:
         fd = os.open(root / LOCK_FILE, flags, 0o600)
     except FileNotFoundError:
@@ -240,6 +287,11 @@ def lock_folder(root: Path, create: bool) -> int:
         raise PipelineError(
             f"--snapshots {root}: {LOCK_FILE} cannot be opened ({exc.strerror}); remove it"
         ) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise PipelineError(
+            f"--snapshots {root}: {LOCK_FILE} is not a regular file; remove it (serve makes it)"
+        )
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -275,6 +327,7 @@ def write_snapshot(parent: Path, rank: int, entry: Entry, context: Context, key:
     for name in (CACHE_FILE, MANIFEST_FILE, SUMS_FILE, SIGNATURE_FILE):
         os.chmod(folder / name, 0o600)
         _fsync(folder / name)
+    _fsync(folder)  # its entries too: a power loss after the set's rename keeps them
     return folder
 
 
@@ -330,7 +383,7 @@ def snapshot_manifest(
         snapshot=SnapshotInfo(
             server=context.server,
             source=entry.source,
-            lossy=entry.lossy,
+            lossy=entry.lossy or kv["bits"] is not None,  # quantized KV is lossy, always
             continued_from=entry.continued_from,
             rank=rank,
         ),
@@ -371,7 +424,11 @@ def read_set(
     """Every snapshot of a set through the one validator, signed by the host key only; the
     refused ones with their reasons."""
     mounted, refused = [], []
-    for path in sorted(p for p in folder.iterdir()):
+    try:
+        paths = sorted(p for p in folder.iterdir() if p.name != SET_MARK)
+    except OSError as exc:
+        return [], [BundleError(shown(folder), f"cannot be read ({exc.strerror or exc})")]
+    for path in paths:
         if path.is_symlink():  # nothing is read through a link out of DIR
             refused.append(BundleError(str(path), "a symbolic link (never followed)"))
             continue
@@ -392,4 +449,12 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-__all__ = ["Context", "Entry", "SnapshotFolder", "cache_facts", "read_set", "write_snapshot"]
+__all__ = [
+    "Context",
+    "Entry",
+    "SnapshotFolder",
+    "cache_facts",
+    "read_set",
+    "shown",
+    "write_snapshot",
+]

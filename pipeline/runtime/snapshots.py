@@ -34,7 +34,14 @@ from pipeline.runtime.prompt_cache import (
     reusable_tokens,
 )
 from pipeline.runtime.snapshot_key import host_key
-from pipeline.runtime.snapshot_store import Context, Entry, SnapshotFolder, cache_facts, read_set
+from pipeline.runtime.snapshot_store import (
+    Context,
+    Entry,
+    SnapshotFolder,
+    cache_facts,
+    read_set,
+    shown,
+)
 
 log = logging.getLogger("prefix-bundles")
 DEFAULT_BUDGET = 2 << 30  # bytes of KV written at a stop (and restored at the next start)
@@ -179,9 +186,15 @@ class Snapshots:
         self._periodic = _Periodic(seconds, listing, covered, time.monotonic())
 
     # --- startup -------------------------------------------------------------------------
-    def restore(self, bundle_tokens: Sequence[Sequence[int]]) -> None:
-        """Mount the newest set through the validator (host key trusted, nothing else); a
-        snapshot whose tokens a mounted bundle holds whole adds nothing and is left out."""
+    def restore(
+        self,
+        bundle_tokens: Sequence[Sequence[int]],
+        unusable: Callable[[Any], str | None] = lambda snapshot: None,
+    ) -> None:
+        """Mount the newest set through the validator (host key trusted, nothing else), hottest
+        first within the byte budget. Left out: a snapshot a mounted bundle or a hotter restored
+        one holds whole (it adds nothing), one the server's options could not use (`unusable`,
+        the hook's rule for bundles: a refusal line), and what no longer fits the budget."""
         start = time.perf_counter()
         self.folder.tidy()
         for line in self.folder.strays():
@@ -192,18 +205,34 @@ class Snapshots:
                 "snapshots: none in %s yet (they are written at a graceful stop)", self.folder.root
             )
             return
-        bundles = [np.asarray(t, dtype=np.int64) for t in bundle_tokens]
-        kept = []
-        for v in sorted(mounted, key=lambda v: -v.manifest.snapshot.rank):  # coldest first
+        held = [np.asarray(t, dtype=np.int64) for t in bundle_tokens]
+        kept, left, total, found, refusals = [], {}, 0, len(mounted) + len(refused), len(refused)
+        for v in sorted(mounted, key=lambda v: v.manifest.snapshot.rank):  # hottest first
             ids = np.asarray(v.tokens, dtype=np.int64)
-            if any(len(ids) <= len(b) and np.array_equal(b[: len(ids)], ids) for b in bundles):
+            why = unusable(v)
+            if why is not None:
+                log.warning("refused snapshot %s: %s", shown(v.path), why)
+                refusals += 1
                 continue
-            kept.append(self._shelve(v, ids))
-        nbytes = sum(s.nbytes for s in kept)
+            if any(len(ids) <= len(h) and np.array_equal(h[: len(ids)], ids) for h in held):
+                why = "held by a bundle or a hotter snapshot"
+            elif total + v.manifest.cache.nbytes > self.budget:
+                why = "over the budget"
+            if why is not None:
+                left[why] = left.get(why, 0) + 1
+                continue
+            held.append(ids)
+            total += v.manifest.cache.nbytes
+            kept.append((v, ids))
+        for v, ids in reversed(kept):  # coldest first: the hottest gets the newest stamp
+            self._shelve(v, ids)
+        left_out = ", ".join(f"{n} {why}" for why, n in sorted(left.items()))
         log.info(
-            "snapshots: restored %d of %d from %s (%d tokens, %.1f MiB), %d refused, in %.1f ms",
-            len(kept), len(mounted) + len(refused), current, sum(len(s.tokens) for s in kept),
-            nbytes / 2**20, len(refused), (time.perf_counter() - start) * 1000,
+            "snapshots: restored %d of %d from %s (%d tokens, %.1f MiB; budget %.1f MiB), "
+            "%d refused%s, in %.1f ms",
+            len(kept), found, current, sum(len(ids) for _, ids in kept), total / 2**20,
+            self.budget / 2**20, refusals,
+            f", left out: {left_out}" if left_out else "", (time.perf_counter() - start) * 1000,
         )  # fmt: skip
 
     def _newest_that_mounts(self) -> tuple[Path | None, list, list]:
@@ -215,7 +244,7 @@ class Snapshots:
         for i, (_, path) in enumerate(sets):
             mounted, refused = read_set(path, self.context.identity, self.key.public_key())
             for exc in refused:
-                log.warning("refused snapshot %s: %s", exc.bundle, exc.reason)
+                log.warning("refused snapshot %s: %s", shown(exc.bundle), shown(exc.reason))
             if mounted:
                 self.folder.drop_sets(path, older_only=True)
                 return path, mounted, refused
@@ -384,14 +413,16 @@ class Snapshots:
             return "of a cache kind not saved", 0
 
 
-def open_snapshots(options: Any, mounted: Any, server: str) -> Snapshots:
+def open_snapshots(options: Any, mounted: Any, hook: Any) -> Snapshots:
     """serve --snapshots DIR (`options`: ServeOptions): lock the folder, restore its newest set
-    after the bundles `mounted`, and make SIGTERM stop the server gracefully (as SIGINT does) so
-    that the entries are saved."""
+    after the bundles `mounted` (what the server's options cannot use refused by `hook`'s rule
+    for bundles), and make SIGTERM stop the server gracefully (as SIGINT does) so that the
+    entries are saved."""
     budget = parse_size(options.snapshot_budget)
     template = options.passed("--chat-template")
-    snapshots = Snapshots(options.snapshots, budget, options.model, template, server)
-    snapshots.restore([b.tokens for b in mounted.result.bundles])
+    snapshots = Snapshots(options.snapshots, budget, options.model, template, hook.name)
+    unusable = lambda snapshot: hook.unusable(snapshot, options)  # noqa: E731
+    snapshots.restore([b.tokens for b in mounted.result.bundles], unusable)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
     return snapshots
@@ -408,14 +439,14 @@ def parent_of_snapshots(options: Any) -> None:
         signal.signal(signal.SIGTERM, _interrupt)
 
 
-def child_snapshots(options: Any, mounted: Any, server: str) -> Snapshots | None:
+def child_snapshots(options: Any, mounted: Any, hook: Any) -> Snapshots | None:
     """The model process's snapshots, locked and restored after its bundles. It ignores SIGTERM
     as the server makes it ignore SIGINT: a signal to the whole group (a service manager's stop)
     must not end it before its parent's orderly stop lets it save; the parent kills it after.
     None without --snapshots."""
     if options.snapshots is None:
         return None
-    snapshots = open_snapshots(options, mounted, server)
+    snapshots = open_snapshots(options, mounted, hook)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return snapshots
 

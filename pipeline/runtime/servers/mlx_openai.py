@@ -119,7 +119,7 @@ def child_worker(model_cfg: dict[str, Any], *rest: Any) -> None:
 
         mounted = mount_for(options, handed["template"])
         mounted.keep_validated(handed["validated"], SERVER, f"the handler process {os.getpid()}")
-        snapshots = child_snapshots(options, mounted, SERVER)
+        snapshots = child_snapshots(options, mounted, Hook())
         prompt_cache.LRUPromptCache = pinned_cache_class(mounted, snapshots)
         if options.warm_up:
             warm_up_handler(mounted, model_cfg.get("served_model_name") or str(options.model))

@@ -132,7 +132,7 @@ def open_snapshots(hook: ServerHook, options: ServeOptions, mounted: Mounted) ->
     """--snapshots: lock the folder, restore its newest set after the bundles."""
     from pipeline.runtime.snapshots import open_snapshots as open_folder
 
-    return open_folder(options, mounted, hook.name)
+    return open_folder(options, mounted, hook)
 
 
 def snapshot_interval(hook: ServerHook, options: ServeOptions) -> float | None:
