@@ -274,6 +274,48 @@ INVALID = [
         "fix the syntax",
     ),
     (
+        "template kwargs hold a TOML date",
+        VALID.replace("[template]\n", "[template]\nkwargs = { today = 1979-05-27 }\n"),
+        {},
+        "template.kwargs: 'today' = 1979-05-27 is a TOML date, which JSON cannot hold; quote it "
+        'as a string: "1979-05-27"',
+    ),
+    (
+        "template kwargs hold a nested TOML datetime",
+        VALID.replace("[template]\n", "[template]\nkwargs = { a = [1, 1979-05-27T07:32:00Z] }\n"),
+        {},
+        "template.kwargs: 'a.1' = 1979-05-27 07:32:00+00:00 is a TOML datetime, which JSON cannot "
+        'hold; quote it as a string: "1979-05-27 07:32:00+00:00"',
+    ),
+    (
+        "template kwargs hold nan",
+        VALID.replace("[template]\n", "[template]\nkwargs = { t = nan }\n"),
+        {},
+        "template.kwargs: 't' = nan is not a number JSON can hold; use a finite number or a string",
+    ),
+    (
+        "template kwargs nested too deep",
+        VALID.replace("[template]\n", "[template]\nkwargs = { t = " + "[" * 80 + "]" * 80 + " }\n"),
+        {},
+        "template.kwargs: 't' is nested more than 64 levels deep; flatten it",
+    ),
+    (
+        "TOML nested past the parser's limit",
+        VALID + "x = " + "[" * 3000 + "]" * 3000 + "\n",
+        {},
+        "not valid TOML (nested too deeply for this parser; flatten it); fix the syntax",
+    ),
+    (
+        "tools file nested past the parser's limit",
+        *with_tools("[" * 100000),
+        "prefix.tools_file: not valid JSON (nested too deeply for this parser; flatten it)",
+    ),
+    (
+        "tools file holds NaN",
+        *with_tools('[{"type": "function", "function": {"name": "f", "parameters": {"x": NaN}}}]'),
+        "prefix.tools_file: not valid JSON (NaN is not a JSON number)",
+    ),
+    (
         "TOML unterminated string",
         VALID.replace('name = "x"', 'name = "x'),
         {},
@@ -316,7 +358,30 @@ def test_invalid_definition_error(
 def test_missing_definition_file(tmp_path: Path) -> None:
     with pytest.raises(DefinitionError) as caught:
         load_definition(tmp_path / "gone.toml")
-    assert str(caught.value) == f"{tmp_path / 'gone.toml'}: file not found"
+    assert str(caught.value) == (
+        f"{tmp_path / 'gone.toml'}: does not exist; a definition must be a regular UTF-8 TOML file "
+        f"(move anything else out of {tmp_path})"
+    )
+
+
+def test_a_definition_that_is_not_a_regular_file_fails_alone(tmp_path: Path) -> None:
+    import os
+
+    from pipeline.builder.batch import load_each
+
+    good = write_definition(tmp_path, VALID, {})
+    (good.parent / "a-folder.toml").mkdir()
+    os.mkfifo(good.parent / "z-fifo.toml")  # opened blocking, it would hang the build
+    loaded, failed = load_each(good.parent, [])
+    assert [d.name for d in loaded] == ["x"]
+    assert [(p.name, str(e)) for p, e in failed] == [
+        (
+            f"{name}.toml",
+            f"{good.parent / name}.toml: is {kind}, not a regular file; a definition must be a "
+            f"regular UTF-8 TOML file (move anything else out of {good.parent})",
+        )
+        for name, kind in (("a-folder", "a directory"), ("z-fifo", "a FIFO"))
+    ]
 
 
 @pytest.mark.parametrize("included", ["x", ""])

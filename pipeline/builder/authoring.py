@@ -274,8 +274,7 @@ def match_request(
     """The request's tokens as `server`'s own request code computes them
     (pipeline.runtime.servers.tokens), and each bundle's match under serve's reuse rule, the
     one serve would use first (none marked chosen: serve runs the request cold)."""
-    from mlx_lm.utils import load_tokenizer
-
+    from pipeline.builder.model_files import load_tokenizer
     from pipeline.runtime import lossy_min_tokens, preference, reusable_tokens
     from pipeline.runtime.servers.tokens import model_type, request_ids
 

@@ -5,9 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import difflib
 import hashlib
-import json
 import re
-import sys
 import unicodedata
 from pathlib import Path
 from typing import Any, Literal, get_args
@@ -21,19 +19,16 @@ from pydantic import (
     model_validator,
 )
 
+from pipeline.builder.plain_data import json_problem, parse_json, parse_toml
 from pipeline.format.errors import DefinitionError
 from pipeline.format.fingerprint import canonical_json
 from pipeline.format.manifest import RequestApi, ServerName
 from pipeline.format.names import MAX_VERSION, NAME_RULE
 from pipeline.format.regular_files import FileProblem, read_text
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
-
 NAME_PATTERN = NAME_RULE  # for pydantic fields; Python code checks names with is_name()
 MAX_INCLUDE_BYTES = 256 << 20
+MAX_DEFINITION_BYTES = 4 << 20  # a definition names its long texts in included files
 
 
 class Strict(BaseModel):
@@ -83,6 +78,14 @@ class TemplateSpec(Strict):
     sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     date: dt.date | None = None  # what strftime_now renders; pin it for date-dependent templates
     kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("kwargs")
+    @classmethod
+    def _plain_json(cls, kwargs: dict[str, Any]) -> dict[str, Any]:
+        problem = json_problem(kwargs)  # hashed as JSON, sent as a request's chat_template_kwargs
+        if problem:
+            raise ValueError(problem)
+        return kwargs
 
     @model_validator(mode="after")
     def _file_when_file(self) -> TemplateSpec:
@@ -203,11 +206,16 @@ class LoadedDefinition(BaseModel):
 def load_definition(path: Path, repo_root: Path | None = None) -> LoadedDefinition:
     """Load, validate and resolve one definition file; raise DefinitionError naming file and field."""
     path = Path(path)
+    try:  # never blocks on a FIFO, never reads a huge file
+        text = read_text(path, MAX_DEFINITION_BYTES)
+    except FileProblem as exc:
+        raise DefinitionError(
+            f"{path}: {exc}; a definition must be a regular UTF-8 TOML file (move anything "
+            f"else out of {path.parent})"
+        ) from None
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise DefinitionError(f"{path}: file not found") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raw = parse_toml(text)
+    except ValueError as exc:
         raise DefinitionError(f"{path}: not valid TOML ({exc}); fix the syntax") from None
     try:
         spec = PrefixDefinition.model_validate(raw)
@@ -330,9 +338,12 @@ def _read_included(rel: str, base: Path, root: Path, path: Path, field: str) -> 
 
 def _parse_tools(text: str, path: Path) -> list[dict[str, Any]]:
     try:
-        tools = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
+        tools = parse_json(text)
+    except ValueError as exc:
         raise DefinitionError(f"{path}: prefix.tools_file: not valid JSON ({exc})") from None
+    problem = json_problem(tools)
+    if problem:
+        raise DefinitionError(f"{path}: prefix.tools_file: {problem}")
     if not isinstance(tools, list) or not tools:
         raise DefinitionError(
             f"{path}: prefix.tools_file: must hold a non-empty JSON list of tools"

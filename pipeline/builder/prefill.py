@@ -13,10 +13,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
-from mlx_lm.utils import load as mlx_load
 
+from pipeline.builder.model_files import load_tokenizer, load_weights
 from pipeline.format.cache_codec import with_state
-from pipeline.format.errors import BuildError, ModelError
+from pipeline.format.errors import BuildError
 from pipeline.format.fingerprint import ModelShape
 
 # (tokens in the cache, total, seconds spent prefilling, of the tokens those reused from a parent)
@@ -64,10 +64,8 @@ def serving_dtype(model: nn.Module) -> mx.Dtype:
 def load_model(model_dir: Path, compute: str | None = None) -> LoadedModel:
     """Load weights and tokenizer, computing in `compute` ("model" or "float32"); by default
     float32 on CPU (no fast half-precision CPU path) and the model's own dtype elsewhere."""
-    try:
-        model, tokenizer = mlx_load(str(model_dir))
-    except (FileNotFoundError, ValueError, OSError) as exc:
-        raise ModelError(f"model {model_dir}: cannot be loaded by mlx_lm ({exc})") from None
+    model, config = load_weights(model_dir)  # ModelError naming a broken file
+    tokenizer = load_tokenizer(model_dir, eos_token_ids=config.get("eos_token_id"))
     dtype = serving_dtype(model)
     compute_dtype = mx.float32 if resolve_compute(compute) == "float32" else dtype
     if compute_dtype != dtype:

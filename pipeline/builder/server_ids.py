@@ -96,7 +96,7 @@ def versions(server: str) -> str:
 @cache
 def server_tokenizer(model_dir: Path, template: str | None) -> Any:
     """mlx-lm's tokenizer with the pinned template, as a server started with --chat-template has."""
-    from mlx_lm.utils import load_tokenizer
+    from pipeline.builder.model_files import load_tokenizer
 
     extra = {"chat_template": template} if template is not None else None
     return load_tokenizer(Path(model_dir), tokenizer_config_extra=extra)

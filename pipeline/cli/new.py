@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         path = new_definition(args.prefixes, args.name, args.model, args.system_file, args.tools)
         notes = []
     (definition,) = load_definitions(args.prefixes, [args.name])
-    from mlx_lm.utils import load_tokenizer
+    from pipeline.builder.model_files import load_tokenizer
 
     tokens = encode(load_tokenizer(Path(args.model)), render_prefix(definition, args.model).text)
     follows = ", ".join(definition.spec.servers)
