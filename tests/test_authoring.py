@@ -213,6 +213,80 @@ def test_new_from_request_refuses_bad_requests_with_one_line(
         assert list(prefixes.iterdir()) == [], case
 
 
+ODD_REQUESTS = [
+    (
+        "nested 100,000 deep",
+        "[" * 100000,
+        "not valid JSON (nested too deeply for this parser; flatten it)",
+    ),
+    (
+        "anthropic without messages",
+        json.dumps({"system": "You are helpful."}),
+        "give a request body, an object with a 'messages' list (OpenAI chat completions or "
+        "Anthropic messages)",
+    ),
+    (
+        "openai tools not a list",
+        json.dumps({"messages": [{"role": "system", "content": "hi"}], "tools": 5}),
+        "tools: 5 is not a list of tools",
+    ),
+    (
+        "anthropic tools not a list",
+        json.dumps({"system": "x", "messages": [], "tools": {"name": "f"}}),
+        'tools: {"name": "f"} is not a list of tools',
+    ),
+    (
+        "anthropic system a number",
+        json.dumps({"system": 5, "messages": []}),
+        "system: 5 is neither a string nor a list of text blocks",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"), [c[1:] for c in ODD_REQUESTS], ids=[c[0] for c in ODD_REQUESTS]
+)
+def test_new_from_an_odd_request_body_is_one_exact_line(
+    tmp_path: Path, tiny_model: Path, capsys, text: str, expected: str
+):
+    prefixes = tmp_path / "prefixes"
+    prefixes.mkdir()
+    body = tmp_path / "request.json"
+    body.write_text(text)
+    code = main(["--prefixes", str(prefixes), "new", "x", "--model", str(tiny_model), "--from-request", str(body)])  # fmt: skip
+    assert code == 1
+    assert capsys.readouterr().err.splitlines() == [f"error: --from-request {body}: {expected}"]
+    assert list(prefixes.iterdir()) == []
+
+
+def test_new_writes_a_model_path_outside_the_bmp_as_valid_toml(
+    tmp_path: Path, tiny_model: Path, capsys
+):
+    import shutil
+
+    from pipeline.builder.definition import load_definition
+
+    model = tmp_path / "models" / 'llama-🦙 "q" \\ \t'
+    shutil.copytree(tiny_model, model)
+    prefixes = tmp_path / "prefixes"
+    prefixes.mkdir()
+    assert main(["--prefixes", str(prefixes), "new", "shop", "--model", str(model)]) == 0
+    written = (prefixes / "shop.toml").read_text(encoding="utf-8")
+    assert 'path = "models/llama-🦙 \\"q\\" \\\\ \\t"' in written
+    assert load_definition(prefixes / "shop.toml").spec.models[0].path == str(
+        model.relative_to(tmp_path)
+    )
+
+
+@pytest.mark.parametrize(
+    "text", ["🦙", 'a"b\\c', "".join(map(chr, range(0x20))) + "\x7f", "é\u2028"]
+)
+def test_toml_string_round_trips(text: str):
+    from pipeline.builder.plain_data import parse_toml, toml_string
+
+    assert parse_toml(f"x = {toml_string(text)}") == {"x": text}
+
+
 def _tree(root: Path) -> dict[str, bytes | None]:
     """Every path under root with its bytes (None for folders): to prove nothing changed."""
     return {
@@ -377,3 +451,11 @@ def test_a_server_without_request_code_is_a_usage_error_and_a_build_error(
     assert main([*argv, *bundles, "build", "x", "--no-check"]) == 1
     err = capsys.readouterr().err
     assert "rapid-mlx's request code runs only inside its app" in err and len(err.splitlines()) == 1
+
+
+def test_is_anthropic_reads_a_body_whose_tools_are_not_a_list():
+    from pipeline.runtime.servers.tokens import is_anthropic
+
+    assert is_anthropic({"messages": [], "tools": 5}) is False
+    assert is_anthropic({"system": "s", "messages": [], "tools": 5}) is True
+    assert is_anthropic({"messages": [], "tools": [{"name": "f", "input_schema": {}}]}) is True

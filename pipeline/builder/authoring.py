@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.builder.definition import ROLES, _parse_tools, load_definition
+from pipeline.builder.plain_data import parse_json, toml_string
 from pipeline.builder.stability import common_prefix_length
 from pipeline.format.errors import DefinitionError, TemplateError
 from pipeline.format.fingerprint import model_chat_template, sha256_text
@@ -74,14 +75,16 @@ def definition_from_request(
 
     where = f"--from-request {request_file}"
     try:
-        body = json.loads(_read_input(request_file, "--from-request"))
+        body = parse_json(_read_input(request_file, "--from-request"))
     except ValueError as exc:
         raise DefinitionError(f"{where}: not valid JSON ({exc})") from None
-    if not isinstance(body, dict) or not isinstance(body.get("messages", []), list):
+    if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
         raise DefinitionError(
-            f"{where}: give a request body, an object with 'messages' (OpenAI chat completions "
-            "or Anthropic messages)"
+            f"{where}: give a request body, an object with a 'messages' list (OpenAI chat "
+            "completions or Anthropic messages)"
         )
+    if not isinstance(body.get("tools") or [], list):
+        raise DefinitionError(f"{where}: tools: {_shown(body['tools'])} is not a list of tools")
     anthropic = is_anthropic(body)
     notes: list[str] = []
     if anthropic:
@@ -123,9 +126,13 @@ def _role(message: Any, where: str) -> str:
     """A message's role from the fixed set a definition allows (it names a file: never a path)."""
     role = message.get("role") if isinstance(message, dict) else None
     if not isinstance(role, str) or role not in ROLES:
-        shown = json.dumps(role, ensure_ascii=True)[:60]
-        raise DefinitionError(f"{where}: role {shown} is not one of {', '.join(ROLES)}")
+        raise DefinitionError(f"{where}: role {_shown(role)} is not one of {', '.join(ROLES)}")
     return role
+
+
+def _shown(value: Any) -> str:
+    """A value of a request as an error line shows it: JSON, ASCII, at most 60 characters."""
+    return json.dumps(value, ensure_ascii=True)[:60]
 
 
 def _text(content: Any, where: str) -> str:
@@ -144,6 +151,10 @@ def _anthropic_system(system: Any, where: str, notes: list[str]) -> list[tuple[s
     """Each text block of an Anthropic `system` as one system message; billing-header blocks
     (per request) left out."""
     blocks = [{"type": "text", "text": system}] if isinstance(system, str) else system or []
+    if not isinstance(blocks, list):
+        raise DefinitionError(
+            f"{where}: system: {_shown(system)} is neither a string nor a list of text blocks"
+        )
     out = []
     for i, block in enumerate(blocks):
         text = _text([block], f"{where}: system.{i}")
@@ -188,7 +199,7 @@ def _write_definition(
         raise DefinitionError(f"name {name[:80]!r}: use {NAME_HINT}")
     bad = [role for role, _ in messages if role not in ROLES]
     if bad:  # callers validate roles; a file name is never made from anything else
-        raise DefinitionError(f"role {json.dumps(bad[0])[:60]} is not one of {', '.join(ROLES)}")
+        raise DefinitionError(f"role {_shown(bad[0])} is not one of {', '.join(ROLES)}")
     path, folder = prefix_dir / f"{name}.toml", prefix_dir / name
     _refuse_existing(path, folder)
     template = model_chat_template(model_dir)
@@ -204,19 +215,20 @@ def _write_definition(
     try:
         (stage / name).mkdir()
         lines = [f'name = "{name}"', "version = 1"]
-        lines += [f"{key} = {json.dumps(value)}" for key, value in extra.items()]
+        lines += [f"{key} = {_toml_value(value)}" for key, value in extra.items()]
         lines += ["", "[template]", 'source = "model"']
         lines += [f'sha256 = "{sha256_text(template)}"', "", "[prefix]"]
         if tools is not None:
-            (stage / name / "tools.json").write_text(tools)
+            (stage / name / "tools.json").write_text(tools, encoding="utf-8")
             lines.append(f'tools_file = "{name}/tools.json"')
         for i, (role, text) in enumerate(messages):
             file = f"{role}.md" if len(messages) == 1 else f"{i + 1}-{role}.md"
-            (stage / name / file).write_text(text)
-            lines += ["", "[[prefix.messages]]", f"role = {json.dumps(role)}"]
+            (stage / name / file).write_text(text, encoding="utf-8")
+            lines += ["", "[[prefix.messages]]", f"role = {toml_string(role)}"]
             lines.append(f'content_files = ["{name}/{file}"]')
-        lines += ["", "[[models]]", f"path = {json.dumps(_model_ref(model_dir, repo_root))}", ""]
-        (stage / path.name).write_text("\n".join(lines))
+        model = _toml_value(_model_ref(model_dir, repo_root))
+        lines += ["", "[[models]]", f"path = {model}", ""]
+        (stage / path.name).write_text("\n".join(lines), encoding="utf-8")
         try:
             load_definition(stage / path.name, repo_root)
         except DefinitionError as exc:  # name the file as it would have been, not the staging
@@ -224,9 +236,18 @@ def _write_definition(
         _move_into_place(stage, path, folder)
     except OSError as exc:
         raise DefinitionError(f"cannot write {path}: {exc.strerror}; nothing was written") from None
+    except ValueError as exc:  # a lone surrogate: a path whose bytes are not UTF-8
+        raise DefinitionError(f"cannot write {path}: {exc}; rename it") from None
     finally:
         shutil.rmtree(stage, ignore_errors=True)
     return path
+
+
+def _toml_value(value: str | list[str]) -> str:
+    """A string or a list of strings as TOML (ValueError for a lone surrogate)."""
+    if isinstance(value, str):
+        return toml_string(value)
+    return "[" + ", ".join(map(toml_string, value)) + "]"
 
 
 def _refuse_existing(path: Path, folder: Path) -> None:

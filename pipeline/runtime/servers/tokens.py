@@ -57,7 +57,7 @@ def encode_text(server: str, tokenizer: Any, text: str) -> list[int]:
 
 def is_anthropic(body: dict[str, Any]) -> bool:
     """An Anthropic Messages body (top-level `system`, or tools with `input_schema`)."""
-    tools = body.get("tools") or []
+    tools = body.get("tools") if isinstance(body.get("tools"), list) else []  # checked by callers
     return "system" in body or any(isinstance(t, dict) and "input_schema" in t for t in tools)
 
 
