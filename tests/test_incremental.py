@@ -441,16 +441,22 @@ def test_a_parent_this_builder_did_not_write_follows_the_parent_check(
         assert "parent_warning" in new.report
         assert_same_as_full_build(new, root, "shop", tmp_path)
     elif policy == "sample":
-        assert parent.checked.startswith(
+        assert parent.checked == (
             "spot check: neither signed by a --trusted-key nor built by this builder; two "
             f"64-token windows recomputed (tokens 0-64 and {parent.reused_tokens - 64}-"
-            f"{parent.reused_tokens}) matched within tolerance ("
+            f"{parent.reused_tokens}) matched within tolerance"
         )
     else:
         assert parent.checked.startswith("spot check: neither signed by a --trusted-key nor built")
-        assert "byte-identical" in parent.checked
+        assert parent.checked.endswith("byte-identical")
     if parent is not None:
         assert_continues(new, old.bundle)
+        # the spot check's time goes to build-report.json: identical inputs, identical manifest
+        assert new.report["parent_check_seconds"] > 0
+        manifest = (new.bundle / MANIFEST_FILE).read_bytes()
+        again = run_build(root, parent_check=policy, force=True)
+        assert again.manifest.parent.checked == parent.checked
+        assert (again.bundle / MANIFEST_FILE).read_bytes() == manifest
     # the child was written by this builder: the next version reuses it with no recompute
     define(root, tiny_model, version=3, system=SYSTEM + MORE + " Ask for the order id first.")
     third = run_build(root)

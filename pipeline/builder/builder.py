@@ -394,11 +394,13 @@ def _produce(job: Job, bundles_root: Path, tmp: Path) -> tuple[Manifest, dict[st
     cache, stats = prefill(loaded, cut.tokens, d.spec.cache.prefill_step_size, job.progress, start)
     parent = resume.parent if resume else None
     inherited = resume.inherited if resume else None
+    check_seconds = round(resume.check_seconds, 4) if resume else 0.0
     del resume, start  # the parent's arrays: the prefill's cache holds what it needs
     report_extra = {
         "reused_tokens": parent.reused_tokens if parent else 0,
         "reuse": reuse_note,
         "parent_seconds": parent_seconds,
+        "parent_check_seconds": check_seconds,  # proving the parent (a spot check: its prefill)
         "load_seconds": round(load_seconds, 4),
     }
     if REFUSED_PARENT in reuse_note:  # a parent failed its spot check: the CLI warns

@@ -94,6 +94,7 @@ class Resume:
     path: Path
     refused: tuple[str, ...] = ()  # parents passed over after validation or the spot check, why
     inherited: InheritedCheck | None = None  # the serving comparison its first positions carry
+    check_seconds: float = 0.0  # the spot check's time: for build-report.json, not the manifest
 
 
 def find_parent(
@@ -242,12 +243,13 @@ def _load(bundle: Path, manifest: Manifest, wanted: Wanted) -> tuple[Resume | No
     how = _prove(checked, wanted, done)
     if how.startswith(SPOT_CHECK) or how.startswith(UNPROVEN_REFUSAL):
         return None, how
-    how += f" ({time.perf_counter() - start:.2f} s)" if how.startswith("spot check") else ""
+    seconds = time.perf_counter() - start  # the manifest says how, identical builds alike
     import mlx.core as mx
 
     cache = replay(checked.cache, done, getattr(mx, wanted.compute_dtype))
     record = _record(checked, done, how, wanted)
-    return Resume(cache, done, record, bundle, inherited=_inherited(checked, done)), None
+    inherited = _inherited(checked, done)
+    return Resume(cache, done, record, bundle, inherited=inherited, check_seconds=seconds), None
 
 
 UNPROVEN_REFUSAL = f"not reused: {UNPROVEN}"
