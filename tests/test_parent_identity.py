@@ -245,3 +245,68 @@ def test_a_private_cache_folder_reached_through_a_link_keeps_the_build_record(
     assert child.manifest.parent is not None
     assert child.manifest.parent.checked.startswith("built by this builder")
     assert (tmp_path / "real" / "built-caches.json").is_file()
+
+
+def test_a_copy_of_the_bundle_this_build_writes_is_not_its_parent(tmp_path: Path, tiny_model: Path):
+    """A copy of the destination (same prefix, version and weights) is refused as --parent: the
+    child would record itself as its own parent and reuse all of its own tokens."""
+    root = tmp_path / "project"
+    define(root, tiny_model)
+    run_build(root)
+    define(root, tiny_model, version=2, system=SYSTEM + MORE)
+    dest = run_build(root).bundle
+    shutil.copytree(dest, tmp_path / "copy")
+    with pytest.raises(BuildError) as caught:
+        run_build(root, force=True, parent=tmp_path / "copy")
+    assert str(caught.value) == (
+        f"--parent {tmp_path / 'copy'}: cannot be reused (it is shop@2 for these weights: the "
+        "bundle this build writes, or a copy of it); pass another bundle or drop --parent to "
+        "build from token 0"
+    )
+
+
+def as_snapshot(bundle: Path) -> None:
+    """Make a bundle's manifest a schema-valid runtime snapshot's (as serve --snapshots writes)."""
+
+    def change(raw: dict) -> None:
+        for key in ("prefix", "text", "request", "parent"):
+            raw.pop(key, None)
+        raw["kind"] = "snapshot"
+        raw["snapshot"] = {"server": "mlx-lm", "source": "prompt cache", "lossy": False, "rank": 0}
+
+    rewrite(bundle, change)
+
+
+def test_a_snapshot_in_the_bundles_tree_is_no_parent_and_no_build(
+    tmp_path: Path, tiny_model: Path, capsys
+):
+    """A runtime snapshot where a build looks for parents is passed over with its reason, and
+    one where a build writes is that definition's one error line: the others are built."""
+    from pipeline.cli import main
+
+    root = tmp_path / "project"
+    define(root, tiny_model)
+    snapshot = run_build(root).bundle
+    as_snapshot(snapshot)
+    define(root, tiny_model, version=2, system=SYSTEM + MORE)
+    with pytest.raises(BuildError, match=r"cannot be reused \(it is a runtime snapshot \(kind "):
+        run_build(root, parent=snapshot)
+    child = run_build(root)
+    assert child.manifest.parent is None
+    assert (
+        f'{snapshot}: it is a runtime snapshot (kind "snapshot"), not a prefix bundle'
+        in (child.report["reuse"])
+    )
+    define(root, tiny_model, version=1)  # shop@1 again: its folder holds the snapshot
+    define(root, tiny_model, name="zz-other", system=SYSTEM + MORE)
+    argv = ["--prefixes", str(root / "prefixes"), "--bundles", str(root / "bundles")]
+    assert main([*argv, "build", "--no-check", "--force"]) == 1
+    errors = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("error:")]
+    assert errors == [
+        f'error: shop@1 -> tiny: {snapshot}: holds a runtime snapshot (kind "snapshot"), not a '
+        "prefix bundle, where this build writes; move it out of the bundles folder (serve "
+        "--snapshots keeps its own folder) and build again",
+        "error: 1 of 2 definitions failed (shop); the others were built: fix the errors above "
+        "and build again",
+    ]
+    assert len(list((root / "bundles" / "zz-other" / "1").iterdir())) == 1

@@ -42,7 +42,7 @@ from pipeline.builder.server_ids import check_servers, request_info, server_cut,
 from pipeline.builder.signing import sign_bundle, sign_manifest, signed_by
 from pipeline.builder.stability import StableCut, stable_prefix
 from pipeline.builder.targets import Target
-from pipeline.builder.versioning import check_version
+from pipeline.builder.versioning import check_destination, check_version
 from pipeline.builder.writer import (
     discard,
     free_bytes,
@@ -218,6 +218,7 @@ def build(
     builder = builder_info(d.spec.cache.compute_dtype)
     key = build_key(target, identity, rendered, builder)
     dest = bundle_path(bundles_root, d.name, d.version, target.slug, identity.model)
+    check_destination(dest)
     if parent is not None and parent == dest.resolve():
         raise BuildError(
             f"--parent {parent}: that is the bundle this build writes; pass the bundle it "
@@ -445,6 +446,7 @@ def _resume(job: Job, loaded, tokens: list[int], bundles_root: Path) -> tuple[Re
         trusted_keys=job.trusted_keys, parent_check=job.parent_check,
         stored_dtype=dtype_name(loaded.serving_dtype),
         kv_bits=job.target.definition.spec.cache.kv_bits,
+        writes=(job.target.definition.name, job.target.definition.version),
     )  # fmt: skip
     explicit = job.reuse if isinstance(job.reuse, Path) else None
     return find_parent(bundles_root, wanted, job.dest, explicit)

@@ -40,6 +40,7 @@ from pipeline.builder.parent_checks import (
     sample_check,
     sample_windows,
 )
+from pipeline.builder.versioning import NOT_A_PREFIX
 from pipeline.format.bundle_folder import (
     CACHE_FILE,
     MANIFEST_FILE,
@@ -78,6 +79,7 @@ class Wanted:
     parent_check: str = "proven"  # what to do with a parent neither signed nor built here
     stored_dtype: str | None = None  # the dtype this build stores (None: compute_dtype)
     kv_bits: int | None = None  # this build quantizes its cache (a "continued-quantized" child)
+    writes: tuple[str, int] | None = None  # the prefix name and version this build writes
 
     @property
     def stores(self) -> str:
@@ -169,6 +171,9 @@ def examine(bundle: Path, wanted: Wanted) -> tuple[Manifest | None, str | None]:
         m = read_manifest(bundle, read_sums(bundle)[MANIFEST_FILE])
     except (BundleError, KeyError, OSError) as exc:
         return None, f"unreadable ({exc})"
+    foreign = _not_another_prefix(m, wanted)
+    if foreign:
+        return None, foreign
     b = m.builder
     checks = (
         (m.model.fingerprint == wanted.identity.model, OTHER_WEIGHTS),
@@ -204,6 +209,22 @@ def examine(bundle: Path, wanted: Wanted) -> tuple[Manifest | None, str | None]:
     )  # fmt: skip
     reason = next((why for ok, why in checks if not ok), None)
     return (None, reason) if reason else (m, None)
+
+
+def _not_another_prefix(m: Manifest, wanted: Wanted) -> str | None:
+    """Why a manifest is no other prefix bundle: a runtime snapshot, or the bundle this build
+    writes (its prefix, version and weights), which a copy of it would continue as itself."""
+    if m.prefix is None:
+        return f"it is a {NOT_A_PREFIX.rstrip(',')}"
+    if (
+        m.prefix.name,
+        m.prefix.version,
+    ) == wanted.writes and m.model.fingerprint == wanted.identity.model:
+        return (
+            f"it is {m.prefix.name}@{m.prefix.version} for these weights: the bundle this build "
+            "writes, or a copy of it"
+        )
+    return None
 
 
 def _token_ids(bundle: Path) -> list[int]:

@@ -9,6 +9,8 @@ from pipeline.format.bundle_folder import MANIFEST_FILE, read_manifest
 from pipeline.format.errors import BuildError, BundleError
 from pipeline.format.lockfile import LockedPrefix, LockError, Lockfile
 
+NOT_A_PREFIX = 'runtime snapshot (kind "snapshot"), not a prefix bundle,'
+
 
 def built_contents(bundles_root: Path, name: str, version: int) -> dict[Path, str]:
     """{bundle folder: content_sha256} of every bundle already built for this version."""
@@ -18,10 +20,28 @@ def built_contents(bundles_root: Path, name: str, version: int) -> dict[Path, st
         if not (bundle / MANIFEST_FILE).is_file():
             continue
         try:
-            found[bundle] = read_manifest(bundle, None).prefix.content_sha256
+            prefix = read_manifest(bundle, None).prefix
         except BundleError:
             continue  # a broken bundle proves nothing; it is rebuilt or reported by verify
+        if prefix is not None:  # None: a runtime snapshot, no build of any version
+            found[bundle] = prefix.content_sha256
     return found
+
+
+def check_destination(dest: Path) -> None:
+    """Refuse to replace what is not a prefix bundle (a runtime snapshot) where a build writes."""
+    if not (dest / MANIFEST_FILE).is_file():
+        return
+    try:
+        manifest = read_manifest(dest, None)
+    except BundleError:
+        return  # a broken bundle is rebuilt in its place
+    if manifest.prefix is None:
+        raise BuildError(
+            f"{dest}: holds a {NOT_A_PREFIX} where this build writes; "
+            "move it out of the bundles folder (serve --snapshots keeps its own folder) and build "
+            "again"
+        )
 
 
 def check_version(d: LoadedDefinition, bundles_root: Path, lock: Lockfile) -> None:
