@@ -8,6 +8,7 @@ __all__ = [
     "bundles_tree",
     "definition",
     "demo",
+    "model_files",
     "prefill",
     "render",
     "request",
