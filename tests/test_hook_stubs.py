@@ -493,24 +493,31 @@ class StubOpenAILRU:
     entry with nothing left, a longer entry is trimmed, else the longest stored prefix."""
 
     def __init__(self, max_size: int = 10, max_bytes: int = 1 << 63, cache_dir=None) -> None:
-        self._trie = SimpleNamespace(get=lambda tokens: tuple(tokens))  # the entry: its key here
+        # an entry is its key here; search as its PromptTrie's (exact, shorter, longer, shared)
+        self._trie = SimpleNamespace(get=lambda tokens: tuple(tokens), search=self._search)
         self._lru = SimpleNamespace(_lrus={t: deque() for t in ("assistant", "user", "system")})
         self._stored: dict[tuple[int, ...], list] = {}
 
     def _load_cache_from_disk(self, entry) -> list:
         return copy.deepcopy(self._stored[entry])  # a new copy, as unpickling gives
 
-    def fetch_nearest_cache(self, tokens_ids, *, allowed_sources=None):
-        if tuple(tokens_ids) in self._stored:
-            return self._load_cache_from_disk(tuple(tokens_ids)), []
-        shared = {k: stub_common_prefix_len(k, tokens_ids) for k in self._stored}
-        shorter = max((k for k in shared if shared[k] == len(k)), key=len, default=())
+    def _search(self, tokens) -> SimpleNamespace:
+        exact = tuple(tokens) if tuple(tokens) in self._stored else None
+        shared = {k: stub_common_prefix_len(k, tokens) for k in self._stored}
+        shorter = max(
+            (k for k in shared if shared[k] == len(k) != len(tokens)), key=len, default=None
+        )
         longer = max((k for k in shared if shared[k] < len(k)), key=shared.get, default=None)
-        if longer is not None and shared[longer] > len(shorter):
-            cache, keep = (
-                self._load_cache_from_disk(longer),
-                min(len(tokens_ids) - 1, shared[longer]),
-            )
+        common = shared[longer] if longer is not None else 0
+        return SimpleNamespace(exact=exact, shorter=shorter, longer=longer, common_prefix=common)
+
+    def fetch_nearest_cache(self, tokens_ids, *, allowed_sources=None):
+        found = self._search(tokens_ids)
+        if found.exact is not None:
+            return self._load_cache_from_disk(found.exact), []
+        shorter, longer, shared = found.shorter or (), found.longer, found.common_prefix
+        if longer is not None and shared > len(shorter):
+            cache, keep = self._load_cache_from_disk(longer), min(len(tokens_ids) - 1, shared)
             for layer in cache:
                 layer.trim(len(longer) - keep)
             return cache, list(tokens_ids[keep:])
@@ -674,6 +681,18 @@ def test_every_hooked_cache_holds_its_own_lossy_entry_to_the_rule_also_after_a_r
     assert hooked.fetch([*lossy, 99]) == len(lossy)  # its whole share: allowed
 
 
+def test_every_hooked_cache_holds_its_own_quantized_entry_to_half_its_own_length(hooked):
+    """An entry of quantized KV (the server's --kv-bits, or a request continued from a 4-bit
+    bundle) serves a request only for at least half its own tokens, though its hand-out is
+    trimmed to the shared part (before: mlx_lm.server served 1,334 of a 5,324-token 8-bit entry,
+    floored only by the 361-token bundle's half)."""
+    entry = opening_apart(hooked.prefix, 40)  # no bundle shares its opening
+    hooked.store(entry, quantized_bundle(hooked.model, entry))
+    assert hooked.fetch([*entry[:19], 99, 98]) == 0  # 19 of its 40 tokens
+    assert hooked.fetch([*entry[:20], 99, 98]) == 20  # its half
+    assert hooked.fetch([*entry, 99]) == 40
+
+
 def test_a_lossy_bundle_no_request_took_leaves_the_servers_own_cache_whole(hooked):
     """A 4-bit bundle pinned, and the server's own exact entry for another prompt that shares
     only the template's opening with it: nothing can descend from a bundle no request took, so
@@ -714,14 +733,16 @@ def test_the_pool_and_lru_stubs_have_the_methods_and_parameters_of_the_installed
         "import inspect, json\n"
         "from mlx_omni_server.chat.mlx.prompt_cache import PromptCache\n"
         "from mlx_omni_server.chat.mlx.prompt_cache_pool import PromptCachePool\n"
-        "from app.utils.prompt_cache import LRUPromptCache\n"
+        "from app.utils.prompt_cache import LRUPromptCache, PromptTrie, PromptTrieResult\n"
         "s = lambda f: list(inspect.signature(f).parameters)\n"
         "print(json.dumps({'pool': {n: s(getattr(PromptCachePool, n)) for n in "
         "('__init__', 'get_cache', 'put_cache', '_evict_expired')}, "
         "'cache': s(PromptCache), "
         "'lru': {n: s(getattr(LRUPromptCache, n)) for n in "
         "('__init__', 'fetch_nearest_cache', 'insert_cache', 'clear', 'close', '__len__', "
-        "'_load_cache_from_disk')}}))\n"
+        "'_load_cache_from_disk')}, "
+        "'search': s(PromptTrie.search), "
+        "'result': sorted(vars(PromptTrieResult(None, None, None, 0)))}))\n"
     )
     python = servers_env.servers_python()
     done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=300)
@@ -733,6 +754,9 @@ def test_the_pool_and_lru_stubs_have_the_methods_and_parameters_of_the_installed
     assert real["cache"] == shape(StubPromptCache)
     for name, params in real["lru"].items():
         assert params == shape(getattr(StubOpenAILRU, name)), name
+    # the trie a hook asks which entry a trimmed hand-out came from (lru_cache.entry_length)
+    assert real["search"] == ["self", *shape(StubOpenAILRU()._trie.search)]
+    assert real["result"] == sorted(vars(StubOpenAILRU()._trie.search([1])))
 
 
 @pytest.mark.parametrize(

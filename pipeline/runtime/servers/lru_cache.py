@@ -11,7 +11,7 @@ import logging
 from typing import Any
 
 from pipeline.format.errors import PipelineError
-from pipeline.runtime.prompt_cache import fork_cache, is_lossy
+from pipeline.runtime.prompt_cache import fork_cache, is_lossy, lossy_min_tokens
 from pipeline.runtime.snapshot_store import Entry
 
 log = logging.getLogger("prefix-bundles")
@@ -97,8 +97,32 @@ def pinned_lru_class(base: type, mounted: Any, snapshots: Any, server: str) -> t
             self.stamps: dict[tuple[int, ...], int] = {}
             PinnedLRU.instances.append(self)
 
-        def answer(self, tokens: list[int], own: Any, batched: bool, bundles: bool = True) -> Any:
-            return mounted.answer(server, tokens, own, batched, snapshots, bundles=bundles)
+        def answer(
+            self, tokens: list[int], own: Any, batched: bool, bundles: bool = True, key: Any = None
+        ) -> Any:
+            """`own(tokens)` asks this trie under `key` (None: a trie of one model, no key)."""
+
+            def held_to_its_length(t: list[int]) -> tuple[Any, list[int]]:
+                cache, rest = own(t)  # a quantized entry: only for its share of its own length
+                if cache is not None and is_lossy(cache):
+                    if len(t) - len(rest) < lossy_min_tokens(self.entry_length(key, t)):
+                        return None, list(t)
+                return cache, rest
+
+            fetch = held_to_its_length
+            return mounted.answer(server, tokens, fetch, batched, snapshots, bundles=bundles)
+
+        def entry_length(self, key: Any, tokens: list[int]) -> int:
+            """The length of the stored entry the trie hands out for `tokens` (a longer one is
+            handed out trimmed: the hand-out hides its length), picked as mlx-lm's
+            fetch_nearest_cache picks it."""
+            found = self._trie.search(*(() if key is None else (key,)), list(tokens))
+            shorter = len(found.shorter) if found.shorter is not None else 0
+            if found.exact is not None:
+                return len(tokens)
+            if found.longer is not None and found.common_prefix > shorter:
+                return len(found.longer)
+            return shorter
 
         def stamped(self, tokens: list[int], cache: Any) -> None:
             if snapshots is not None:

@@ -127,7 +127,7 @@ def bundled_prompt_cache_class(mounted: Mounted, model_path: str, snapshots: Any
             fetch = lambda t: super(BundledPromptCache, self).fetch_nearest_cache(model, t)  # noqa: E731
             if model != (model_path, None, None) or not tokens:
                 return at_least_one_left(fetch, tokens)
-            return self.answer(tokens, fetch, batched=not self.single_path)[:2]
+            return self.answer(tokens, fetch, batched=not self.single_path, key=model)[:2]
 
         def insert_cache(self, model: Any, tokens: list[int], *args: Any, **kwargs: Any) -> None:
             super().insert_cache(model, tokens, *args, **kwargs)

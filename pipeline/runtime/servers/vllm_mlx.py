@@ -200,13 +200,13 @@ def pinned_trie_class(mounted: Mounted, snapshots: Any = None) -> type:
             own = super().fetch_nearest_cache
             fetch = lambda t: own(self.key(model), t)  # noqa: E731
             # SimpleEngine generates one request at a time (stream_generate): no merge needed
-            cache, rest, from_bundle = self.answer(tokens, fetch, batched=False)
+            cache, rest, from_bundle = self.answer(tokens, fetch, False, key=self.key(model))
             system = snapshot_tokens(tokens)
             if from_bundle and len(tokens) - len(rest) < system - SNAPSHOT_SLACK(system):
                 # a bundle well short of the system prefix (a template's opening, an older
                 # version's start): vllm-mlx's own snapshot of that prefix, taken only on a
                 # trie miss, serves the whole prefix from the next request on
-                cache, rest, _ = self.answer(tokens, fetch, batched=False, bundles=False)
+                cache, rest, _ = self.answer(tokens, fetch, False, False, self.key(model))
             usage.record(0 if cache is None else len(tokens) - len(rest))
             return cache, rest
 
