@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.format.bundle_folder import MANIFEST_FILE
+from pipeline.format.errors import PipelineError
 
 from conftest import SYSTEM, TOOLS
 
@@ -386,6 +387,64 @@ def test_kv_bits_other_than_the_bundles_is_not_used_and_the_log_says_each_precis
     assert unusable_reason(eight, ["--kv-bits", "4"]).startswith(
         "--kv-bits 4 asks for 4-bit KV but the bundle holds 8-bit KV"
     )
+
+
+@pytest.mark.parametrize(
+    "server, rest, meant",
+    [
+        ("mlx-lm", ["--kv-bit", "4"], "--kv-bits"),
+        ("mlx-lm", ["--adapter-pat=adapters"], "--adapter-path"),
+        ("vllm-mlx", ["--continuous-batch"], "--continuous-batching"),
+        ("vllm-mlx", ["--continuous-batching", "--use-paged"], "--use-paged-cache"),
+        ("vllm-mlx", ["--max-kv", "512"], "--max-kv-size"),
+        ("rapid-mlx", ["--po", "9000"], "--port"),
+    ],
+)
+def test_an_abbreviation_of_an_option_serve_reads_is_one_line_before_anything_loads(
+    server: str, rest: list[str], meant: str
+):
+    """argparse-based servers take any unambiguous prefix of an option: `--kv-bit 4` is
+    mlx_lm.server's --kv-bits 4, while serve, reading the options spelled out, checked the
+    bundles against none (outside review: an 8-bit bundle mounted and served under 4-bit)."""
+    from pipeline.runtime.servers import hook_for
+    from pipeline.runtime.servers.options import ServeOptions, refuse_options
+
+    hook = hook_for(server)
+    options = ServeOptions(server, Path("model"), Path("bundles"), tuple(rest), (), True)
+    flag = next(a.split("=")[0] for a in rest if meant.startswith(a.split("=")[0]) and a != meant)
+    with pytest.raises(PipelineError) as caught:
+        refuse_options(rest, server, hook.refused(options))
+    assert str(caught.value) == (
+        f"serve --server {server}: {flag} abbreviates {meant}, which serve reads "
+        "to check the bundles against the server's options; spell it out"
+    )
+
+
+def test_options_spelled_out_and_the_servers_own_options_pass():
+    from pipeline.runtime.servers.options import refuse_options
+
+    for rest in (
+        ["--kv-bits", "4", "--temp", "0.0", "--model", "m"],
+        ["--specprefill", "--chat-template", "t", "--chat-template-args", "{}"],
+        ["--", "--kv-bit"],  # past `--`: an argument, not an option
+    ):
+        refuse_options(rest, "mlx-lm", {})
+
+
+def test_every_option_serve_reads_is_checked_for_abbreviations():
+    """Each option name the runtime reads from the server's options (`passed`, `passed_option`,
+    `in options.rest`, the vllm-mlx cache-off table) is in READ_OPTIONS or refused by its hook."""
+    from pipeline.runtime.servers.options import NOT_ABBREVIATIONS, READ_OPTIONS
+    from pipeline.runtime.servers.vllm_mlx import CACHE_OFF
+
+    read = set(CACHE_OFF)
+    for path in (ROOT / "pipeline" / "runtime").rglob("*.py"):
+        text = path.read_text()
+        read |= set(re.findall(r'passed(?:_option)?\([^)]*?"(--[a-z0-9-]+)"', text))
+        read |= set(re.findall(r'"(--[a-z0-9-]+)" in (?:options\.)?rest', text))
+        read |= set(re.findall(r'\("(--[a-z0-9-]+)", "(?:an adapter|a draft model)"\)', text))
+    assert read and read <= set(READ_OPTIONS), read - set(READ_OPTIONS)
+    assert not any(a.startswith(b) for a in NOT_ABBREVIATIONS for b in READ_OPTIONS)
 
 
 # --- an exact hit never reaches the engine with nothing to process (issue 28.3) ---------------------

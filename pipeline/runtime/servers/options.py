@@ -90,8 +90,35 @@ def passed_option(rest: list[str], name: str) -> str | None:
     return None
 
 
+# every server option serve reads (to check bundles, ports, the warm-up against it) besides
+# those a hook refuses: spelled out, since argparse-based servers take any unambiguous prefix
+READ_OPTIONS = (
+    "--adapter-path", "--api-key", "--chat-template", "--chat-template-file",
+    "--continuous-batching", "--draft-model", "--enable-mtp", "--host", "--kv-bits",
+    "--log-level", "--max-kv-size", "--port", "--served-model-name", "--specprefill-draft-model",
+    "--workers",
+)  # fmt: skip
+# the servers' own options that begin one of those: exact options, never abbreviations
+NOT_ABBREVIATIONS = frozenset({"--model", "--specprefill"})
+
+
 def refuse_options(rest: list[str], server: str, options: dict[str, str]) -> None:
-    """PipelineError for a passed-through server option this hook cannot honour."""
+    """PipelineError for a passed-through server option this hook cannot honour, and for an
+    abbreviation of one serve reads or refuses (the server would take `--kv-bit 4` as
+    `--kv-bits 4` while serve checked the bundles against no --kv-bits)."""
+    names = {*READ_OPTIONS, *options}
+    for arg in rest:
+        flag = arg.split("=", 1)[0]
+        if arg == "--":
+            break
+        if flag in names or flag in NOT_ABBREVIATIONS or not flag.startswith("--"):
+            continue
+        meant = sorted(n for n in names if n.startswith(flag) and len(flag) > 2)
+        if meant:
+            raise PipelineError(
+                f"serve --server {server}: {flag} abbreviates {' or '.join(meant)}, which serve "
+                "reads to check the bundles against the server's options; spell it out"
+            )
     for option, why in options.items():
         if any(a == option or a.startswith(option + "=") for a in rest):
             raise PipelineError(f"serve --server {server}: {option} is not supported: {why}")
@@ -184,6 +211,7 @@ __all__ = [
     "check_admin",
     "install_hint",
     "check_port",
+    "READ_OPTIONS",
     "passed_option",
     "port_number",
     "refuse_options",
