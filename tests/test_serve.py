@@ -420,6 +420,20 @@ def test_an_abbreviation_of_an_option_serve_reads_is_one_line_before_anything_lo
     )
 
 
+def test_vllm_mlx_batched_with_a_kv_bound_counts_no_bundle_as_mounted():
+    """With --continuous-batching --max-kv-size, vllm-mlx's scheduler discards a restored
+    KVCache: the bundle is not usable (before: counted as mounted, `cached_tokens` 361 reported,
+    every request prefilled in full; outside review)."""
+    from pipeline.runtime.servers.options import ServeOptions
+    from pipeline.runtime.servers.vllm_mlx import Hook
+
+    rest = ("--continuous-batching", "--max-kv-size", "512")
+    options = ServeOptions("vllm-mlx", Path("model"), Path("bundles"), rest, (), True)
+    assert Hook().unusable(None, options).startswith("--max-kv-size: with --continuous-batching")
+    options = ServeOptions("vllm-mlx", Path("model"), Path("bundles"), rest[:1], (), True)
+    assert Hook().unusable(None, options) is None
+
+
 def test_options_spelled_out_and_the_servers_own_options_pass():
     from pipeline.runtime.servers.options import refuse_options
 

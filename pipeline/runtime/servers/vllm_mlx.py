@@ -59,6 +59,12 @@ class Hook(ServerHook):
         return {**self.unsupported, **(with_batching if batched(options) else {})}
 
     def unusable(self, bundle: Any, options: ServeOptions) -> str | None:
+        if batched(options) and options.passed("--max-kv-size"):
+            return (
+                "--max-kv-size: with --continuous-batching vllm-mlx's scheduler bounds the KV in "
+                "RotatingKVCache layers and discards a restored KVCache (its "
+                "_restored_cache_matches_kv_bound), so it would prefill every request in full"
+            )
         return None if batched(options) else unusable_reason(options.model, options.rest)
 
     @staticmethod
