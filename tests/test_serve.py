@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -241,8 +242,12 @@ def test_a_dead_generation_thread_ends_serve_with_status_1(
             {"xtc_probability": 0.5, "xtc_threshold": 0.7},
             "xtc_threshold must be in [0, 0.5] when xtc_probability > 0, got 0.7",
         ),
+        (  # MLX's scatter past the vocabulary crashed the process (SIGSEGV; outside review)
+            {"logit_bias": {"99999999": 5}},
+            "logit_bias token ids must be in [0, 1024) (the vocabulary), got 99999999",
+        ),
     ],
-    ids=["top_k", "xtc_threshold"],
+    ids=["top_k", "xtc_threshold", "logit_bias"],
 )
 def test_a_request_mlx_lm_would_fail_in_its_thread_is_refused_alone(
     shop_bundle: Path, tiny_model: Path, tmp_path: Path, fields: dict, problem: str
@@ -258,6 +263,22 @@ def test_a_request_mlx_lm_would_fail_in_its_thread_is_refused_alone(
         assert chat(port, "Hello?", temperature=1.0, top_k=5)["choices"]  # valid sampling works
         assert proc.poll() is None
     assert f"request refused: {problem}" in log.read_text()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_logit_bias_outside_the_vocabulary_is_refused_greedy_or_not(temperature: float):
+    from pipeline.runtime.servers.mlx_lm import sampling_problem
+
+    provider = SimpleNamespace(model=SimpleNamespace(args=SimpleNamespace(vocab_size=1024)))
+    sampling = SimpleNamespace(
+        temperature=temperature, top_k=0, xtc_probability=0.0, xtc_threshold=0.1
+    )
+    for bias, problem in (({5: 1.0, 1023: -2.0}, None), ({1024: 1.0}, 1024), ({-1: 1.0}, -1)):
+        args = SimpleNamespace(sampling=sampling, logits=SimpleNamespace(logit_bias=bias))
+        expected = problem and (
+            f"logit_bias token ids must be in [0, 1024) (the vocabulary), got {problem}"
+        )
+        assert sampling_problem(args, provider) == expected
 
 
 def test_serve_hard_exits_when_the_main_thread_does_not_stop(tmp_path: Path):

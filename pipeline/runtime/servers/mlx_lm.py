@@ -207,12 +207,17 @@ def guarded_response_generator_class(death: GenerationDeath) -> type:
 
 def sampling_problem(generation_args: Any, provider: Any) -> str | None:
     """Why mlx_lm's sampler would raise on a request's settings (it only checks them while
-    sampling, in the generation thread), or None. Greedy requests build no sampler."""
+    sampling, in the generation thread), or None. Greedy requests build no sampler; a logit bias
+    applies to them too (MLX's scatter past the vocabulary crashes the whole process)."""
+    model_args = getattr(getattr(provider, "model", None), "args", None)
+    vocab = getattr(model_args, "vocab_size", None)
+    bias = getattr(getattr(generation_args, "logits", None), "logit_bias", None) or {}
+    outside = sorted(k for k in bias if isinstance(vocab, int) and not 0 <= k < vocab)
+    if outside:
+        return f"logit_bias token ids must be in [0, {vocab}) (the vocabulary), got {outside[0]}"
     sampling = getattr(generation_args, "sampling", None)
     if sampling is None or not sampling.temperature > 0:
         return None
-    model_args = getattr(getattr(provider, "model", None), "args", None)
-    vocab = getattr(model_args, "vocab_size", None)
     top_k = sampling.top_k
     if top_k > 0 and isinstance(vocab, int) and top_k >= vocab:
         return f"top_k must be below the model's vocabulary size {vocab}, got {top_k}"
