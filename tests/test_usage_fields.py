@@ -98,3 +98,42 @@ def test_openai_chunks_pass_at_once_and_the_usage_chunk_reports_the_reuse():
     assert out[0] == event(chunk)  # before the lookup: not held, unchanged
     assert data_of(out[1])["usage"]["prompt_tokens_details"] == {"cached_tokens": 100}
     assert out[2] == b"data: [DONE]\n\n"
+
+
+def test_a_message_start_sent_before_the_server_counts_the_prompt_gets_its_length():
+    """vllm-mlx's streamed message_start says input_tokens 0 (sent before it counts the prompt)
+    and its message_delta only output_tokens: the prompt's length as the lookup saw it stands in,
+    so the client's sum is the prompt (before: 0 + 361 of a 379-token prompt; outside review)."""
+    start = {"type": "message_start", "message": {"id": "m", "usage": {"input_tokens": 0}}}
+    end = {"type": "message_delta", "usage": {"output_tokens": 2}}
+    reuse = Reuse(prompt=120)
+    out = run_stream([event(start), event(DELTA), event(end)], reuse, "anthropic", 1)
+    usage = data_of(out[0])["message"]["usage"]
+    assert (usage["input_tokens"], usage["cache_read_input_tokens"]) == (20, 100)
+    assert data_of(out[-1])["usage"] == {"output_tokens": 2}
+
+
+def test_a_server_that_counts_its_reads_in_input_tokens_too_is_set_right():
+    """mlx-omni-server reports cache_read_input_tokens itself but input_tokens as the whole prompt
+    (prompt + read): its Anthropic usage is corrected from its own count (reuse None)."""
+    body = {"usage": {"input_tokens": 382, "output_tokens": 1, "cache_read_input_tokens": 361}}
+    usage = json.loads(_with_usage(json.dumps(body).encode(), None, "anthropic"))["usage"]
+    assert (usage["input_tokens"], usage["cache_read_input_tokens"]) == (21, 361)
+    cold = {"usage": {"input_tokens": 30, "output_tokens": 1, "cache_read_input_tokens": None}}
+    usage = json.loads(_with_usage(json.dumps(cold).encode(), None, "anthropic"))["usage"]
+    assert (usage["input_tokens"], usage["cache_read_input_tokens"]) == (30, 0)
+    start = {"type": "message_start", "message": {"usage": {"input_tokens": 0}}}
+    end = {"type": "message_delta", "usage": {"input_tokens": 379, "cache_read_input_tokens": 363}}
+    parts = [event(start), event(DELTA), event(end)]
+    out = asyncio.run(_collect(_events_with_usage(_source(parts), None, "anthropic")))
+    assert data_of(out[0])["message"]["usage"]["input_tokens"] == 0  # its placeholder, at once
+    assert data_of(out[-1])["usage"]["input_tokens"] == 16
+
+
+async def _source(parts):
+    for part in parts:
+        yield part
+
+
+async def _collect(events):
+    return [e async for e in events]

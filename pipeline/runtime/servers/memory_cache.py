@@ -61,7 +61,7 @@ def pinned_memory_cache_class(
             if from_bundle or (cache is not None and answered[0]):
                 # the scheduler records the match; a bundle or snapshot is no entry of its own
                 self._last_match_type, self._last_matched_key = "prefix", None
-            usage.record(0 if cache is None else len(tokens) - len(rest))
+            usage.record(0 if cache is None else len(tokens) - len(rest), len(tokens))
             return cache, rest
 
         def usable(self, tokens: list[int], found: tuple[Any, list[int]]) -> bool:

@@ -5,8 +5,7 @@ scan, 300 s idle eviction) and checks out a copy per request. The hook's subclas
 the pinned bundles and restored snapshots, kept outside the pool's entry list (its TTL and size
 eviction never see them), and lists its own entries at a graceful stop. Omni loads a model on the
 first request naming it; a request reaches the bundles when its `model` names their folder (a
-path, relative to the server's working directory or absolute, or a hub id whose local snapshot
-is that folder)."""
+path, relative or absolute, or a hub id whose local snapshot is that folder)."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from pipeline.runtime.servers import warm_up
+from pipeline.runtime.servers import usage, warm_up
 from pipeline.runtime.servers.hook import ServerHook
 from pipeline.runtime.servers.lru_cache import entry_usable, evaluate, held_entry
 from pipeline.runtime.servers.mounted import BUNDLE_KEY, Mounted
@@ -59,7 +58,9 @@ class Hook(ServerHook):
         """Every ChatGenerator's pool (created lazily, looked up by module attribute) is ours."""
         from mlx_omni_server.chat.mlx import prompt_cache_pool
         from mlx_omni_server.chat.openai.models import models_service
+        from mlx_omni_server.main import app
 
+        usage.add_middleware(app, counts=False)  # its Anthropic input_tokens count the reads too
         self.pools = prompt_cache_pool.PromptCachePool = pinned_pool_class(mounted, snapshots)
         # its /v1/models lists the hub cache, and fails on a host that has none
         models_service.scan_cache_dir = hub_cache_or_none(models_service.scan_cache_dir)

@@ -33,6 +33,7 @@ class Reuse:
 
     cached: int = 0
     looked_up: bool = False
+    prompt: int | None = None  # the prompt's length as the lookup saw it (None: no lookup saw it)
     # vllm-mlx SimpleEngine: the ids of the system prefix its snapshot cache keys (None: none)
     system_ids: list[int] | None = None
 
@@ -41,11 +42,20 @@ CURRENT: ContextVar[Reuse | None] = ContextVar("prefix_bundles_reuse", default=N
 _worker = threading.local()
 
 
-def record(tokens: int) -> None:
-    """On the generation worker: the running request's lookup served `tokens` tokens."""
+def record(tokens: int, prompt: int | None = None) -> None:
+    """On the generation worker: the running request's lookup served `tokens` tokens (of its
+    `prompt` tokens, where the lookup saw them)."""
     reuse = getattr(_worker, "reuse", None)
     if reuse is not None:
         reuse.cached, reuse.looked_up = tokens, True
+        reuse.prompt = prompt if prompt is not None else reuse.prompt
+
+
+def note_prompt(prompt: int) -> None:
+    """On the generation worker: the running request's prompt has `prompt` tokens."""
+    reuse = getattr(_worker, "reuse", None)
+    if reuse is not None:
+        reuse.prompt = prompt
 
 
 def note_system_ids(ids: list[int]) -> None:
@@ -118,16 +128,18 @@ def bind_requests(core_class: type, scheduler_class: type) -> None:
     scheduler_class.add_request = admit_request
 
 
-def add_middleware(app: Any) -> None:
-    """Count each chat or messages request's reuse and write it into the response's usage."""
+def add_middleware(app: Any, counts: bool = True) -> None:
+    """Count each chat or messages request's reuse and write it into the response's usage.
+    `counts=False`: a server that reports its reads itself (`cache_read_input_tokens`) but counts
+    them in `input_tokens` too (mlx-omni-server): its Anthropic usage is only set right."""
     from starlette.responses import Response
 
     @app.middleware("http")
     async def cached_tokens(request: Any, call_next: Any) -> Any:
         api = ROUTES.get(request.url.path)
-        if api is None or request.method != "POST":
+        if api is None or request.method != "POST" or (api == "openai" and not counts):
             return await call_next(request)
-        reuse = Reuse()
+        reuse = Reuse() if counts else None
         token = CURRENT.set(reuse)
         try:
             response = await call_next(request)
@@ -146,9 +158,12 @@ def add_middleware(app: Any) -> None:
         )
 
 
-def _set_usage(usage: Any, reuse: Reuse, api: str) -> None:
+def _set_usage(usage: Any, reuse: Reuse | None, api: str) -> None:
     if not isinstance(usage, dict):
         return
+    if reuse is None:  # the server's own count of what it read (None: nothing)
+        read = usage.get("cache_read_input_tokens")
+        reuse = Reuse(read if isinstance(read, int) else 0, True)
     if api == "openai":
         details = usage.get("prompt_tokens_details")
         details = details if isinstance(details, dict) else {}
@@ -156,12 +171,14 @@ def _set_usage(usage: Any, reuse: Reuse, api: str) -> None:
     elif isinstance(usage.get("input_tokens"), int):  # the message's usage, not output only
         # Anthropic: input_tokens counts what was NOT read from a cache; a client's total is
         # input_tokens + cache_creation_input_tokens + cache_read_input_tokens
-        # (vllm-mlx's message_start, sent before it counts the prompt, says 0 there)
+        # (vllm-mlx's message_start, sent before it counts the prompt, says 0 there: the
+        # prompt's length as the lookup saw it stands in)
+        whole = reuse.prompt if reuse.prompt is not None else usage["input_tokens"]
         usage["cache_read_input_tokens"] = reuse.cached
-        usage["input_tokens"] = max(0, usage["input_tokens"] - reuse.cached)
+        usage["input_tokens"] = max(0, whole - reuse.cached)
 
 
-def _with_usage(body: bytes, reuse: Reuse, api: str) -> bytes:
+def _with_usage(body: bytes, reuse: Reuse | None, api: str) -> bytes:
     """A JSON response body with the usage fields set (other bodies unchanged)."""
     try:
         data = json.loads(body)
@@ -178,7 +195,7 @@ def _with_usage(body: bytes, reuse: Reuse, api: str) -> bytes:
 PREAMBLE = ("message_start", "content_block_start", "ping")
 
 
-async def _events_with_usage(events: Any, reuse: Reuse, api: str) -> Any:
+async def _events_with_usage(events: Any, reuse: Reuse | None, api: str) -> Any:
     """Server-sent events with the usage fields set in every event that carries usage. The
     events before generation (PREAMBLE: an Anthropic `message_start` carries usage) are held
     until the lookup has run, or the first generated event arrives, so they report it too."""
@@ -188,7 +205,7 @@ async def _events_with_usage(events: Any, reuse: Reuse, api: str) -> Any:
         *done, pending = pending.split(b"\n\n")
         for event in done:
             held.append(event)
-            if reuse.looked_up or _event_type(event) not in PREAMBLE:
+            if reuse is None or reuse.looked_up or _event_type(event) not in PREAMBLE:
                 for ready in held:
                     yield _event_with_usage(ready, reuse, api) + b"\n\n"
                 held = []
@@ -210,7 +227,7 @@ def _event_type(event: bytes) -> str | None:
     return None
 
 
-def _event_with_usage(event: bytes, reuse: Reuse, api: str) -> bytes:
+def _event_with_usage(event: bytes, reuse: Reuse | None, api: str) -> bytes:
     lines = event.split(b"\n")
     for i, line in enumerate(lines):
         if not line.startswith(b"data: ") or b'"usage"' not in line:

@@ -193,8 +193,9 @@ def pinned_trie_class(mounted: Mounted, snapshots: Any = None) -> type:
             return ("model", id(model))
 
         def __len__(self) -> int:
-            # vllm-mlx skips an empty trie; pinned bundles and restored snapshots count
-            return super().__len__() + len(mounted.result.bundles) + len(snapshots or ())
+            # vllm-mlx skips an empty trie on a system snapshot hit: never empty, so its peek
+            # (_peek: the bundles, snapshots, the prompt's length for usage) runs every request
+            return max(1, super().__len__())
 
         def insert_cache(self, model: Any, tokens: list[int], prompt_cache: Any, **kw: Any) -> None:
             if self.keep_entries and not warm_up.WARMING.is_set():
@@ -213,7 +214,7 @@ def pinned_trie_class(mounted: Mounted, snapshots: Any = None) -> type:
                 # version's start): vllm-mlx's own snapshot of that prefix, taken only on a
                 # trie miss, serves the whole prefix from the next request on
                 cache, rest, _ = self.answer(tokens, fetch, False, False, self.key(model))
-            usage.record(0 if cache is None else len(tokens) - len(rest))
+            usage.record(0 if cache is None else len(tokens) - len(rest), len(tokens))
             return cache, rest
 
     return PinnedTrie
@@ -285,6 +286,7 @@ def install_simple(mounted: Mounted, snapshots: Any) -> Callable[..., list]:
         # vllm-mlx peeks into the trie before preferring it to a system snapshot
         if not isinstance(prefix_trie, trie_class):
             return original_peek(prefix_trie, model, tokens)
+        usage.note_prompt(len(tokens))  # a system snapshot hit skips the lookup that counts it
         own = original_peek(prefix_trie, prefix_trie.key(model), tokens)
         shelf = snapshots.covered(tokens) if snapshots is not None else 0
         return max(own or 0, mounted.covered(tokens), shelf)
