@@ -5,6 +5,7 @@ with the bundle it serves and why."""
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 
 from test_incremental import MORE, define, run_build
@@ -116,3 +117,27 @@ def test_the_admin_endpoint_stops_serve_gracefully_only_with_the_token():
         assert status == 404 and "POST /v1/stop" not in body["error"]
     finally:
         httpd.shutdown()
+
+
+def test_what_a_remount_pins_is_what_the_mount_result_lists(tmp_path: Path, tiny_model: Path):
+    """The rest of the process reads the mount result (a changed model folder unpins every
+    bundle it lists; snapshots name the bundle an entry continued from): a remount's additions
+    and removals show there (before: only the startup bundles; outside review)."""
+    root = tmp_path / "project"
+    define(root, tiny_model)
+    run_build(root)
+    manager = PromptCacheManager()
+    first = mount(tiny_model, root / "bundles", skip_refused=True, manager=manager, model_key="m")
+    r = Remounter(
+        first, manager, "m", lambda: mount(tiny_model, root / "bundles", skip_refused=True)
+    )
+    define(root, tiny_model, name="other", system=SYSTEM + MORE)
+    run_build(root, "other")
+    assert r.remount().added == ["other@1"]
+    assert sorted(b.name for b in first.bundles) == ["other@1", "shop@1"]
+    for b in list(first.bundles):
+        manager.unpin("m", b.name)
+    assert manager.stats()["pinned"] == 0  # nothing pinned the result does not list
+    shutil.rmtree(root / "bundles" / "other")
+    r.remount()
+    assert [b.name for b in first.bundles] == ["shop@1"]

@@ -80,7 +80,10 @@ class Remounter:
         load: Callable[[], MountResult],
         unusable: Callable[[MountedBundle], str | None] = lambda b: None,
     ) -> None:
-        """`load`: mount(...) with the server's options and no manager (skip_refused)."""
+        """`load`: mount(...) with the server's options and no manager (skip_refused);
+        `current.bundles` is kept as what is pinned after each remount (what the rest of the
+        process reads: snapshots' continued_from, the unpin of a changed model folder)."""
+        self.result = current
         self.current = {_key(b): b for b in current.bundles}
         self.manager, self.model_key, self.load, self.unusable = manager, model_key, load, unusable
         self._lock = threading.Lock()
@@ -112,6 +115,7 @@ class Remounter:
                 self.manager.unpin(self.model_key, old.name)
                 del self.current[key]
                 changes.removed.append(old.name)
+            self.result.bundles[:] = list(self.current.values())
             return changes
 
     def _swap(self, key: tuple[str, str], b: MountedBundle, changes: Changes) -> None:
