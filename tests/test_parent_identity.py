@@ -310,3 +310,23 @@ def test_a_snapshot_in_the_bundles_tree_is_no_parent_and_no_build(
         "and build again",
     ]
     assert len(list((root / "bundles" / "zz-other" / "1").iterdir())) == 1
+
+
+def test_a_parent_folder_swapped_after_its_facts_were_read_is_judged_again(
+    tmp_path: Path, tiny_model: Path, monkeypatch
+):
+    """The builder reads a parent's manifest to judge its facts (quantization, kernels, dtype),
+    then validates a fresh read: a folder swapped in between (a bundles-tree writer racing the
+    build) is judged again on what the validator read, never continued unchecked."""
+    from pipeline.builder import incremental
+
+    root = tmp_path / "project"
+    define(root, tiny_model)
+    full = run_build(root)
+    define(root, tiny_model, name="q", kv_bits=8)
+    quantized = run_build(root, "q")
+    real = incremental.examine  # the first read sees the full-precision bundle's manifest
+    monkeypatch.setattr(incremental, "examine", lambda bundle, wanted: real(full.bundle, wanted))
+    define(root, tiny_model, version=2, system=SYSTEM + MORE)
+    with pytest.raises(BuildError, match=r"cannot be reused \(its cache is quantized \(8-bit\)"):
+        run_build(root, parent=quantized.bundle)

@@ -171,9 +171,16 @@ def examine(bundle: Path, wanted: Wanted) -> tuple[Manifest | None, str | None]:
         m = read_manifest(bundle, read_sums(bundle)[MANIFEST_FILE])
     except (BundleError, KeyError, OSError) as exc:
         return None, f"unreadable ({exc})"
+    reason = _not_a_parent(m, wanted)
+    return (None, reason) if reason else (m, None)
+
+
+def _not_a_parent(m: Manifest, wanted: Wanted) -> str | None:
+    """Why a manifest's recorded facts rule its bundle out as this build's parent (None: they
+    allow it); asked of the manifest read first and again of the one the validator read."""
     foreign = _not_another_prefix(m, wanted)
     if foreign:
-        return None, foreign
+        return foreign
     b = m.builder
     checks = (
         (m.model.fingerprint == wanted.identity.model, OTHER_WEIGHTS),
@@ -207,8 +214,7 @@ def examine(bundle: Path, wanted: Wanted) -> tuple[Manifest | None, str | None]:
             f"{wanted.builder.compute_dtype}",
         ),
     )  # fmt: skip
-    reason = next((why for ok, why in checks if not ok), None)
-    return (None, reason) if reason else (m, None)
+    return next((why for ok, why in checks if not ok), None)
 
 
 def _not_another_prefix(m: Manifest, wanted: Wanted) -> str | None:
@@ -257,6 +263,9 @@ def _load(bundle: Path, manifest: Manifest, wanted: Wanted) -> tuple[Resume | No
         checked = validate(bundle, identity, load=True, trust_memo=True, **keys)
     except BundleError as exc:
         return None, f"refused by the validator: {exc.reason}"
+    reason = _not_a_parent(checked.manifest, wanted)  # the folder may have changed since
+    if reason:
+        return None, reason
     done = reusable_tokens(checked.tokens, wanted)
     if done == 0 or checked.cache is None:
         return None, f"it shares less than {NOT_ENOUGH} with these tokens"
