@@ -466,6 +466,38 @@ def test_not_enough_space_is_refused_before_prefill(project: Path, monkeypatch):
     assert [p.name for p in staging_root(project / "bundles").iterdir()] == ["locks"]
 
 
+def test_a_cache_write_cut_short_is_one_line_and_keeps_the_old_bundle(project: Path, capsys):
+    """mlx raises RuntimeError ("[write] Unable to write ...") where Python raises OSError: a file
+    size limit hit mid-write (as a full disk after the free-space check) is one line naming the
+    bundle and what to do, in --json too; the old bundle stays, nothing is left in staging."""
+    import resource
+
+    bundle = build_bundle(project)
+    before = snapshot(project / "bundles")
+    limit = (bundle / CACHE_FILE).stat().st_size // 2
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    capsys.readouterr()
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old[1]))  # Python ignores SIGXFSZ
+    try:
+        rc = cli(project, "build", "--force", "--no-check", "--json")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+    out, err = capsys.readouterr()
+    expected = (
+        f"cannot write {bundle}: the disk is full or the file size limit was hit (needs about "
+    )
+    tail = (
+        " MB); nothing was published, any earlier bundle there is kept; free space there, raise "
+        "the file size limit (ulimit -f) or pass --bundles DIR on another disk"
+    )
+    assert rc == 1 and "Traceback" not in err, err
+    report = json.loads(out)
+    assert report["error"].startswith(expected) and report["error"].endswith(tail), report
+    assert [t["status"] for t in report["targets"]] == ["failed"]
+    assert snapshot(project / "bundles") == before
+    assert [p.name for p in staging_root(project / "bundles").iterdir()] == ["locks"]
+
+
 # --- 8. FIFOs are refused without blocking -------------------------------------------------------
 
 

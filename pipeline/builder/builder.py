@@ -54,6 +54,7 @@ from pipeline.builder.writer import (
 )
 from pipeline.format import memo
 from pipeline.format.bundle_folder import CACHE_FILE, MANIFEST_FILE, bundle_path
+from pipeline.format.cache_codec import write_failure
 from pipeline.format.compat import layout_for, unsupported
 from pipeline.format.errors import BuildError, BundleError, ModelError
 from pipeline.format.fingerprint import (
@@ -503,9 +504,14 @@ def _write(
         manifest = make_manifest(job.target, facts, fidelity)
         report["peak_rss_bytes"] = peak_rss_bytes()
         write_manifest(tmp, manifest, digests, report)
-    except OSError as exc:
+    except (OSError, RuntimeError) as exc:  # mlx's writer raises RuntimeError when it cannot write
+        why = write_failure(exc)
+        if why is None:
+            raise
         raise BuildError(
-            f"cannot write {job.dest}: {exc.strerror} (needs about {needed / 1e6:,.0f} MB)"
+            f"cannot write {job.dest}: {why} (needs about {needed / 1e6:,.0f} MB); nothing was "
+            "published, any earlier bundle there is kept; free space there, raise the file size "
+            "limit (ulimit -f) or pass --bundles DIR on another disk"
         ) from None
     return manifest, report
 

@@ -88,6 +88,20 @@ def write_cache(path: Path, cache: list[Any], metadata: dict[str, str]) -> str:
     return layout
 
 
+# how mlx's own writer says it could not write (it raises RuntimeError where Python raises OSError)
+MLX_WRITE_FAILURES = ("[write] ", "[save_safetensors] Failed to open ", "[save] Failed to open ")
+
+
+def write_failure(exc: BaseException) -> str | None:
+    """Why a file write failed, for a message, when `exc` is one (OSError, or mlx's RuntimeError
+    from a full disk or the file size limit); None for anything else, a bug."""
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    if isinstance(exc, RuntimeError) and str(exc).startswith(MLX_WRITE_FAILURES):
+        return "the disk is full or the file size limit was hit"
+    return None
+
+
 def read_cache(path: Path) -> tuple[list[Any], dict[str, str]]:
     """Cache objects of the installed mlx-lm and the user metadata, from a file of either layout.
 
@@ -119,4 +133,5 @@ __all__ = [
     "user_metadata",
     "with_state",
     "write_cache",
+    "write_failure",
 ]
