@@ -365,6 +365,57 @@ def test_keygen_never_overwrites_and_needs_a_password_or_the_flag(
     assert not (tmp_path / "e.key").exists() and not (tmp_path / "e.pub").exists()
 
 
+def test_keygen_checks_both_destinations_before_writing_either(tmp_path: Path, capsys):
+    """A public key in a missing folder leaves no secret key behind (a rerun would be refused),
+    and two spellings of one file are refused, --force or not: never a secret key overwritten
+    by its public key."""
+    sec = tmp_path / "a.key"
+    assert (
+        main(["keygen", "-W", "--secret-key", str(sec), "--public-key", str(tmp_path / "no/a.pub")])
+        == 1
+    )
+    assert capsys.readouterr().err == (
+        f"error: cannot write {tmp_path / 'no/a.pub'}: the folder {tmp_path / 'no'} does not "
+        "exist; create it or pass another path (nothing was written)\n"
+    )
+    assert sorted(tmp_path.iterdir()) == []
+    (tmp_path / "sub").mkdir()
+    other = tmp_path / "sub/../a.key"
+    for force in ([], ["--force"]):
+        assert (
+            main(["keygen", "-W", *force, "--secret-key", str(sec), "--public-key", str(other)])
+            == 1
+        )
+        assert capsys.readouterr().err == (
+            f"error: --secret-key {sec} and --public-key {other} are the same file; pass two names\n"
+        )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sub"]
+
+
+def test_keygen_puts_back_the_secret_key_when_the_public_key_cannot_be_placed(
+    tmp_path: Path, capsys, monkeypatch
+):
+    """The public key file appears between the check and the write: the new secret key placed
+    before it is removed again, the other file is left as it was, and no temporary file stays."""
+    import pipeline.cli.keygen as keygen
+
+    sec, pub = tmp_path / "k.key", tmp_path / "k.pub"
+    stage = keygen._stage
+
+    def racing_stage(path: Path, text: str, mode: int) -> Path:
+        if path == pub:
+            pub.write_text("someone else's file")
+        return stage(path, text, mode)
+
+    monkeypatch.setattr(keygen, "_stage", racing_stage)
+    assert main(["keygen", "-W", "--secret-key", str(sec)]) == 1
+    assert capsys.readouterr().err == (
+        f"error: cannot write {pub}: File exists; no key file was written or replaced\n"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k.pub"]
+    assert pub.read_text() == "someone else's file"
+
+
 # --- pull carries signatures ---------------------------------------------------------------------
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 from pathlib import Path
 
@@ -38,15 +39,13 @@ def run(args: argparse.Namespace) -> int:
 
     secret_path = Path(args.secret_key)
     public_path = Path(args.public_key or secret_path.with_suffix(".pub"))
-    if secret_path == public_path:
-        raise PipelineError(f"--secret-key and --public-key are both {secret_path}; pass two names")
-    for path in (secret_path, public_path):
-        if os.path.lexists(path) and not args.force:
-            raise PipelineError(f"{path} exists; pass --force to replace the key pair")
+    check_destinations(secret_path, public_path, args.force)
     key = generate()
     secret_text = secret_key_text(key, None if args.unencrypted else _new_password())
-    _write(secret_path, secret_text, 0o600, args.force)
-    _write(public_path, key.public_key().file_text(), 0o644, args.force)
+    write_pair(
+        [(secret_path, secret_text, 0o600), (public_path, key.public_key().file_text(), 0o644)],
+        args.force,
+    )
     if args.json:
         from pipeline.cli.reports import KeygenReport
 
@@ -76,18 +75,87 @@ def _new_password() -> str:
     return first
 
 
-def _write(path: Path, text: str, mode: int, force: bool) -> None:
-    """Write a key file with its mode from the start; replace only with --force."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+def check_destinations(secret: Path, public: Path, force: bool) -> None:
+    """Refuse, before a key is made, two names of one file, a missing folder, a folder in the
+    way, or (without --force) a key file already there."""
+    if os.path.realpath(secret) == os.path.realpath(public) or _same_file(secret, public):
+        raise PipelineError(
+            f"--secret-key {secret} and --public-key {public} are the same file; pass two names"
+        )
+    for path in (secret, public):
+        if not path.parent.is_dir():
+            raise PipelineError(
+                f"cannot write {path}: the folder {path.parent} does not exist; create it or "
+                "pass another path (nothing was written)"
+            )
+        if path.is_dir():
+            raise PipelineError(f"{path} is a folder; pass a file name (nothing was written)")
+        if os.path.lexists(path) and not force:
+            raise PipelineError(f"{path} exists; pass --force to replace the key pair")
+
+
+def _same_file(a: Path, b: Path) -> bool:
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
-        if force:
-            os.replace(tmp, path)
-        else:
-            os.link(tmp, path)  # fails if the file appeared meanwhile: never overwrite silently
-            os.unlink(tmp)
+        return os.path.samefile(a, b)  # two hard links of one file
+    except OSError:  # either is missing
+        return False
+
+
+def write_pair(files: list[tuple[Path, str, int]], force: bool) -> None:
+    """Both key files or neither: each is written in full beside its destination first, then
+    put in place; when one cannot be, what was put in place before it is undone."""
+    staged: list[tuple[Path, Path]] = []
+    placed: list[tuple[Path, Path | None]] = []
+    path = files[0][0]
+    try:
+        for path, text, mode in files:
+            staged.append((path, _stage(path, text, mode)))
+        for path, tmp in staged:
+            placed.append((path, _place(path, tmp, force)))
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise PipelineError(f"cannot write {path}: {exc.strerror}") from None
+        for done, old in reversed(placed):
+            _unplace(done, old)
+        raise PipelineError(
+            f"cannot write {path}: {exc.strerror or exc}; no key file was written or replaced"
+        ) from None
+    finally:
+        for _, tmp in staged:
+            tmp.unlink(missing_ok=True)
+    for _, old in placed:
+        if old is not None:
+            old.unlink(missing_ok=True)
+
+
+def _stage(path: Path, text: str, mode: int) -> Path:
+    """A temporary file beside `path` holding `text`, with its mode from the start."""
+    tmp = _beside(path, "tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    return tmp
+
+
+def _place(path: Path, tmp: Path, force: bool) -> Path | None:
+    """Put `tmp` at `path`; return a link to the file it replaced (None: there was none)."""
+    if not force:
+        os.link(tmp, path)  # fails if the file appeared meanwhile: never overwrite silently
+        return None
+    old = None
+    if os.path.lexists(path):
+        old = _beside(path, "old")
+        os.link(path, old, follow_symlinks=False)
+    os.replace(tmp, path)
+    return old
+
+
+def _unplace(path: Path, old: Path | None) -> None:
+    """Undo `_place`: the replaced file back, or the new one gone."""
+    with contextlib.suppress(OSError):
+        if old is None:
+            os.unlink(path)
+        else:
+            os.replace(old, path)
+
+
+def _beside(path: Path, what: str) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.{what}")
