@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from pipeline.builder.bundles_tree import remove_at
 from pipeline.builder.writer import staging_root, target_lock
 from pipeline.cli import main
 from pipeline.cli.reports import PruneReport
@@ -164,3 +165,61 @@ def test_prune_refuses_without_definitions_and_bad_keep(project: Path, tmp_path:
     with pytest.raises(SystemExit) as exit_:
         cli(project, "prune", "--keep", "0")
     assert exit_.value.code == 2
+
+
+def test_prune_refuses_a_prefixes_folder_whose_toml_is_no_definition(
+    project: Path, shop, tmp_path: Path, capsys
+):
+    """A wrong --prefixes (a project root whose only *.toml is pyproject.toml) would make every
+    bundle one of a prefix without a definition: prune reads every definition first and refuses
+    (before: it deleted shop's bundles and exited 0; outside review)."""
+    wrong = tmp_path / "repo"
+    wrong.mkdir()
+    (wrong / "pyproject.toml").write_text('[project]\nname = "x"\n')
+    before = snapshot(project / "bundles")
+    args = ["--prefixes", str(wrong), "--bundles", str(project / "bundles"), "prune", "--apply"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {wrong / 'pyproject.toml'}: ") and len(err.splitlines()) == 1
+    assert err.rstrip().endswith("fix that file or pass the right --prefixes")
+    assert snapshot(project / "bundles") == before
+
+
+def test_prune_never_touches_folders_outside_the_layout(project: Path, shop, capsys):
+    """Only <prefix name>/<version>/<slug>-<fingerprint12> folders are bundles: a user's own
+    folders in the tree stay (before: prune deleted them as older versions or orphans)."""
+    theirs = [
+        project / "bundles" / "Backups" / "1" / "x",  # not a prefix name
+        project / "bundles" / "shop" / "1" / "my-notes",  # not a model folder
+        project / "bundles" / "gone" / "notes.d",
+    ]
+    for folder in theirs:
+        folder.mkdir(parents=True)
+        (folder / "keep.txt").write_text("mine\n")
+    assert cli(project, "prune", "--apply") == 0
+    assert all((folder / "keep.txt").read_text() == "mine\n" for folder in theirs)
+    assert not shop["old"].exists() and not shop["orphan"].exists()
+
+
+def test_a_staging_leftover_of_any_depth_is_sized_and_removed(project: Path, shop, capsys):
+    """A dead build's staging folder nested past Python's recursion limit: prune's plan and its
+    removal walk it without recursion (before: a RecursionError traceback in the dry run, and
+    one in .staging stopped every build and prune; outside review)."""
+    fd = os.open(shop["staging"], os.O_RDONLY)
+    for _ in range(1200):  # longer than a path may be: made folder by folder
+        os.mkdir("d", dir_fd=fd)
+        fd, parent = os.open("d", os.O_RDONLY, dir_fd=fd), fd
+        os.close(parent)
+    with open(os.open("f", os.O_WRONLY | os.O_CREAT, dir_fd=fd), "wb") as deepest:
+        deepest.write(b"x" * 10)
+    try:
+        code, report = prune_json(project, capsys)
+        staging = [f for f in report.delete if f.kind == "staging"]
+        assert code == 0 and staging[0].bytes == 1010
+        assert cli(project, "prune", "--apply") == 0
+        assert not shop["staging"].exists()
+    finally:  # pytest's own clean-up of old temporary folders recurses: never leave it there
+        if shop["staging"].exists():
+            parent = os.open(shop["staging"].parent, os.O_RDONLY)
+            remove_at(parent, shop["staging"].name)
+            os.close(parent)

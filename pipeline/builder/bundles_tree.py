@@ -13,7 +13,7 @@ import errno
 import os
 import stat
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -107,17 +107,63 @@ def remove_tree(root: Path, path: Path) -> None:
 def remove_at(parent_fd: int, name: str) -> None:
     """Delete the folder `name` in the folder open as parent_fd, descending through descriptors
     only: a link inside is unlinked, never followed (shutil.rmtree's dir_fd needs Python 3.11)."""
-    fd = os.open(name, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=parent_fd)
-    try:
+    walk_at(parent_fd, name, lambda fd, entry: os.unlink(entry.name, dir_fd=fd), os.rmdir)
+
+
+def tree_bytes(root: Path, path: Path) -> int:
+    """Bytes of the regular files in the folder at path under root (no link followed)."""
+    parts = inside(root, path)
+    with folder_fd(root, parts[:-1]) as fd:
+        return tree_bytes_at(fd, parts[-1])
+
+
+def tree_bytes_at(parent_fd: int, name: str) -> int:
+    """Bytes of the regular files under the folder `name` (links not followed)."""
+    sizes: list[int] = []
+
+    def add(fd: int, entry: os.DirEntry) -> None:
+        if entry.is_file(follow_symlinks=False):
+            sizes.append(entry.stat(follow_symlinks=False).st_size)
+
+    walk_at(parent_fd, name, add, lambda name, dir_fd: None)
+    return sum(sizes)
+
+
+def walk_at(
+    parent_fd: int,
+    name: str,
+    visit: Callable[[int, os.DirEntry], None],
+    leave: Callable[..., None],
+) -> None:
+    """`visit(fd, entry)` for every entry under the folder `name` that is not a folder (its
+    folder open as fd), then `leave(folder name, dir_fd=its parent's fd)` for each folder,
+    deepest first. Through descriptors only, never a link followed, and without recursion: a
+    tree of any depth (one open descriptor per level: past the process's limit, an OSError)."""
+    stack: list[tuple[int, str, int, list[str]]] = []  # (parent fd, name, fd, folders left)
+
+    def enter(parent: int, folder: str) -> None:
+        fd = os.open(folder, _DIR_FLAGS | os.O_NOFOLLOW, dir_fd=parent)
+        stack.append((parent, folder, fd, []))
         with os.scandir(fd) as found:
             for entry in list(found):
                 if entry.is_dir(follow_symlinks=False):
-                    remove_at(fd, entry.name)
+                    stack[-1][3].append(entry.name)
                 else:
-                    os.unlink(entry.name, dir_fd=fd)
+                    visit(fd, entry)
+
+    try:
+        enter(parent_fd, name)
+        while stack:
+            parent, folder, fd, left = stack[-1]
+            if left:
+                enter(fd, left.pop())
+                continue
+            stack.pop()
+            os.close(fd)
+            leave(folder, dir_fd=parent)
     finally:
-        os.close(fd)
-    os.rmdir(name, dir_fd=parent_fd)
+        for _, _, fd, _ in stack:
+            os.close(fd)
 
 
 def remove_empty(root: Path, path: Path) -> bool:

@@ -206,6 +206,14 @@ class LoadedDefinition(BaseModel):
 def load_definition(path: Path, repo_root: Path | None = None) -> LoadedDefinition:
     """Load, validate and resolve one definition file; raise DefinitionError naming file and field."""
     path = Path(path)
+    root = (repo_root or path.parent.parent).resolve()
+    return _resolve(read_definition(path), path, root)
+
+
+def read_definition(path: Path) -> PrefixDefinition:
+    """One definition file read and validated as written (nothing it names is read): a file
+    that is not a definition is a DefinitionError naming file and field."""
+    path = Path(path)
     try:  # never blocks on a FIFO, never reads a huge file
         text = read_text(path, MAX_DEFINITION_BYTES)
     except FileProblem as exc:
@@ -223,8 +231,7 @@ def load_definition(path: Path, repo_root: Path | None = None) -> LoadedDefiniti
         raise DefinitionError(f"{path}: {_first_error(exc)}") from None
     if spec.name != path.stem:
         raise DefinitionError(f"{path}: name: '{spec.name}' must equal the file name '{path.stem}'")
-    root = (repo_root or path.parent.parent).resolve()
-    return _resolve(spec, path, root)
+    return spec
 
 
 # What to do, for fields whose pydantic message names the rule but not the fix.

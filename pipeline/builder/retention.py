@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import stat
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,13 +23,13 @@ from pipeline.builder.bundles_tree import (
     remove_empty,
     remove_tree,
     rename,
+    tree_bytes,
 )
-from pipeline.builder.definition import find_definitions
+from pipeline.builder.definition import DefinitionError, find_definitions, read_definition
 from pipeline.builder.writer import abandoned_staging, is_abandoned, staging_root, target_lock
-from pipeline.format.bundle_folder import STAGING_DIR
 from pipeline.format.errors import PipelineError
 from pipeline.format.lockfile import lock_path, read_lock
-from pipeline.format.names import parse_version
+from pipeline.format.names import is_model_folder, is_name, parse_version
 
 Kind = Literal["older-version", "no-definition", "staging"]
 
@@ -84,7 +83,7 @@ def plan(bundles_root: Path, prefixes: Path, keep: int = 1) -> Plan:
     root = Path(bundles_root)
     if not root.is_dir():
         raise PipelineError(f"bundles folder {root} does not exist; pass --bundles")
-    defined = {p.stem for p in find_definitions(prefixes)} if Path(prefixes).is_dir() else set()
+    defined = _defined(prefixes)
     if not defined:
         raise PipelineError(
             f"no prefix definitions (*.toml) in {prefixes}/; pass --prefixes (prune deletes the "
@@ -98,14 +97,29 @@ def plan(bundles_root: Path, prefixes: Path, keep: int = 1) -> Plan:
             why = f"version {b.version} of {b.prefix} is named in {lock_file}"
             result.kept.append(Kept(b.path, b.prefix, b.version, b.model_folder, why))
         else:
-            size = tree_bytes(b.path)
+            size = tree_bytes(root, b.path)
             result.delete.append(
                 Candidate(b.path, kind, reason, size, b.prefix, b.version, b.model_folder)
             )
     for tmp in abandoned_staging(root):
         reason = f"staging folder of process {tmp.name.split('-', 1)[0]}, which is gone"
-        result.delete.append(Candidate(tmp, "staging", reason, tree_bytes(tmp)))
+        result.delete.append(Candidate(tmp, "staging", reason, tree_bytes(root, tmp)))
     return result
+
+
+def _defined(prefixes: Path) -> set[str]:
+    """The prefix names defined in prefixes/; PipelineError when a *.toml there is not a
+    definition (a wrong --prefixes, such as a project root with pyproject.toml, would otherwise
+    make every bundle one of a prefix without a definition)."""
+    if not Path(prefixes).is_dir():
+        return set()
+    try:
+        return {read_definition(p).name for p in find_definitions(prefixes)}
+    except DefinitionError as exc:
+        raise PipelineError(
+            f"{exc}; prune deletes the bundles of prefixes without a definition, so it reads "
+            "every definition first: fix that file or pass the right --prefixes"
+        ) from None
 
 
 def _doomed(bundles: list[Bundle], defined: set[str], keep: int, prefixes: Path):
@@ -126,30 +140,22 @@ def _doomed(bundles: list[Bundle], defined: set[str], keep: int, prefixes: Path)
 
 
 def layout_bundles(root: Path) -> list[Bundle]:
-    """Real folders at <root>/<name>/<digits>/<model folder>; symlinks and .staging skipped."""
+    """Real folders at <root>/<prefix name>/<version>/<slug>-<fingerprint12>, each part as the
+    layout spells it; anything else (links, .staging, a user's own folder) is not a bundle."""
     found = []
     for name in _subfolders(root):
-        if name.name == STAGING_DIR:
+        if not is_name(name.name):
             continue
         for version in _subfolders(name):
             if (number := parse_version(version.name)) is not None:
                 for model in _subfolders(version):
-                    found.append(Bundle(model, name.name, number, model.name))
+                    if is_model_folder(model.name):
+                        found.append(Bundle(model, name.name, number, model.name))
     return found
 
 
 def _subfolders(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if not p.is_symlink() and p.is_dir())
-
-
-def tree_bytes(folder: Path) -> int:
-    """Bytes of the regular files under folder (symlinks not followed)."""
-    total = 0
-    for dirpath, _dirs, files in os.walk(folder):
-        for name in files:
-            st = os.lstat(os.path.join(dirpath, name))
-            total += st.st_size if stat.S_ISREG(st.st_mode) else 0
-    return total
 
 
 def delete(candidate: Candidate, bundles_root: Path) -> None:

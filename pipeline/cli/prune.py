@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-import stat
 from pathlib import Path
 
 from pipeline.cli.common import add_json_option, emit, err, error_text, plural, warn
@@ -80,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _snapshots(args: argparse.Namespace) -> int:
     """List (with --apply delete) the snapshot sets in a --snapshots folder no serve is using."""
+    from pipeline.builder.bundles_tree import tree_bytes
     from pipeline.runtime.snapshot_store import SnapshotFolder
 
     if args.json:
@@ -90,7 +89,7 @@ def _snapshots(args: argparse.Namespace) -> int:
         for line in folder.strays():
             warn(line)
         sets = [path for _, path in folder.sets()]
-        size = sum(_bytes(s) for s in sets)
+        size = sum(tree_bytes(folder.root, s) for s in sets)
         if not args.apply:
             for path in sets:
                 print(f"would delete {path}")
@@ -101,16 +100,6 @@ def _snapshots(args: argparse.Namespace) -> int:
         return 0
     finally:
         folder.close()
-
-
-def _bytes(folder: Path) -> int:
-    """The bytes of the regular files under `folder`, no link followed."""
-    return sum(
-        st.st_size
-        for top, _, names in os.walk(folder)
-        for name in names
-        if stat.S_ISREG((st := os.lstat(os.path.join(top, name))).st_mode)
-    )
 
 
 def _folder(candidate, args: argparse.Namespace) -> PrunedFolder:
