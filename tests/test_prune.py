@@ -223,3 +223,17 @@ def test_a_staging_leftover_of_any_depth_is_sized_and_removed(project: Path, sho
             parent = os.open(shop["staging"].parent, os.O_RDONLY)
             remove_at(parent, shop["staging"].name)
             os.close(parent)
+
+
+def test_a_newer_version_that_is_not_whole_never_costs_the_one_before(project: Path, shop, capsys):
+    """A copy of shop@2 cut short (its cache file truncated, or still arriving): prune keeps
+    shop@1, the newest version that looks whole, and does not delete the broken one either
+    (before: judged by version number only, shop@1 was deleted; outside review)."""
+    cache = shop["new"] / "cache.safetensors"
+    cache.write_bytes(cache.read_bytes()[:100])
+    code, report = prune_json(project, capsys)
+    doomed = {Path(f.path) for f in report.delete}
+    assert code == 0 and shop["old"] not in doomed and shop["new"] not in doomed
+    (shop["new"] / "manifest.json").unlink()  # files missing: the same
+    code, report = prune_json(project, capsys)
+    assert shop["old"] not in {Path(f.path) for f in report.delete}

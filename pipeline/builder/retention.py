@@ -27,7 +27,14 @@ from pipeline.builder.bundles_tree import (
 )
 from pipeline.builder.definition import DefinitionError, find_definitions, read_definition
 from pipeline.builder.writer import abandoned_staging, is_abandoned, staging_root, target_lock
-from pipeline.format.errors import PipelineError
+from pipeline.format.bundle_folder import (
+    CACHE_FILE,
+    MANIFEST_FILE,
+    check_folder,
+    read_manifest,
+    read_sums,
+)
+from pipeline.format.errors import BundleError, PipelineError
 from pipeline.format.lockfile import lock_path, read_lock
 from pipeline.format.names import is_model_folder, is_name, parse_version
 
@@ -131,12 +138,28 @@ def _doomed(bundles: list[Bundle], defined: set[str], keep: int, prefixes: Path)
         else:
             groups[(b.prefix, b.model_folder)].append(b)
     for (prefix, folder), group in sorted(groups.items()):
-        newest = sorted({b.version for b in group}, reverse=True)[:keep]
+        # a version counts only when it looks whole: a copy cut short, or one still arriving,
+        # never costs the versions before it (nor is it deleted: it is newer)
+        whole = sorted({b.version for b in group if _looks_whole(b)}, reverse=True)[:keep]
         for b in sorted(group, key=lambda b: b.version):
-            if b.version not in newest:
-                kept = ", ".join(map(str, newest))
+            if whole and b.version < min(whole):
+                kept = ", ".join(map(str, whole))
                 why = f"older than the newest {keep} version(s) of {prefix} for {folder} (kept: {kept})"
                 yield b, "older-version", why
+
+
+def _looks_whole(b: Bundle) -> bool:
+    """Whether a bundle folder looks whole from its small files and sizes (no hashing): its
+    files all there, its manifest matching SHA256SUMS and naming this prefix and version, its
+    cache file the size the manifest records."""
+    try:
+        check_folder(b.path)
+        m = read_manifest(b.path, read_sums(b.path).get(MANIFEST_FILE))
+        size = os.lstat(b.path / CACHE_FILE).st_size
+    except (BundleError, OSError):
+        return False
+    named = m.prefix is not None and (m.prefix.name, m.prefix.version) == (b.prefix, b.version)
+    return named and size == m.cache.file_bytes
 
 
 def layout_bundles(root: Path) -> list[Bundle]:
