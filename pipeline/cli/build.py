@@ -12,6 +12,7 @@ from pipeline.cli.common import (
     err,
     error_text,
     progress,
+    say,
     warn,
 )
 from pipeline.cli.reports import BuildReport, BuildTotals, BuiltTarget
@@ -252,7 +253,7 @@ def _print_built(label: str, result, out) -> None:
     if result.up_to_date:
         signed = result.report.get("signed")
         how = f"; signed with key id {result.report['key']}: {signed}" if signed else ""
-        print(f"{label}: up to date ({result.bundle}){how}", file=out)
+        say(f"{label}: up to date ({result.bundle}){how}", file=out)
         return
     r, fid = result.report, m.fidelity
     check = (
@@ -260,10 +261,10 @@ def _print_built(label: str, result, out) -> None:
         if fid.checked
         else ""
     )
-    print(
+    say(
         f"{label}: {m.tokens.count} tokens (stable {m.tokens.stable_tokens}/{m.tokens.rendered_tokens}), "
         f"{r['prefill_seconds']:.2f}s ({r['tokens_per_second']:,.0f} tok/s), "
         f"peak {r['peak_memory_bytes'] / 2**20:,.0f} MiB{check} -> {result.bundle}",
         file=out,
     )
-    print(f"  {r['reuse']}", file=out)
+    say(f"  {r['reuse']}", file=out)

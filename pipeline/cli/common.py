@@ -8,7 +8,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 from pipeline.format.errors import PipelineError
 
@@ -29,7 +29,14 @@ def request_code_server(name: str) -> str:
 def one_line(message: str) -> str:
     """The message on one line: a newline or other control character inside a name or path the
     user gave is shown escaped, never as a line break."""
-    return "".join(c if c.isprintable() or c == " " else repr(c)[1:-1] for c in message)
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
+
+
+def say(line: str = "", file: TextIO | None = None, flush: bool = False) -> None:
+    """One line of text output (stdout unless `file`): a path, a name or a manifest field in it
+    is shown escaped (one_line), so one item stays one line, no terminal escape reaches the
+    terminal, and a strict UTF-8 stdout never fails on a non-UTF-8 file name."""
+    print(one_line(line), file=file, flush=flush)
 
 
 def err(message: str) -> None:
@@ -152,7 +159,7 @@ def _lines(label: str, eta: Any = None):
         if not first and done < total and last[0] is not None and now - last[0] < 0.5:
             return
         last[0] = None if first else now
-        print(f"{label}: prefill {text}", file=sys.stderr, flush=True)
+        say(f"{label}: prefill {text}", file=sys.stderr, flush=True)
 
     return report
 

@@ -6,7 +6,7 @@ import argparse
 import math
 from pathlib import Path
 
-from pipeline.cli.common import add_json_option, emit, progress
+from pipeline.cli.common import add_json_option, emit, progress, say
 
 DEMO_MODEL = Path("models/demo-tiny")
 
@@ -31,7 +31,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
 def run_demo_model(args: argparse.Namespace) -> int:
     from pipeline.testmodels.model import generate_model
 
-    print(generate_model(args.out, args.size, seed=args.seed))
+    say(str(generate_model(args.out, args.size, seed=args.seed)))
     return 0
 
 
@@ -63,11 +63,11 @@ def _report(args: argparse.Namespace, rows: list[dict]):
 
 def _print(report) -> None:
     header = f"{'prefix':<22}{'tokens':>8}{'bytes':>13}{'prefill s':>11}{'mount ms':>10}  status"
-    print(header)
-    print("-" * len(header))
+    say(header)
+    say("-" * len(header))
     for r in report.bundles:
         prefill = f"{r.prefill_seconds:>11.3f}" if r.prefill_seconds is not None else f"{'-':>11}"
-        print(
+        say(
             f"{r.prefix:<22}{r.tokens:>8}{r.bytes:>13,}{prefill}"
             f"{r.mount_ms:>10.1f}  {r.status}, verified, mounted"
         )

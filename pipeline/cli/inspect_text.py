@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pipeline.cli.common import say
+
 NO_KEY = "not checked: no --trusted-key given"
 NO_HOST_KEY = (
     "not checked: a snapshot is signed with its host's snapshot key, which inspect does not read "
@@ -18,22 +20,22 @@ REBUILT = {"files", "checksums", "manifest", "cache file", "layout", "tokens", "
 
 def print_inspect(bundle: Path, manifest: Any, args: Any, identity: Any, refusal: Any, keys: tuple):
     """The whole text report: summary, files, checks, verdict and the next command."""
-    print(f"{'snapshot' if manifest.kind == 'snapshot' else 'bundle'} {bundle}")
+    say(f"{'snapshot' if manifest.kind == 'snapshot' else 'bundle'} {bundle}")
     data = manifest.model_dump(mode="json")
     _print_rows(summary_rows(data))
     if data.get("parent"):  # an incremental build: which bundle's cache it started from
-        print(f"  parent: {parent_line(data['parent'])}")
+        say(f"  parent: {parent_line(data['parent'])}")
         if data["parent"].get("checked"):
-            print(f"  parent checked: {data['parent']['checked']}")
-    print(f"  signature: {_signature_line(bundle)}")
+            say(f"  parent checked: {data['parent']['checked']}")
+    say(f"  signature: {_signature_line(bundle)}")
     print_files(bundle)
     _print_checks(manifest, args, identity, refusal, keys)
     model = getattr(args, "model", None)
     scope = f" for {model}" if model else " (integrity only)"
     if manifest.kind == "snapshot" and not keys:
         scope += ", host signature not checked"
-    print(f"valid{scope}: {'yes' if refusal is None else 'no'}")
-    print(f"next: {next_step(bundle, manifest, model, refusal, bool(keys))}")
+    say(f"valid{scope}: {'yes' if refusal is None else 'no'}")
+    say(f"next: {next_step(bundle, manifest, model, refusal, bool(keys))}")
 
 
 def summary_rows(data: dict) -> list[tuple[str, str]]:
@@ -113,7 +115,7 @@ def size(n: int) -> str:
 def _print_rows(rows: list[tuple[str, str]]) -> None:
     """`  label:  value`, the values aligned (labels are at most 'signature:' wide)."""
     for label, value in rows:
-        print(f"  {label + ':':<11}{value}")
+        say(f"  {label + ':':<11}{value}")
 
 
 def print_files(bundle: Path) -> None:
@@ -125,9 +127,9 @@ def print_files(bundle: Path) -> None:
         outside = "informational, outside the checksums" if p.name == "build-report.json" else ""
         rows.append((p.name, f"{n:,}", size(n), outside))
     w = [max(len(r[i]) for r in rows) for i in range(3)]
-    print("files:")
+    say("files:")
     for name, n, human, why in rows:
-        print(f"  {name:<{w[0]}}  {n:>{w[1]}}  {human:<{w[2]}}  {why}".rstrip())
+        say(f"  {name:<{w[0]}}  {n:>{w[1]}}  {human:<{w[2]}}  {why}".rstrip())
 
 
 def _print_checks(manifest, args: Any, identity, refusal, keys: tuple) -> None:
@@ -138,25 +140,25 @@ def _print_checks(manifest, args: Any, identity, refusal, keys: tuple) -> None:
 
     model = getattr(args, "model", None)
     target = f" for model {model}" if model else " (integrity only: no --model given)"
-    print(f"checks{target}:")
-    print(f"  {'stat':<4} {'check':<21} detail")
+    say(f"checks{target}:")
+    say(f"  {'stat':<4} {'check':<21} detail")
     failed = refusal.check if refusal is not None else None
     reached = True
     for name, detail in CHECKS:
         if name == "identity" and model and reached:
             for c in identity_checks(manifest, identity):
                 line = f"{(c.found or 'none')[:16]}.. matches" if c.ok else c.error(Path("")).reason
-                print(f"  {'ok  ' if c.ok else 'FAIL'} {c.what:<21} {line}")
+                say(f"  {'ok  ' if c.ok else 'FAIL'} {c.what:<21} {line}")
         elif name == "identity" and not model and reached and failed != name:
-            print(f"  --   {name:<21} {NO_MODEL}")
+            say(f"  --   {name:<21} {NO_MODEL}")
         elif name == "signature" and not keys and reached:
-            print(f"  --   {name:<21} {NO_HOST_KEY if manifest.kind == 'snapshot' else NO_KEY}")
+            say(f"  --   {name:<21} {NO_HOST_KEY if manifest.kind == 'snapshot' else NO_KEY}")
         elif name == failed:
-            print(f"  FAIL {name:<21} {refusal.reason}")
+            say(f"  FAIL {name:<21} {refusal.reason}")
         elif reached:
-            print(f"  ok   {name:<21} {detail}")
+            say(f"  ok   {name:<21} {detail}")
         else:
-            print(f"  --   {name:<21} not reached")
+            say(f"  --   {name:<21} not reached")
         reached = reached and name != failed
     _print_info(manifest)
 
@@ -165,15 +167,15 @@ def _print_info(manifest) -> None:
     t, f = manifest.tokens, manifest.fidelity
     if manifest.kind == "snapshot":  # a server's own entry: no rendering, probes or build check
         return
-    print(
+    say(
         f"  info stability              {t.stable_tokens}/{t.rendered_tokens} rendered tokens are a prefix of every probe turn"
     )
     if f.checked:
-        print(
+        say(
             f"  info fidelity               max |logit diff| {f.max_abs_logit_diff:.3g} <= {f.threshold:g}, greedy match {f.greedy_match} (at build, vs {f.reference})"
         )
-        print(f"  info serving path           {_serving(f)}")
-        print(f"  info reuse rule             {_reuse_rule(manifest)}")
+        say(f"  info serving path           {_serving(f)}")
+        say(f"  info reuse rule             {_reuse_rule(manifest)}")
 
 
 def next_step(bundle: Path, manifest, model: Path | None, refusal, with_keys: bool) -> str:

@@ -7,7 +7,7 @@ import contextlib
 import os
 from pathlib import Path
 
-from pipeline.cli.common import add_json_option, emit_json
+from pipeline.cli.common import add_json_option, emit_json, say
 from pipeline.format.errors import PipelineError
 
 
@@ -58,9 +58,9 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         return 0
-    print(f"key id {key.public_key().id}")
-    print(f"secret key: {secret_path} (keep it secret{'' if args.unencrypted else '; encrypted'})")
-    print(f"public key: {public_path} (deploy it; pass it with --trusted-key)")
+    say(f"key id {key.public_key().id}")
+    say(f"secret key: {secret_path} (keep it secret{'' if args.unencrypted else '; encrypted'})")
+    say(f"public key: {public_path} (deploy it; pass it with --trusted-key)")
     return 0
 
 

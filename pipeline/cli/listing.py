@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.cli.common import add_json_option, emit, integrity_identity, warn
+from pipeline.cli.common import add_json_option, emit, integrity_identity, say, warn
 from pipeline.cli.reports import ListedBundle, ListedDefinition, ListReport, ListTotals, refusal_of
 from pipeline.format.errors import PipelineError
 
@@ -121,4 +121,4 @@ def _print(report: ListReport) -> None:
             str(c).ljust(w) if i != 2 else str(c).rjust(w)
             for i, (c, w) in enumerate(zip(row, widths, strict=False))
         ]
-        print("  ".join([*cells, row[5]]).rstrip())
+        say("  ".join([*cells, row[5]]).rstrip())

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from pipeline.cli.common import add_json_option, emit_json, err, request_code_server
+from pipeline.cli.common import add_json_option, emit_json, err, request_code_server, say
 from pipeline.format.errors import PipelineError
 
 
@@ -100,15 +100,15 @@ def _print(server, request, matches, chosen, skipped, bundles) -> None:
     for line in skipped:
         err(f"bundle {line} (not considered)")
     as_server = "" if server == "mlx-lm" else f" ({server})"
-    print(f"request: {len(request)} tokens{as_server}")
+    say(f"request: {len(request)} tokens{as_server}")
     for m in matches:
         mark = "*" if m.chosen else " "
         part = f"; parts {m.divergence}" if m.divergence else ""
-        print(f"{mark} {m.name:<24} {m.reused_tokens:>6} of {m.bundle_tokens:<6} {m.why}{part}")
-        print(f"  {'':<24} {m.bundle}")
+        say(f"{mark} {m.name:<24} {m.reused_tokens:>6} of {m.bundle_tokens:<6} {m.why}{part}")
+        say(f"  {'':<24} {m.bundle}")
     if chosen is None:
         where = "" if matches else f" (no valid bundle in {bundles})"
-        print(f"serve would run this request cold: no bundle is reused{where}")
+        say(f"serve would run this request cold: no bundle is reused{where}")
 
 
 def _emit(server, api, request, matches, chosen, skipped) -> None:

@@ -11,6 +11,7 @@ from pipeline.cli.common import (
     load_definitions,
     note,
     request_code_server,
+    say,
     warn,
 )
 
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
             )
         )  # fmt: skip
     else:
-        print(
+        say(
             f"wrote {path} ({len(tokens):,} tokens for {args.model} as the pinned template "
             f"renders it{how}); build it with 'python build.py build {args.name}'"
         )

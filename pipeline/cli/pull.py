@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.cli.common import add_json_option, emit_json, err
+from pipeline.cli.common import add_json_option, emit_json, err, say
 from pipeline.cli.keys import add_trusted_key_option, trusted_keys
 from pipeline.cli.push import add_registry_options, transfer_of, transfer_progress
 from pipeline.cli.reports import PulledBundle, PullReport, PullTotals, refusal_of
@@ -120,12 +120,12 @@ def _print(result: PullResult) -> None:
     for b in result.pulled:
         digest = result.digests.get(b.repo_path)
         where = f"{at}@{digest}" if digest else at
-        print(f"pulled {b.name}@{b.version} ({b.tokens} tokens) from {where} -> {b.path}")
+        say(f"pulled {b.name}@{b.version} ({b.tokens} tokens) from {where} -> {b.path}")
     for s in result.skipped:
-        print(f"skipped {s.repo_path}: {s.reason}")
+        say(f"skipped {s.repo_path}: {s.reason}")
     t = result.transfer
     if t is not None:
-        print(f"{t.moved_bytes:,} bytes downloaded in {t.moved_blobs} blobs, {t.reused_bytes:,} "
+        say(f"{t.moved_bytes:,} bytes downloaded in {t.moved_blobs} blobs, {t.reused_bytes:,} "
               f"bytes in {t.reused_blobs} blocks reused from bundles already here")  # fmt: skip
 
 

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.cli.common import add_json_option, emit_json, err
+from pipeline.cli.common import add_json_option, emit_json, err, say
 from pipeline.cli.reports import PushedBundle, PushReport, PushTotals, refusal_of
 from pipeline.cli.reports.fleet import Transfer
 from pipeline.format.errors import PipelineError
@@ -139,10 +139,10 @@ def _run(args: argparse.Namespace, prehash: Prehash | None) -> int:
         )
         return 0
     for b in result.bundles:
-        print(f"pushed {b.label} -> {result.repo}@{result.revision}:{b.repo_path}")
+        say(f"pushed {b.label} -> {result.repo}@{result.revision}:{b.repo_path}")
     for path in result.deleted:
-        print(f"removed stale {result.repo}@{result.revision}:{path}")
-    print(f"commit {result.commit or '?'} {result.url or ''}".rstrip())
+        say(f"removed stale {result.repo}@{result.revision}:{path}")
+    say(f"commit {result.commit or '?'} {result.url or ''}".rstrip())
     return 0
 
 
@@ -193,14 +193,14 @@ def _run_oci(
         return 0
     for a in result.artifacts:
         t = a.transfer
-        print(
+        say(
             f"{verb} {a.bundle.label} -> {result.repo}:{a.tag}@{a.digest} "
             f"({t.moved_bytes:,} bytes {'to upload' if args.dry_run else 'uploaded'}, "
             f"{t.reused_bytes:,} already there)"
         )
     t = result.transfer
     moved = "would be uploaded" if args.dry_run else "uploaded"
-    print(f"{t.moved_bytes:,} bytes {moved} in {t.moved_blobs} blobs, {t.reused_bytes:,} bytes in "
+    say(f"{t.moved_bytes:,} bytes {moved} in {t.moved_blobs} blobs, {t.reused_bytes:,} bytes in "
           f"{t.reused_blobs} blobs already in the registry")  # fmt: skip
     return 0
 
@@ -269,7 +269,7 @@ def _transfer_lines(verb: str):
             return
         shown[label] = (done, now)
         text = transfer_text(done, total, reused, elapsed)
-        print(f"{verb} {label}: {text}", file=sys.stderr, flush=True)
+        say(f"{verb} {label}: {text}", file=sys.stderr, flush=True)
 
     return report
 

@@ -6,6 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
+from pipeline.cli.common import say
 from pipeline.cli.reports import DOCUMENTS, schema_of, schema_text
 
 
@@ -40,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
         for name in names:
             path = args.out / f"{name}.json"
             path.write_text(schema_text(name))
-            print(path)
+            say(str(path))
     elif args.document:
         print(schema_text(args.document), end="")
     else:

@@ -23,7 +23,7 @@ from importlib import metadata
 from pathlib import Path
 
 from pipeline import __version__
-from pipeline.cli.common import add_json_option, emit_json, note
+from pipeline.cli.common import add_json_option, emit_json, note, say
 from pipeline.format.errors import PipelineError
 
 MLX_LM = "mlx-lm>=0.31.3,<0.32"
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     if (venv / "bin" / "python").exists() and (versions := _imports(servers, venv)) is not None:
         if args.json:
             return _emit(venv, servers, commands, "ready", versions)
-        print(f"{venv} already has {', '.join(servers)} ({versions}); nothing to do")
+        say(f"{venv} already has {', '.join(servers)} ({versions}); nothing to do")
         return 0
     _clear(venv, args.replace)
     for command in commands:
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.json:
         return _emit(venv, servers, commands, "made", versions)
-    print(
+    say(
         f"made {venv} ({versions}): run {venv}/bin/prefix-bundles serve --server {servers[0]} "
         "--model DIR ..."
     )

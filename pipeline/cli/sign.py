@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.cli.common import add_json_option, emit_json, err
+from pipeline.cli.common import add_json_option, emit_json, err, say
 from pipeline.cli.keys import KEY_ENV, load_secret_key
 from pipeline.format.errors import PipelineError
 
@@ -89,9 +89,9 @@ def _print_signed(bundle: Path, signed) -> None:
         if signed.replaced and not signed.already
         else ""
     )
-    print(f"{verb} {bundle} (key id {sig.key}, trusted comment {sig.trusted_comment!r}{was})")
-    print(f"  vouches for: {signed.covers()}")
-    print(
+    say(f"{verb} {bundle} (key id {sig.key}, trusted comment {sig.trusted_comment!r}{was})")
+    say(f"  vouches for: {signed.covers()}")
+    say(
         "  checked: every byte against the manifest (integrity); not checked: that the cache "
         "is what the model computes (build --sign-key proves that by building)"
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.cli.common import add_json_option, emit_json, err, read_template
+from pipeline.cli.common import add_json_option, emit_json, err, read_template, say
 from pipeline.cli.keys import add_trusted_key_option, trusted_keys
 from pipeline.cli.reports import Refusal, VerifiedBundle, VerifyReport, VerifyTotals, refusal_of
 from pipeline.format.errors import PipelineError
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     for bundle in args.bundle or _in_folder(args.model, args.bundles, results):
         r = _verify_one(bundle, identity, keys)
         if r.status == "ok" and not args.json:
-            print(f"ok {bundle} ({r.prefix}@{r.version}, {r.tokens} tokens)")
+            say(f"ok {bundle} ({r.prefix}@{r.version}, {r.tokens} tokens)")
         results.append(r)
     ok = sum(r.status == "ok" for r in results)
     if args.json:
@@ -114,5 +114,5 @@ def _in_folder(model: Path, bundles: Path | None, results: list[VerifiedBundle])
     if not (newest or older or problems):
         raise PipelineError(f"no bundle in {folder}; {fix}")
     for path in sorted(newest + older):
-        print(f"{'newest' if path in newest else 'older '} {path}", file=sys.stderr)
+        say(f"{'newest' if path in newest else 'older '} {path}", file=sys.stderr)
     return sorted(newest + older)
