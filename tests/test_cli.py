@@ -453,3 +453,38 @@ def test_each_targets_eta_prior_is_read_from_its_model_folder(project: Path, tin
     other = model_folders(definitions, project / "prefixes", project / "elsewhere" / "M")
     assert other == {"shop@1 -> m": project / "elsewhere" / "M"}
     assert crossover_for_model(project / "elsewhere") == 608.0  # no config.json: the default
+
+
+@pytest.mark.parametrize("names", [["shop"], ["shop", "tea"]])
+def test_a_lockfile_that_cannot_be_written_is_its_own_error_not_a_second_outcome(
+    project: Path, tiny_model: Path, capsys, names: list[str]
+):
+    """The bundles are published before prefixes.lock is updated: each target is listed once,
+    as built; the lockfile's failure is one line per definition saying so and what to do; a
+    rerun, once it can write, records them without building anything again."""
+    from conftest import write_definition
+
+    for name in names[1:]:
+        write_definition(project, tiny_model, name)
+    blocker = project / "prefixes" / ".prefixes.lock.lock"
+    blocker.mkdir()  # the lockfile's own file lock cannot be taken: as a read-only folder
+    rc = cli(project, "build", "--no-check", "--json")
+    out, err = capsys.readouterr()
+    assert rc == 1 and "Traceback" not in err, err
+    report = json.loads(out)
+    assert [(t["prefix"], t["status"]) for t in report["targets"]] == [(n, "built") for n in names]
+    assert report["totals"] == {"built": len(names), "failed": 0, "up_to_date": 0}
+    lock = project / "prefixes" / "prefixes.lock"
+    lines = [
+        f"error: {n}@1: its bundles are built and published, but prefixes.lock does not record "
+        f"them: cannot lock {lock} for update: Is a directory; make it and its folder writable "
+        "and run the build again (it finds them up to date and records them)"
+        for n in names
+    ]
+    assert [line for line in err.splitlines() if line.startswith("error: ")][: len(names)] == lines
+    assert not lock.exists()
+    blocker.rmdir()
+    assert cli(project, "build", "--no-check", "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert {t["status"] for t in report["targets"]} == {"up-to-date"}
+    assert sorted(json.loads(lock.read_text())["prefixes"]) == names

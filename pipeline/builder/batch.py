@@ -21,7 +21,14 @@ from pipeline.builder.writer import clean_staging
 from pipeline.format.bundle_folder import model_folder
 from pipeline.format.errors import PipelineError
 from pipeline.format.fingerprint import model_fingerprint
-from pipeline.format.lockfile import Lockfile, lock_path, read_lock, update_lock
+from pipeline.format.lockfile import (
+    LockError,
+    Lockfile,
+    LockWriteError,
+    lock_path,
+    read_lock,
+    update_lock,
+)
 
 
 @dataclass(frozen=True)
@@ -85,6 +92,12 @@ def load_each(
         except PipelineError as exc:
             failed.append((path, exc))
     return loaded, failed
+
+
+class LockNotUpdated(PipelineError):
+    """A definition's bundles were published but its prefixes.lock entry was not written."""
+
+    reported = True  # no target failed: each was reported as built
 
 
 class BuildFailures(PipelineError):
@@ -159,7 +172,26 @@ def _build_definition(
         m = _build_one(target, ref, lock, plan, report, progress, options).manifest
         built[model_folder(m.model.slug, m.model.fingerprint)] = m.model.fingerprint
     if not plan.locked:
-        update_lock(lock_path(plan.prefixes), definition.name, locked_entry(definition, built))
+        _record_lock(plan.prefixes, definition, built)
+
+
+def _record_lock(prefixes: Path, definition: LoadedDefinition, built: dict[str, str]) -> None:
+    """The definition's prefixes.lock entry, once its bundles are published: a failure here is
+    the lockfile's own (LockNotUpdated), never one of the targets, all reported built."""
+    label = f"{definition.name}@{definition.version}"
+    try:
+        update_lock(lock_path(prefixes), definition.name, locked_entry(definition, built))
+    except LockWriteError as exc:
+        raise LockNotUpdated(
+            f"{label}: its bundles are built and published, but prefixes.lock does not record "
+            f"them: {exc}; make it and its folder writable and run the build again (it finds "
+            "them up to date and records them)"
+        ) from None
+    except LockError as exc:
+        raise LockNotUpdated(
+            f"{label}: its bundles are built and published, but prefixes.lock does not record "
+            f"them: {exc}"
+        ) from None
 
 
 def _build_one(

@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     """Build each definition on its own (a failure stops no other, unless --fail-fast); exit 1
     when any failed (with --json, still one document)."""
     from pipeline.blas import blas_status
-    from pipeline.builder.batch import BuildPlan, build_all
+    from pipeline.builder.batch import BuildPlan, LockNotUpdated, build_all
 
     done: list[BuiltTarget] = []
     try:
@@ -173,8 +173,11 @@ def run(args: argparse.Namespace) -> int:
         bars = _progress_bars(definitions, plan)
         build_all(definitions, plan, record, bars, args.fail_fast, broken, **options)
     except (PipelineError, OSError) as exc:
+        failures = getattr(exc, "failures", None)  # every definition's error, not the summary
+        for _, e in failures or []:  # no target's: no outcome printed it
+            if isinstance(e, LockNotUpdated):
+                err(str(e))
         if args.json:
-            failures = getattr(exc, "failures", None)  # every definition's error, not the summary
             text = "; ".join(error_text(e) for _, e in failures) if failures else error_text(exc)
             emit_json(_report(args, done, text))
         raise  # main prints the one `error:` line and exits 1

@@ -34,6 +34,10 @@ class LockError(PipelineError):
     """The lockfile is unreadable, malformed, or does not match the definitions."""
 
 
+class LockWriteError(LockError):
+    """The lockfile (or its file lock) cannot be written: a read-only folder, a full disk."""
+
+
 class LockedPrefix(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
@@ -90,7 +94,7 @@ def write_lock(path: Path, lock: Lockfile) -> None:
         os.replace(tmp, path)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise LockError(f"cannot write {path}: {exc.strerror}") from None
+        raise LockWriteError(f"cannot write {path}: {exc.strerror}") from None
 
 
 def update_lock(path: Path, name: str, entry: LockedPrefix) -> Lockfile:
@@ -106,7 +110,7 @@ def update_lock(path: Path, name: str, entry: LockedPrefix) -> Lockfile:
             lock = current.model_copy(update={"prefixes": {**current.prefixes, name: merged}})
             write_lock(path, lock)
     except OSError as exc:  # the lock file cannot be created: the folder is read-only
-        raise LockError(f"cannot lock {path} for update: {exc.strerror}") from None
+        raise LockWriteError(f"cannot lock {path} for update: {exc.strerror}") from None
     return lock
 
 
