@@ -75,6 +75,7 @@ def test_a_version_bump_by_another_build_is_never_reverted(tmp_path: Path, tiny_
         run(tmp_path, ["a", "m"], during=interleave)
     lock_file = lock_path(tmp_path / "prefixes")
     assert str(info.value) == (
+        f"m@1: its bundles are built and published, but prefixes.lock does not record them: "
         f"{lock_file}: m@2 was locked by another build while this one built m@1; this build's "
         "entry is not recorded: build m again"
     )

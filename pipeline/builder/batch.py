@@ -94,7 +94,7 @@ def load_each(
     return loaded, failed
 
 
-class LockNotUpdated(PipelineError):
+class LockNotUpdated(LockError):
     """A definition's bundles were published but its prefixes.lock entry was not written."""
 
     reported = True  # no target failed: each was reported as built
