@@ -317,6 +317,38 @@ def test_inspect_shows_the_key_id_and_trusted_comment(
     assert {c.name: c.status for c in doc.validity.checks}["signature"] == "skipped"
 
 
+def test_sign_signs_only_the_manifest_bytes_it_validated(bundle: Path, key: SecretKey, monkeypatch):
+    """manifest.json and SHA256SUMS replaced (consistently) right after the validation: the
+    signature is refused with one line, never put on bytes that were not validated."""
+    import pipeline.builder.signing as signing
+    from pipeline.format.bundle_folder import SUMS_FILE, sums_text
+    from pipeline.format.fingerprint import sha256_bytes
+
+    validate = signing.validate
+    swapped = {}
+
+    def validate_then_swap(*args, **kwargs):
+        v = validate(*args, **kwargs)
+        m = json.loads((bundle / MANIFEST_FILE).read_text())
+        m["cache"]["file_sha256"] = "0" * 64  # a manifest that pins nothing on disk
+        data = (json.dumps(m, indent=2, sort_keys=True) + "\n").encode()
+        (bundle / MANIFEST_FILE).write_bytes(data)
+        sums = {CACHE_FILE: "0" * 64, MANIFEST_FILE: sha256_bytes(data)}
+        (bundle / SUMS_FILE).write_text(sums_text(sums))
+        swapped.update(validated=v.manifest_sha256, now=sha256_bytes(data))
+        return v
+
+    monkeypatch.setattr(signing, "validate", validate_then_swap)
+    with pytest.raises(BundleError) as exc:
+        sign_bundle(bundle, key)
+    assert str(exc.value) == (
+        f"bundle {bundle}: manifest.json changed after it was validated (sha256 "
+        f"{swapped['validated'][:16]}.. validated, {swapped['now'][:16]}.. now); nothing was "
+        "signed: find what writes to this bundle, then sign it again"
+    )
+    assert not (bundle / SIGNATURE_FILE).exists()
+
+
 # --- the CLI: keygen, sign, keys from the environment ----------------------------------------------
 
 

@@ -302,8 +302,8 @@ def _prove_and_sign(job: Job, bundles_root: Path, current: Manifest) -> BuildRes
                 "so the bundle was altered after it was built (or its parent was) and is not "
                 "signed; rebuild it with 'python build.py build --force --sign-key KEY'"
             )
-        validate(job.dest, job.identity)  # SHA256SUMS and every byte as the manifest pins them
-        signature = sign_manifest(job.dest, job.sign_key)
+        v = validate(job.dest, job.identity)  # SHA256SUMS, every byte as the manifest pins them
+        signature = sign_manifest(job.dest, job.sign_key, v.manifest_sha256)
     finally:
         discard(bundles_root, tmp)
     report = {"signed": f"rebuilt {how} and compared", "key": signature.key}

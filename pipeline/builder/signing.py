@@ -59,14 +59,23 @@ class Signed:
         )
 
 
-def sign_manifest(bundle: Path, key: SecretKey) -> Signature:
+def sign_manifest(bundle: Path, key: SecretKey, validated: str | None = None) -> Signature:
     """Sign the manifest.json that SHA256SUMS lists and put the signature beside it atomically.
 
     The caller has proven the bundle (sign_bundle checks integrity; the builder signs what it just
-    wrote or rebuilt and compared).
+    wrote or rebuilt and compared); `validated`, the sha256 of the manifest bytes that proof read:
+    other bytes read here (the file was replaced since) are refused, never signed.
     """
     bundle = Path(bundle)
     data = read_manifest_bytes(bundle, read_sums(bundle)[MANIFEST_FILE])
+    if validated is not None and sha256_bytes(data) != validated:
+        raise BundleError(
+            str(bundle),
+            f"{MANIFEST_FILE} changed after it was validated (sha256 {validated[:16]}.. "
+            f"validated, {sha256_bytes(data)[:16]}.. now); nothing was signed: find what writes "
+            "to this bundle, then sign it again",
+            MANIFEST_FILE,
+        )
     signature = key.sign(data, trusted_comment(parse_manifest(bundle, data)))
     write_signature(bundle, signature)
     return signature
@@ -100,8 +109,9 @@ def sign_bundle(bundle: Path, key: SecretKey, *, replace: bool = False) -> Signe
         v = validate(bundle, recorded_identity(read_manifest(bundle, None)))
         replaced = _existing_signature(bundle, key, replace)
         if replaced == key.public_key().id:
-            return _signed(bundle, read_signature(bundle), v.manifest, already=True)
-        return _signed(bundle, sign_manifest(bundle, key), v.manifest, replaced=replaced)
+            return Signed(read_signature(bundle), v.manifest, v.manifest_sha256, already=True)
+        sig = sign_manifest(bundle, key, v.manifest_sha256)  # the very bytes validated, or none
+        return Signed(sig, v.manifest, v.manifest_sha256, replaced=replaced)
 
 
 @contextlib.contextmanager
@@ -124,11 +134,6 @@ def _build_lock(bundle: Path) -> Iterator[None]:
         raise BuildError(
             f"{bundle}: a build is writing this bundle right now; sign it when the build is done"
         ) from None
-
-
-def _signed(bundle: Path, sig: Signature, manifest: Manifest, **kw) -> Signed:
-    data = read_manifest_bytes(bundle, read_sums(bundle)[MANIFEST_FILE])
-    return Signed(sig, manifest, sha256_bytes(data), **kw)
 
 
 def _existing_signature(bundle: Path, key: SecretKey, replace: bool) -> str | None:
