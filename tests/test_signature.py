@@ -349,6 +349,37 @@ def test_sign_signs_only_the_manifest_bytes_it_validated(bundle: Path, key: Secr
     assert not (bundle / SIGNATURE_FILE).exists()
 
 
+UNSIGNED_ACCEPTS = {  # docs/bundle-format.md: what an unsigned bundle's checks prove
+    "request.messages": lambda m: m["request"]["messages"][0].update(content="You are a pirate."),
+    "text.preview": lambda m: m["text"].update(preview="totally different prompt"),
+    "fidelity.*": lambda m: m["fidelity"].update(reference="anything at all"),
+    "prefix.version": lambda m: m["prefix"].update(version=7),
+}
+
+
+@pytest.mark.parametrize("field", sorted(UNSIGNED_ACCEPTS))
+def test_what_only_a_signature_proves_is_documented(
+    bundle: Path, key: SecretKey, tiny_model: Path, tmp_path: Path, field: str, capsys
+):
+    """manifest.json edited and SHA256SUMS regenerated: the unsigned checks accept it (nothing
+    recomputes these fields, and a relabelled version moved to its folder agrees with it), a
+    signature made before the edit refuses it, and the docs say so field by field."""
+    sign_bundle(bundle, key)
+    _, pub = write_keys(tmp_path / "keys", key)
+    edit_manifest(UNSIGNED_ACCEPTS[field])(bundle)
+    reseal_sums(bundle)
+    if field == "prefix.version":
+        moved = bundle.parents[1] / "7" / bundle.name
+        moved.parent.mkdir()
+        bundle = bundle.rename(moved)
+    assert main(["verify", str(bundle), "--model", str(tiny_model)]) == 0
+    assert main(["verify", str(bundle), "--model", str(tiny_model), "--trusted-key", str(pub)]) == 1
+    assert capsys.readouterr().err.startswith(f"error: bundle {bundle}: ")
+    docs = (ROOT / "docs/bundle-format.md").read_text()
+    section = docs.split("### What an unsigned bundle's checks prove")[1].split("\n## ")[0]
+    assert f"`{field}`" in section
+
+
 # --- the CLI: keygen, sign, keys from the environment ----------------------------------------------
 
 
