@@ -349,6 +349,26 @@ def test_sign_signs_only_the_manifest_bytes_it_validated(bundle: Path, key: Secr
     assert not (bundle / SIGNATURE_FILE).exists()
 
 
+def test_a_signature_cut_short_by_the_file_size_limit_says_so(bundle: Path, key: SecretKey):
+    """A full disk or the file size limit is named as such, not as a folder to make writable."""
+    import resource
+
+    from pipeline.format.errors import BuildError
+
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16, old[1]))  # Python ignores SIGXFSZ
+    try:
+        with pytest.raises(BuildError) as exc:
+            sign_bundle(bundle, key)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+    assert str(exc.value) == (
+        f"cannot write {bundle / SIGNATURE_FILE}: File too large; the file size limit was hit: "
+        "raise it (ulimit -f)"
+    )
+    assert sorted(p.name for p in bundle.parent.iterdir()) == [bundle.name]  # no temporary file
+
+
 UNSIGNED_ACCEPTS = {  # docs/bundle-format.md: what an unsigned bundle's checks prove
     "request.messages": lambda m: m["request"]["messages"][0].update(content="You are a pirate."),
     "text.preview": lambda m: m["text"].update(preview="totally different prompt"),

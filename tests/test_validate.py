@@ -159,6 +159,25 @@ def test_any_other_exception_inside_is_a_refusal_at_its_stage(
     )
 
 
+def test_a_bundle_this_user_cannot_read_says_so_not_rebuild_it(
+    copy: Path, tiny_model: Path, monkeypatch
+):
+    """A PermissionError (a folder mode 000; root reads through it, so raised here where the
+    validator lists the folder) is the user's permissions, not a broken bundle."""
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(copy))
+
+    monkeypatch.setattr(validate_module, "check_folder", denied)
+    with pytest.raises(BundleError) as info:
+        validate(copy, identity_for(tiny_model))
+    assert (info.value.check, str(info.value)) == (
+        "files",
+        f"bundle {copy}: cannot be read (Permission denied: {copy}); check its permissions (this "
+        "user must be able to list the folder and read its files)",
+    )
+
+
 def test_checks_lists_every_stage_in_the_order_validate_runs_them():
     """inspect prints CHECKS for a bundle that passes: it must be what the validator does."""
     source = Path(validate_module.__file__).read_text(encoding="utf-8")

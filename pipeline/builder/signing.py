@@ -10,6 +10,7 @@ silently (one that does not verify means the bundle changed after it was signed)
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 from collections.abc import Iterator, Sequence
@@ -37,6 +38,13 @@ from pipeline.format.manifest import Manifest
 from pipeline.format.secret_key import SecretKey
 from pipeline.format.signature import PublicKey, Signature
 from pipeline.format.validate import recorded_identity, validate
+
+# what to do when the signature cannot be written, by errno (else: the folder is not writable)
+WRITE_FIXES = {
+    errno.ENOSPC: "the disk is full: free space on it",
+    errno.EDQUOT: "the disk quota is used up: free space in it",
+    errno.EFBIG: "the file size limit was hit: raise it (ulimit -f)",
+}
 
 
 @dataclass(frozen=True)
@@ -185,9 +193,8 @@ def write_signature(bundle: Path, signature: Signature) -> None:
         os.replace(tmp, bundle / SIGNATURE_FILE)
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise BuildError(
-            f"cannot write {bundle / SIGNATURE_FILE}: {exc.strerror}; make the bundle writable"
-        ) from None
+        fix = WRITE_FIXES.get(exc.errno, "make the bundle's folder writable")
+        raise BuildError(f"cannot write {bundle / SIGNATURE_FILE}: {exc.strerror}; {fix}") from None
 
 
 __all__ = ["Signed", "sign_bundle", "sign_manifest", "signed_by", "write_signature"]

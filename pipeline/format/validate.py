@@ -92,6 +92,12 @@ def validate(
         raise
     except LayoutError as exc:
         error = BundleError(str(bundle), f"{exc}; rebuild the bundle", exc.field)
+    except PermissionError as exc:  # the bundle may be fine: this user cannot read it
+        error = BundleError(
+            str(bundle),
+            f"cannot be read ({exc.strerror}: {exc.filename}); check its permissions (this user "
+            "must be able to list the folder and read its files)",
+        )
     except Exception as exc:  # anything else is still a refusal, never a crash of the caller
         detail = " ".join(str(exc).split())[:200]
         error = BundleError(
