@@ -452,6 +452,24 @@ def test_read_only_bundles_folder_is_one_line_before_prefill(project: Path, caps
     assert snapshot(bundles) == {}
 
 
+def test_a_name_relative_to_a_folder_descriptor_is_shown_under_the_bundles_root(
+    project: Path, monkeypatch
+):
+    """bundles_tree works through folder descriptors, so an OSError names only the last part
+    of the path: the message says under which bundles folder it is."""
+
+    def read_only(bundles_root):
+        raise OSError(30, "Read-only file system", "4242-0badc0de.0123456789ab")
+
+    monkeypatch.setattr("pipeline.builder.builder.new_staging_folder", read_only)
+    with pytest.raises(BuildError) as exc:
+        build_bundle(project)
+    assert str(exc.value) == (
+        f"cannot write 4242-0badc0de.0123456789ab under {project / 'bundles'}: Read-only file "
+        "system; make the bundles folder writable or pass --bundles"
+    )
+
+
 def test_not_enough_space_is_refused_before_prefill(project: Path, monkeypatch):
     monkeypatch.setattr("pipeline.builder.builder.free_bytes", lambda root: 1000)
     calls: list = []

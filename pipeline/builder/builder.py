@@ -246,8 +246,11 @@ def build(
             f"another build is writing {dest} right now; wait for it to finish (its bundle is kept)"
         ) from None
     except OSError as exc:
+        # a name relative to a folder descriptor (bundles_tree) is shown under the bundles root
+        name = os.fsdecode(exc.filename) if exc.filename else ""
+        where = name if os.path.isabs(name) else f"{name} under {bundles_root}" if name else ""
         raise BuildError(
-            f"cannot write {exc.filename or bundles_root}: {exc.strerror}; "
+            f"cannot write {where or bundles_root}: {exc.strerror}; "
             "make the bundles folder writable or pass --bundles"
         ) from None
 
