@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.cli.common import add_json_option, emit, err, error_text, plural, warn
+from pipeline.cli.common import add_json_option, emit, err, error_text, plural, say, warn
 from pipeline.cli.reports import KeptFolder, PrunedFolder, PruneReport, PruneTotals
 from pipeline.format.errors import PipelineError
 from pipeline.format.names import parse_version
@@ -92,11 +92,11 @@ def _snapshots(args: argparse.Namespace) -> int:
         size = sum(tree_bytes(folder.root, s) for s in sets)
         if not args.apply:
             for path in sets:
-                print(f"would delete {path}")
-            print(f"{plural(len(sets), 'snapshot set')}, {_mb(size)}; pass --apply to delete")
+                say(f"would delete {path}")
+            say(f"{plural(len(sets), 'snapshot set')}, {_mb(size)}; pass --apply to delete")
             return 0
         gone = folder.wipe()
-        print(f"deleted {plural(len(gone), 'folder')} under {args.snapshots}, {_mb(size)}")
+        say(f"deleted {plural(len(gone), 'folder')} under {args.snapshots}, {_mb(size)}")
         return 0
     finally:
         folder.close()
@@ -141,15 +141,15 @@ def _totals(folders: list[PrunedFolder]) -> PruneTotals:
 def _print(report: PruneReport) -> None:
     labels = {"would-delete": "would delete", "deleted": "deleted", "failed": "FAILED"}
     for f in report.delete:
-        print(f"{labels[f.status]:<13} {_mb(f.bytes):>10}  {f.path}  ({f.reason})")
+        say(f"{labels[f.status]:<13} {_mb(f.bytes):>10}  {f.path}  ({f.reason})")
     for k in report.kept:
-        print(f"{'kept':<13} {'':>10}  {k.path}  ({k.reason})")
+        say(f"{'kept':<13} {'':>10}  {k.path}  ({k.reason})")
     t = report.totals
     if not report.applied:
         more = "; run with --apply to delete them" if t.folders else ""
-        print(f"{plural(t.folders, 'folder')}, {_mb(t.bytes)} to reclaim{more}")
+        say(f"{plural(t.folders, 'folder')}, {_mb(t.bytes)} to reclaim{more}")
     else:
-        print(
+        say(
             f"{plural(t.deleted, 'folder')} deleted, {_mb(t.deleted_bytes)} reclaimed, "
             f"{t.failed} failed"
         )
