@@ -12,11 +12,14 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+
+from pipeline.distribute.untrusted import Unfit, parse_as
 from pipeline.format.bundle_folder import ALLOWED_FILES, CACHE_FILE
 from pipeline.format.errors import PipelineError
-from pipeline.format.names import is_model_folder, is_name, parse_version
+from pipeline.format.names import MAX_VERSION, NAME_RULE, is_model_folder, is_name, parse_version
 
 VENDOR = "application/vnd.mlx-prefix-bundles"
 ARTIFACT_TYPE = f"{VENDOR}.bundle.v1"
@@ -29,6 +32,11 @@ CONFIG_SCHEMA = "mlx-prefix-bundles.artifact/1"
 TITLE = "org.opencontainers.image.title"
 SMALL_FILES = tuple(sorted(ALLOWED_FILES - {CACHE_FILE}))
 MAX_SMALL_BYTES = 16 << 20
+MAX_MANIFEST_BYTES = 4 << 20  # distribution's own cap on a manifest body
+MAX_CONFIG_BYTES = 1 << 20  # ours are ~250 bytes
+# the header holds the token ids (~4-7 bytes each): 16 MiB is millions of tokens
+MAX_HEADER_BYTES = 16 << 20
+MAX_RECORDED_BLOCK_TOKENS = 1 << 16  # what a pull accepts from an artifact's config
 # <name>.V<version>.<slug>-<fp12>: names and slugs are lower case, so the first "V" separates
 TAG_RULE = re.compile(r"^(?P<name>[a-z0-9._-]+)\.V(?P<version>[0-9]+)\.(?P<folder>[a-z0-9._-]+)\Z")
 
@@ -82,6 +90,35 @@ def config_record(
     return (json.dumps(record, sort_keys=True, indent=1) + "\n").encode()
 
 
+class ArtifactConfig(BaseModel):
+    """The config blob as a pull reads it back (config_record writes it)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    schema_: Literal[CONFIG_SCHEMA] = Field(alias="schema")
+    prefix: Annotated[str, Field(pattern=NAME_RULE)]
+    version: Annotated[int, Field(ge=1, le=MAX_VERSION)]
+    folder: Annotated[str, Field(pattern=r"^[a-z0-9][a-z0-9._-]*-[0-9a-f]{12}$", max_length=128)]
+    tokens: Annotated[int, Field(ge=1, le=1 << 40)]
+    block_tokens: Annotated[int, Field(ge=1, le=MAX_RECORDED_BLOCK_TOKENS)]
+    file_bytes: Annotated[int, Field(ge=8, le=1 << 50)]
+    cache_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+def parse_config(data: bytes) -> ArtifactConfig:
+    """config_record's bytes read back; ValueError saying what is wrong and what to do."""
+    try:
+        return parse_as(ArtifactConfig, data, MAX_CONFIG_BYTES)
+    except Unfit as exc:
+        for e in exc.errors:
+            if e["loc"] == ("schema",) and e["type"] == "literal_error":
+                found = str(e["input"])[:60]
+                raise ValueError(
+                    f"has schema {found!r}, not {CONFIG_SCHEMA}; upgrade prefix-bundles"
+                ) from None
+        raise ValueError(f"is not a bundle artifact's ({exc}); push it again") from None
+
+
 def manifest_body(config: Blob, layers: list[Blob], annotations: dict[str, str]) -> bytes:
     body = {
         "schemaVersion": 2,
@@ -105,19 +142,40 @@ class Parsed:
     blocks: list[Blob]
 
 
+class Descriptor(BaseModel):
+    """One descriptor of an OCI manifest, as far as a pull reads it."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    mediaType: Annotated[str, Field(max_length=255)]  # noqa: N815 - the OCI field name
+    digest: Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")]
+    size: Annotated[int, Field(ge=0, le=1 << 50)]
+    annotations: dict[str, str] | None = None
+
+    def blob(self) -> Blob:
+        return Blob(self.mediaType, self.digest, self.size, (self.annotations or {}).get(TITLE))
+
+
+class ImageManifest(BaseModel):
+    """An artifact manifest (an OCI image manifest with our artifactType), as a pull reads it."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    artifactType: Literal[ARTIFACT_TYPE]  # noqa: N815
+    config: Descriptor
+    layers: Annotated[list[Descriptor], Field(max_length=1 << 20)]
+
+
 def parse_manifest(body: bytes, where: str) -> Parsed:
     """The roles of an artifact manifest's layers; PipelineError when it is not our artifact."""
     try:
-        m = json.loads(body)
-        if m.get("artifactType") != ARTIFACT_TYPE:
-            raise ValueError(f"artifactType {m.get('artifactType')!r}")
-        config = _blob(m["config"])
-        layers = [_blob(d) for d in m["layers"]]
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        m = parse_as(ImageManifest, body, MAX_MANIFEST_BYTES)
+    except Unfit as exc:
         raise PipelineError(
-            f"{where}: not a prefix-bundle artifact ({' '.join(str(exc).split())[:120]}); push "
-            "it with 'python build.py push --repo oci://...'"
+            f"{where}: not a prefix-bundle artifact ({exc}); push it with 'python build.py push "
+            "--repo oci://...'; nothing was published"
         ) from None
+    config, layers = m.config.blob(), [d.blob() for d in m.layers]
     by = {t: [b for b in layers if b.media_type == t] for t in (FILE_TYPE, HEADER_TYPE, REST_TYPE)}
     files = by[FILE_TYPE]
     if (
@@ -127,14 +185,19 @@ def parse_manifest(body: bytes, where: str) -> Parsed:
         or any(b.title not in SMALL_FILES or b.size > MAX_SMALL_BYTES for b in files)
         or len({b.title for b in files}) != len(files)
     ):
-        raise PipelineError(f"{where}: the artifact's layers are not a bundle's; push it again")
+        raise PipelineError(
+            f"{where}: the artifact's layers are not a bundle's; push it again; nothing was "
+            "published"
+        )
+    header = by[HEADER_TYPE][0]
+    for what, blob, cap in (
+        ("config", config, MAX_CONFIG_BYTES),
+        ("header", header, MAX_HEADER_BYTES),
+    ):
+        if blob.size > cap:
+            raise PipelineError(
+                f"{where}: its {what} blob {blob.digest[:19]} is {blob.size:,} bytes, over the "
+                f"{cap:,} a bundle's {what} may have (not read); push it again; nothing was published"
+            )
     blocks = [b for b in layers if b.media_type == BLOCK_TYPE]
-    return Parsed(config, files, by[HEADER_TYPE][0], by[REST_TYPE][0], blocks)
-
-
-def _blob(d: dict[str, Any]) -> Blob:
-    digest, size = d["digest"], d["size"]
-    if not re.match(r"^sha256:[0-9a-f]{64}\Z", digest) or not isinstance(size, int) or size < 0:
-        raise ValueError(f"descriptor {digest!r}")
-    title = (d.get("annotations") or {}).get(TITLE)
-    return Blob(d["mediaType"], digest, size, title)
+    return Parsed(config, files, header, by[REST_TYPE][0], blocks)

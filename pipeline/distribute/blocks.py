@@ -18,24 +18,29 @@ records B, and a pull rebuilds with the B it records.
 
 from __future__ import annotations
 
+import errno
 import hashlib
-import json
 import mmap
 import os
+import stat
 import struct
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Any, Literal
 
-from pipeline.format.errors import PipelineError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from pipeline.distribute.untrusted import Unfit, first_error, parse_as
 from pipeline.format.safetensors_read import DTYPE_SIZES
 
 MAX_BLOCK_TOKENS = 64
 MIN_BLOCK_TOKENS = 16
 TARGET_BLOCK_BYTES = 16 << 20
-MAX_RECORDED_BLOCK_TOKENS = 1 << 16  # what a pull accepts from an artifact's config
+# the header holds the token ids (~4-7 bytes each): 16 MiB is millions of tokens
+MAX_HEADER_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -91,78 +96,121 @@ def block_tokens(bytes_per_token: int) -> int:
     return b
 
 
+class TensorEntry(BaseModel):
+    """One tensor of a safetensors header."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    dtype: Literal[tuple(DTYPE_SIZES)]  # type: ignore[valid-type]
+    shape: Annotated[list[Annotated[int, Field(ge=0, le=1 << 40)]], Field(max_length=64)]
+    data_offsets: Annotated[
+        list[Annotated[int, Field(ge=0, le=1 << 50)]], Field(min_length=2, max_length=2)
+    ]
+
+
+HEADER = TypeAdapter(dict[str, dict[str, Any]])  # every value an object ("__metadata__" too)
+
+
 def layout(header: bytes, tokens: int, file_bytes: int, block_size: int | None = None) -> Layout:
     """The block layout of a cache file from its header bytes (B by the rule, or `block_size`
-    as an artifact records it); PipelineError when they do not describe exactly file_bytes
+    as an artifact records it); ValueError saying how they do not describe exactly file_bytes
     bytes of tensors."""
+    (n,) = struct.unpack("<Q", header[:8].ljust(8, b"\xff"))
+    if len(header) != 8 + n:
+        raise ValueError(f"the cache header says {n:,} bytes of JSON, it has {len(header) - 8:,}")
     try:
-        (n,) = struct.unpack("<Q", header[:8])
-        entries = json.loads(header[8 : 8 + n])
-        if len(header) != 8 + n or not isinstance(entries, dict):
-            raise ValueError("header length")
-        spans = sorted(
-            (
-                _span(name, e, len(header), tokens)
-                for name, e in entries.items()
-                if name != "__metadata__"
-            ),
-            key=lambda s: s.start,
-        )
-    except (ValueError, KeyError, TypeError, struct.error) as exc:
-        raise PipelineError(
-            f"the cache header does not parse ({exc}); push the bundle again"
-        ) from None
+        entries = parse_as(HEADER, header[8:], MAX_HEADER_BYTES)
+    except Unfit as exc:
+        raise ValueError(f"the cache header does not parse ({exc})") from None
+    spans = [_span(k, e, len(header), tokens) for k, e in entries.items() if k != "__metadata__"]
     position = len(header)
-    for s in spans:
+    for s in sorted(spans, key=lambda s: s.start):
         if s.start != position:
-            raise PipelineError("the cache header's tensors do not tile the file; push it again")
+            raise ValueError("the cache header's tensors do not tile the file")
         position = s.end
     if position != file_bytes:
-        raise PipelineError(
-            f"the cache header describes {position:,} bytes, the manifest {file_bytes:,}; push again"
+        raise ValueError(
+            f"the cache header describes {position:,} bytes, the manifest {file_bytes:,}"
         )
     token = tuple(sorted((s for s in spans if s.lead), key=lambda s: s.name))
-    rest = tuple(s for s in spans if not s.lead)
+    rest = tuple(sorted((s for s in spans if not s.lead), key=lambda s: s.start))
     per_token = sum(s.lead * s.row for s in token)
     b = block_tokens(per_token) if block_size is None else block_size
     return Layout(header, tokens, b, token, rest, file_bytes)
 
 
 def _span(name: str, entry: dict, base: int, tokens: int) -> Span:
-    shape, (a, b) = [int(d) for d in entry["shape"]], entry["data_offsets"]
-    size = DTYPE_SIZES[entry["dtype"]]
+    try:
+        e = TensorEntry.model_validate(entry, strict=True)
+    except ValidationError as exc:
+        problem = first_error(exc.errors(include_url=False)[0])
+        raise ValueError(f"the cache header's tensor {name[:60]!r}: {problem}") from None
+    shape, (a, b), size = e.shape, e.data_offsets, DTYPE_SIZES[e.dtype]
     count = 1
     for d in shape:
         count *= d
-    if b - a != count * size or a < 0:
-        raise ValueError(f"tensor {name!r} size")
+    if b - a != count * size:
+        why = f"has {b - a:,} bytes, its shape {count * size:,}"
+        raise ValueError(f"the cache header's tensor {name[:60]!r} {why}")
     is_token = len(shape) >= 2 and shape[-2] == tokens and tokens > 0
     lead = count // (tokens * shape[-1]) if is_token and shape[-1] else 0
     return Span(name, base + a, base + b, lead, shape[-1] * size if lead else 0)
 
 
-def read_layout(path: Path, tokens: int, block_size: int | None = None) -> Layout:
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        f.seek(0)
-        header = f.read(8 + n)
-        size = os.fstat(f.fileno()).st_size
+def open_regular(path: Path) -> int:
+    """A read descriptor of path: a link is not followed, a FIFO or device never blocks and is an
+    OSError, as is anything but a regular file."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    fd = os.open(path, flags)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
+    return fd
+
+
+def read_layout(source: Path | int, tokens: int, block_size: int | None = None) -> Layout:
+    """The layout of a cache file (a path, or a descriptor open on it); ValueError when its
+    header is not one, OSError when it cannot be read."""
+    fd = source if isinstance(source, int) else open_regular(source)
+    try:
+        first = os.pread(fd, 8, 0)
+        (n,) = struct.unpack("<Q", first.ljust(8, b"\xff"))
+        if n > MAX_HEADER_BYTES:
+            raise ValueError(
+                f"the cache header is {n:,} bytes, over the {MAX_HEADER_BYTES:,} it may have"
+            )
+        header = first + os.pread(fd, n, 8)
+        size = os.fstat(fd).st_size
+    finally:
+        if not isinstance(source, int):
+            os.close(fd)
     return layout(header, tokens, size, block_size)
 
 
 class Source:
-    """A cache file mapped for reading blocks out of it."""
+    """A cache file (a path, or a descriptor open on it) read for its blocks: copies by pread (a
+    file cut short meanwhile reads short, never SIGBUS), views of a mapping made when asked."""
 
-    def __init__(self, path: Path, plan: Layout) -> None:
+    def __init__(self, source: Path | int, plan: Layout) -> None:
         self.plan = plan
-        with open(path, "rb") as f:
-            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.fd = os.dup(source) if isinstance(source, int) else open_regular(source)
+        self._map: mmap.mmap | None = None
+        self._lock = threading.Lock()
 
     def close(self) -> None:
-        self.map.close()
+        if self._map is not None:
+            self._map.close()
+        os.close(self.fd)
+
+    @property
+    def map(self) -> mmap.mmap:
+        with self._lock:
+            if self._map is None:
+                self._map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
+            return self._map
 
     def block(self, k: int) -> bytes:
-        return b"".join(self.map[o : o + n] for o, n in self.plan.block_ranges(k))
+        return b"".join(os.pread(self.fd, n, o) for o, n in self.plan.block_ranges(k))
 
     @contextmanager
     def views(self, k: int) -> Iterator[list[memoryview]]:
@@ -177,21 +225,29 @@ class Source:
             whole.release()
 
     def rest(self) -> bytes:
-        return b"".join(self.map[o : o + n] for o, n in self.plan.rest_ranges())
+        return b"".join(os.pread(self.fd, n, o) for o, n in self.plan.rest_ranges())
 
 
 class Target:
-    """A cache file being rebuilt: its size set first, then blobs written where they belong
-    (`resume`: a partly rebuilt file of an interrupted pull, whose blobs are checked by `holds`)."""
+    """A cache file being rebuilt: created (never through a link), its size set first, then blobs
+    written where they belong; or `fd`, a partly rebuilt file of an interrupted pull (already
+    checked to be a regular file of its own), whose blobs are checked by `holds`."""
 
-    def __init__(self, path: Path, plan: Layout, resume: bool = False) -> None:
+    def __init__(self, path: Path, plan: Layout, fd: int | None = None) -> None:
         self.plan = plan
-        flags = os.O_RDWR | os.O_CLOEXEC | (0 if resume else os.O_CREAT | os.O_EXCL)
-        self.fd = os.open(path, flags, 0o644)
-        os.ftruncate(self.fd, plan.file_bytes)
-        if not resume:
-            _allocate(self.fd, plan.file_bytes)
-        os.pwrite(self.fd, plan.header, 0)
+        self.resumed = fd is not None
+        if fd is None:
+            flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(path, flags, 0o644)
+        self.fd = fd
+        try:
+            os.ftruncate(fd, plan.file_bytes)
+            if not self.resumed:
+                _allocate(fd, plan.file_bytes)
+            os.pwrite(fd, plan.header, 0)
+        except BaseException:
+            os.close(fd)
+            raise
         # one writer at a time: threads writing one file at once contend for its inode lock in
         # the kernel (spinning on 2 cores); taking turns here costs a pull less
         self.lock = threading.Lock()

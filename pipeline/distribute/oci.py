@@ -18,15 +18,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.distribute.artifact import MAX_MANIFEST_BYTES
 from pipeline.distribute.meter import Meter
 from pipeline.distribute.oci_auth import Challenge, auth_header, credentials
 from pipeline.distribute.oci_http import lib
 from pipeline.distribute.oci_plain import CHUNK, Body, PlainHTTP, Unserved, usable
 from pipeline.distribute.oci_plain import Response as PlainResponse
+from pipeline.distribute.oci_tags import list_tags
+from pipeline.distribute.untrusted import same_origin
 from pipeline.format.errors import PipelineError
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-MAX_MANIFEST_BYTES = 4 << 20  # distribution's own cap on a manifest body
 RETRIES = 4
 TRANSFERS = 4  # blobs in flight at once: a registry spends a few requests on each blob
 BACKOFF_S = 0.5
@@ -129,7 +131,8 @@ class Registry:
                 self.sleep(BACKOFF_S * 2 ** (attempt - 1))
             try:
                 r = self._once(method, url, extra, stream, kw)
-                if r.status_code == 401 and self._authorize(r, doing):
+                mine = same_origin(url, self.base)  # another origin's challenge is not answered
+                if r.status_code == 401 and mine and self._authorize(r, doing):
                     r.close()
                     r = self._once(method, url, extra, stream, kw)
             except lib().TransportError as exc:
@@ -146,7 +149,8 @@ class Registry:
         )
 
     def _once(self, method: str, url: str, extra: dict, stream: bool, kw: dict) -> Any:
-        headers = {**self.header, **extra}
+        # a URL the registry named on another origin (an upload Location) gets no credentials
+        headers = {**(self.header if same_origin(url, self.base) else {}), **extra}
         if self.plain is not None:
             r = self.plain.send(method, url, headers, stream=stream, **kw)
         else:
@@ -383,16 +387,9 @@ class Registry:
         return b"".join(parts), False
 
     def tags(self) -> list[str]:
-        """Every tag of the repository (following the Link pages); [] for a new repository."""
-        url, found = f"{self.base}/tags/list?n=1000", []
-        while url:
-            r = self.request("GET", url, "listing tags", (200, 404))
-            if r.status_code == 404:
-                return []
-            found += r.json().get("tags") or []
-            nxt = re.match(r'<([^>]+)>;\s*rel="next"', r.headers.get("link", ""))
-            url = str(r.url.join(nxt.group(1))) if nxt else ""
-        return sorted(found)
+        """Every tag of the repository (oci_tags: Link pages on this origin, each once); [] for
+        a new repository."""
+        return list_tags(self)
 
 
 def _error_detail(r: Any) -> str:

@@ -11,7 +11,6 @@ them, when any) for the scope it names.
 from __future__ import annotations
 
 import base64
-import json
 import os
 import re
 import subprocess
@@ -19,10 +18,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
+from pipeline.distribute.untrusted import Unfit, parse_as
 from pipeline.format.errors import PipelineError
 
 USER_ENV = "PREFIX_BUNDLES_REGISTRY_USER"
 PASSWORD_ENV = "PREFIX_BUNDLES_REGISTRY_PASSWORD"
+MAX_REPLY_BYTES = 1 << 20  # a config file, a helper's or a token service's answer
 
 
 @dataclass(frozen=True)
@@ -44,18 +47,66 @@ class Challenge:
         return cls(scheme.lower(), params)
 
 
-def docker_config() -> dict[str, Any]:
+class DockerAuth(BaseModel):
+    """One `auths` entry of a Docker config file (the fields read here)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    auth: str | None = None
+    username: str | None = None
+    password: str | None = None
+    identitytoken: str | None = None
+
+
+class DockerConfig(BaseModel):
+    """A Docker config file: what it says about credentials; the rest is not read."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    auths: dict[str, DockerAuth] | None = None
+    credHelpers: dict[str, str] | None = None  # noqa: N815 - Docker's field name
+    credsStore: str | None = None  # noqa: N815
+
+
+class HelperReply(BaseModel):
+    """What `docker-credential-<helper> get` prints."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    Username: str = ""
+    Secret: str = ""
+
+
+class TokenReply(BaseModel):
+    """A token service's answer (the distribution token spec: `token`, or OAuth2's name)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, strict=True)
+
+    token: str | None = None
+    access_token: str | None = None
+
+
+def docker_config() -> tuple[Path, DockerConfig]:
+    """(where the Docker config file is, what it says: empty when there is none)."""
     folder = os.environ.get("DOCKER_CONFIG") or str(Path.home() / ".docker")
     path = Path(folder) / "config.json"
     try:
-        return json.loads(path.read_text())
+        data = path.read_bytes()
     except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as exc:
-        raise PipelineError(
-            f"{path}: cannot be read as a Docker config file ({exc.__class__.__name__}); fix or "
-            f"remove it, or set {USER_ENV} and {PASSWORD_ENV}"
-        ) from None
+        return path, DockerConfig()
+    except OSError as exc:
+        raise _config_error(path, exc.strerror or exc.__class__.__name__) from None
+    try:
+        return path, parse_as(DockerConfig, data, MAX_REPLY_BYTES)
+    except Unfit as exc:
+        raise _config_error(path, str(exc)) from None
+
+
+def _config_error(path: Path, why: str) -> PipelineError:
+    return PipelineError(
+        f"{path}: cannot be read as a Docker config file ({why}); fix or remove it, or set "
+        f"{USER_ENV} and {PASSWORD_ENV}"
+    )
 
 
 def _host_key(key: str) -> str:
@@ -68,26 +119,33 @@ def credentials(host: str) -> Creds | None:
     user, password = os.environ.get(USER_ENV), os.environ.get(PASSWORD_ENV)
     if user and password is not None:
         return Creds(user, password, f"${USER_ENV}")
-    config = docker_config()
-    helper = (config.get("credHelpers") or {}).get(host) or config.get("credsStore")
+    path, config = docker_config()
+    helper = (config.credHelpers or {}).get(host) or config.credsStore
     if helper:
         found = _from_helper(helper, host)
         if found:
             return found
-    for key, entry in (config.get("auths") or {}).items():
-        if _host_key(key) == host and isinstance(entry, dict):
-            return _from_entry(entry)
+    for key, entry in (config.auths or {}).items():
+        if _host_key(key) == host:
+            return _from_entry(entry, f"{path}: auths[{key!r}]")
     return None
 
 
-def _from_entry(entry: dict[str, Any]) -> Creds | None:
-    if entry.get("identitytoken"):
-        return Creds("<token>", entry["identitytoken"], "docker config identitytoken")
-    if entry.get("auth"):
-        user, _, password = base64.b64decode(entry["auth"]).decode().partition(":")
+def _from_entry(entry: DockerAuth, where: str) -> Creds | None:
+    if entry.identitytoken:
+        return Creds("<token>", entry.identitytoken, "docker config identitytoken")
+    if entry.auth:
+        try:
+            pair = base64.b64decode(entry.auth, validate=True).decode()
+        except ValueError:  # binascii.Error, UnicodeDecodeError
+            raise PipelineError(
+                f"{where}: its `auth` is not base64 of user:password; log in again with 'docker "
+                f"login', or set {USER_ENV} and {PASSWORD_ENV}"
+            ) from None
+        user, _, password = pair.partition(":")
         return Creds(user, password, "docker config auths")
-    if entry.get("username"):
-        return Creds(entry["username"], entry.get("password", ""), "docker config auths")
+    if entry.username:
+        return Creds(entry.username, entry.password or "", "docker config auths")
     return None
 
 
@@ -95,9 +153,7 @@ def _from_helper(helper: str, host: str) -> Creds | None:
     """Ask `docker-credential-<helper> get`; None when it has nothing for host."""
     program = f"docker-credential-{helper}"
     try:
-        out = subprocess.run(
-            [program, "get"], input=host, capture_output=True, text=True, timeout=30
-        )
+        out = subprocess.run([program, "get"], input=host.encode(), capture_output=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
         raise PipelineError(
             f"the Docker config names the credential helper {helper!r} for {host}, but "
@@ -105,8 +161,14 @@ def _from_helper(helper: str, host: str) -> Creds | None:
         ) from None
     if out.returncode != 0:
         return None
-    data = json.loads(out.stdout)
-    return Creds(data.get("Username", ""), data.get("Secret", ""), program)
+    try:
+        reply = parse_as(HelperReply, out.stdout, MAX_REPLY_BYTES)
+    except Unfit as exc:
+        raise PipelineError(
+            f"the credential helper {program} answered for {host} with no credentials JSON "
+            f"({exc}); fix the helper, or set {USER_ENV} and {PASSWORD_ENV}"
+        ) from None
+    return Creds(reply.Username, reply.Secret, program)
 
 
 def basic(creds: Creds) -> str:
@@ -128,15 +190,22 @@ def auth_header(
     if "service" in challenge.params:
         params.insert(0, ("service", challenge.params["service"]))
     headers = {"authorization": basic(creds)} if creds else {}
+    realm = challenge.params["realm"]
     try:
-        r = client.get(challenge.params["realm"], params=params, headers=headers)
+        r = client.get(realm, params=params, headers=headers)
     except Exception as exc:
         raise PipelineError(
-            f"registry {ref.host}: {doing}: the token service {challenge.params['realm']} did "
+            f"registry {ref.host}: {doing}: the token service {realm} did "
             f"not answer ({exc.__class__.__name__}); check it and retry"
         ) from None
     if r.status_code != 200:
         return None  # the caller reports the registry's 401
-    body = r.json()
-    token = body.get("token") or body.get("access_token")
+    try:
+        reply = parse_as(TokenReply, r.content, MAX_REPLY_BYTES)
+    except Unfit as exc:
+        raise PipelineError(
+            f"registry {ref.host}: {doing}: the token service {realm} answered with no token "
+            f"({exc}); check that it is the registry's token service, then retry"
+        ) from None
+    token = reply.token or reply.access_token
     return {"authorization": f"Bearer {token}"} if token else None

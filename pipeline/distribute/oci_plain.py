@@ -22,6 +22,7 @@ from typing import Any
 from urllib.parse import urlencode, urljoin, urlsplit
 
 from pipeline.distribute.oci_http import lib
+from pipeline.distribute.untrusted import same_origin
 
 CHUNK = 1 << 20
 MAX_REDIRECTS = 5
@@ -138,7 +139,7 @@ class PlainHTTP:
         follow: bool = False,
     ) -> Response:
         """One request; `stream`: the body left unread (the caller closes the response);
-        `follow`: plain-HTTP redirects followed, credentials kept for the same host only."""
+        `follow`: plain-HTTP redirects followed, credentials kept for the same origin only."""
         if params:
             url = f"{url}{'&' if '?' in url else '?'}{urlencode(params)}"
         headers = dict(headers)
@@ -157,7 +158,7 @@ class PlainHTTP:
             target = urljoin(url, target)
             if not usable(target):
                 raise Unserved(target)
-            if urlsplit(target).netloc != urlsplit(url).netloc:
+            if not same_origin(target, url):
                 headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
             url = target
         if not stream:

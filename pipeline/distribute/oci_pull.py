@@ -15,22 +15,20 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pipeline.builder.writer import clean_staging, discard, new_staging_folder
-from pipeline.distribute.artifact import CONFIG_SCHEMA, Blob, parse_manifest, parse_tag, tag_of
-from pipeline.distribute.blocks import (
-    MAX_RECORDED_BLOCK_TOKENS,
-    Layout,
-    Source,
-    Target,
-    layout,
-    read_layout,
+from pipeline.distribute.artifact import (
+    ArtifactConfig,
+    Blob,
+    parse_config,
+    parse_manifest,
+    parse_tag,
+    tag_of,
 )
+from pipeline.distribute.blocks import Layout, Source, Target, layout, read_layout
 from pipeline.distribute.hub import RemoteBundle
 from pipeline.distribute.meter import Meter
 from pipeline.distribute.oci import Registry, in_parallel, parse_repo
@@ -43,6 +41,7 @@ from pipeline.distribute.pull import (
     publish_staged,
     select,
 )
+from pipeline.distribute.resume import Resume
 from pipeline.format.bundle_folder import (
     CACHE_FILE,
     FINGERPRINT_CHARS,
@@ -127,40 +126,6 @@ def _split(path: str) -> tuple[str, int, str]:
     return name, int(version), folder
 
 
-class Resume:
-    """Partly rebuilt cache files of interrupted pulls, kept in <bundles>/.staging/resume/ by
-    artifact digest. A pull takes its file (a rename: one pull per file) and checks every block
-    of it by digest before trusting it; a failed pull puts it back."""
-
-    def __init__(self, root: Path) -> None:
-        self.folder = root / STAGING_DIR / "resume"
-
-    def path(self, digest: str) -> Path:
-        return self.folder / f"{digest.split(':', 1)[1]}.part"
-
-    def take(self, digest: str, dest: Path, size: int) -> bool:
-        """Move the partial file of `digest` to dest; False when there is none (or a wrong size)."""
-        try:
-            os.rename(self.path(digest), dest)
-        except OSError:
-            return False
-        if dest.stat().st_size == size:
-            return True
-        dest.unlink()
-        return False
-
-    def keep(self, digest: str, partial: Path) -> None:
-        """Keep a partial file for the next pull (best effort: resuming is an optimisation)."""
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            os.rename(partial, self.path(digest))
-        except OSError:
-            pass
-
-    def clear(self) -> None:
-        shutil.rmtree(self.folder, ignore_errors=True)
-
-
 class _Fetch:
     """One bundle's artifact into its staging folder."""
 
@@ -199,35 +164,33 @@ class _Fetch:
         for blob in parsed.files:
             (self.dest / blob.title).write_bytes(self.get(blob))
         manifest = self._manifest(keys, config)
-        b = config.get("block_tokens")
-        if not isinstance(b, int) or isinstance(b, bool) or not 0 < b <= MAX_RECORDED_BLOCK_TOKENS:
-            raise self.fail(f"its config records a block size of {b!r} tokens; push it again")
+        b = config.block_tokens
         header = self.get(parsed.header)
-        plan = layout(header, manifest.tokens.count, manifest.cache.file_bytes, block_size=b)
+        try:
+            plan = layout(header, manifest.tokens.count, manifest.cache.file_bytes, block_size=b)
+        except ValueError as exc:
+            raise self.fail(f"{exc}; push it again") from None
         if plan.blocks != len(parsed.blocks):
             raise self.fail(
                 f"the artifact lists {len(parsed.blocks)} blocks of {b} tokens, its cache layout "
                 f"{plan.blocks}; push it again"
             )
         partial = self.dest / CACHE_FILE
-        resumed = resume.take(digest, partial, plan.file_bytes)
+        taken = resume.take(digest, partial, plan.file_bytes)  # an open descriptor, or None
         try:
-            self._rebuild(plan, parsed, local, resumed)
+            self._rebuild(plan, parsed, local, Target(partial, plan, fd=taken))
         except BaseException:  # interrupted or refused: the blocks that arrived stay for later
             resume.keep(digest, partial)
             raise
         self.meter.finish()
         return digest
 
-    def _config(self, data: bytes) -> dict:
+    def _config(self, data: bytes) -> ArtifactConfig:
         try:
-            config = json.loads(data)
-            found = (config["prefix"], config["version"], config["folder"])
-            ok = config.get("schema") == CONFIG_SCHEMA
-        except (ValueError, KeyError, TypeError):
-            raise self.fail("its config is not a bundle artifact's; push it again") from None
-        if not ok:
-            raise self.fail(f"its config schema is not {CONFIG_SCHEMA}; upgrade prefix-bundles")
+            config = parse_config(data)
+        except ValueError as exc:
+            raise self.fail(f"its config {exc}") from None
+        found = (config.prefix, config.version, config.folder)
         if found != (self.b.name, self.b.version, self.b.folder):
             raise self.fail(
                 f"the tag points at the artifact of {found[0]}/{found[1]}/{found[2]} (a swapped "
@@ -235,7 +198,7 @@ class _Fetch:
             )
         return config
 
-    def _manifest(self, keys: tuple[PublicKey, ...], config: dict) -> Manifest:
+    def _manifest(self, keys: tuple[PublicKey, ...], config: ArtifactConfig) -> Manifest:
         """manifest.json: signed by a trusted key (when given), naming this bundle and file."""
         path = self.dest / MANIFEST_FILE
         if not path.exists():
@@ -257,14 +220,14 @@ class _Fetch:
                 "tag or artifact); push the bundle again"
             )
         pins = (m.cache.file_sha256, m.cache.file_bytes, m.tokens.count)
-        if pins != (config["cache_sha256"], config["file_bytes"], config["tokens"]):
+        if pins != (config.cache_sha256, config.file_bytes, config.tokens):
             raise self.fail(f"its config does not match its {MANIFEST_FILE}; push it again")
         return m
 
-    def _rebuild(self, plan: Layout, parsed, local: LocalBlocks, resumed: bool) -> None:
+    def _rebuild(self, plan: Layout, parsed, local: LocalBlocks, target: Target) -> None:
         """Every piece in place, several at a time: from the partial file of an interrupted pull,
         a local bundle holding the same bytes, or the registry."""
-        target = Target(self.dest / CACHE_FILE, plan, resume=resumed)
+        resumed = target.resumed
 
         def place(piece: tuple[int, Blob, list[tuple[int, int]]]) -> None:
             k, blob, ranges = piece

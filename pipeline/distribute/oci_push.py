@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +32,7 @@ from pipeline.distribute.blocks import Source, read_layout
 from pipeline.distribute.meter import Meter
 from pipeline.distribute.oci import Registry, in_parallel, parse_repo
 from pipeline.distribute.oci_plain import Body
+from pipeline.distribute.pinned import Pinned
 from pipeline.distribute.prehash import Prehash
 from pipeline.distribute.push import CheckedBundle
 from pipeline.format.bundle_folder import CACHE_FILE
@@ -170,13 +172,13 @@ def _read(meter: Meter, read, *args) -> bytes:
 
 
 def _check_manifest_size(
-    b: CheckedBundle, tag: str, plan, files: list[str], config_bytes: int, annotations: dict
+    b: CheckedBundle, tag: str, plan, files: dict[str, int], config_bytes: int, annotations: dict
 ) -> int:
     """The artifact's bytes, its manifest included; PipelineError, before any blob moves, when
     that manifest is over what a registry takes (its length is known exactly: every digest has
-    the same length and every size is known)."""
+    the same length and every size is known). `files`: the small files' sizes by name."""
     zero = "sha256:" + "0" * 64
-    layers = [Blob(FILE_TYPE, zero, (b.local / f).stat().st_size, f) for f in files]
+    layers = [Blob(FILE_TYPE, zero, n, f) for f, n in files.items()]
     layers += [Blob(HEADER_TYPE, zero, len(plan.header))]
     layers += [Blob(REST_TYPE, zero, sum(n for _, n in plan.rest_ranges()))]
     layers += [
@@ -200,10 +202,34 @@ def _push_one(
     dry_run: bool = False,
     prehash: Prehash | None = None,
 ) -> PushedArtifact:
+    """One bundle's blobs, read from the files the validator read (Pinned), then its tag."""
+    files = [f for f in SMALL_FILES if f in b.files]
+    pinned = Pinned(b.local, dict(b.ids), [*files, CACHE_FILE], f"{b.repo_path} ({b.local})")
+    try:
+        return _push_pinned(registry, up, b, pinned, files, dry_run, prehash)
+    finally:
+        pinned.close()
+
+
+def _push_pinned(
+    registry: Registry,
+    up: _Uploader,
+    b: CheckedBundle,
+    pinned: Pinned,
+    files: list[str],
+    dry_run: bool,
+    prehash: Prehash | None,
+) -> PushedArtifact:
     name, version, folder = b.repo_path.split("/")
     tag = tag_of(name, int(version), folder)
     counts = Transfer()
-    plan = read_layout(b.local / CACHE_FILE, b.tokens)
+    cache = pinned.fds[CACHE_FILE]
+    try:
+        plan = read_layout(cache, b.tokens)
+    except ValueError as exc:
+        raise PipelineError(
+            f"bundle {b.repo_path} ({b.local}): {exc}; nothing was pushed"
+        ) from None
     record = config_record(
         name, int(version), folder, b.tokens, plan.block_tokens, plan.file_bytes, b.cache_sha256
     )
@@ -212,19 +238,20 @@ def _push_one(
         "dev.mlx-prefix-bundles.prefix": f"{name}@{version}",
         "dev.mlx-prefix-bundles.cache-sha256": b.cache_sha256,
     }
-    files = [f for f in SMALL_FILES if f in b.files]
-    size = _check_manifest_size(b, tag, plan, files, len(record), annotations)  # before uploads
+    sizes = {f: pinned.ids[f][2] for f in files}
+    size = _check_manifest_size(b, tag, plan, sizes, len(record), annotations)  # before uploads
     up.meter.start(f"{name}@{version}", size)
-    layers = [up.put(FILE_TYPE, (b.local / f).read_bytes(), counts, f) for f in files]
+    layers = [up.put(FILE_TYPE, pinned.read(f), counts, f) for f in files]
     layers.append(up.put(HEADER_TYPE, plan.header, counts))
-    source = Source(b.local / CACHE_FILE, plan)
+    source = Source(cache, plan)
     try:
         layers.append(up.put(REST_TYPE, _read(up.meter, source.rest), counts))
 
         def block(k: int) -> Blob:
             ahead = None
             if prehash is not None:
-                ahead = functools.partial(prehash.digest, b.local / CACHE_FILE, plan, k)
+                path, st = b.local / CACHE_FILE, os.fstat(cache)
+                ahead = functools.partial(prehash.digest, path, plan, k, st)
             with source.views(k) as parts:  # hashed and sent from the mapped file: no copy
                 return up.put(BLOCK_TYPE, parts, counts, ahead=ahead)
 
@@ -233,6 +260,7 @@ def _push_one(
         source.close()
     config = up.put(CONFIG_TYPE, record, counts)
     body = manifest_body(config, layers, annotations)
+    pinned.check()  # the files sent are still the ones validated: else the tag stays
     if dry_run:  # the digest the registry would give it: its manifest's bytes
         digest = "sha256:" + hashlib.sha256(body).hexdigest()
     else:

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from pipeline.distribute import oci
-from pipeline.distribute.blocks import Layout, Source, read_layout
+from pipeline.distribute.blocks import Layout, Source, open_regular, read_layout
 from pipeline.format import memo
 from pipeline.format.bundle_folder import CACHE_FILE, MANIFEST_FILE
 
@@ -32,21 +33,29 @@ class Prehash:
             self._start(Path(bundle) / CACHE_FILE)
 
     def _start(self, path: Path) -> None:
+        fd = None
         try:  # the manifest is not validated yet: it only says how to cut; the validator judges
             tokens = int(json.loads((path.parent / MANIFEST_FILE).read_bytes())["tokens"]["count"])
-            key = memo.stat_key(path)
-            plan = read_layout(path, tokens)
-            source = Source(path, plan)
+            fd = open_regular(path)  # keyed by the stat of the file hashed, not of a name
+            key = memo.open_key(os.path.realpath(path), os.fstat(fd))
+            plan = read_layout(fd, tokens)
+            source = Source(fd, plan)
         except Exception:  # noqa: BLE001 - an unreadable bundle: the validator says why
             return
+        finally:
+            if fd is not None:
+                os.close(fd)
         self.sources.append(source)
         for k in range(plan.blocks):
             future = self.pool.submit(_digest, source, k)
             self.found[key, plan.tokens, plan.block_tokens, k] = future
 
-    def digest(self, path: Path, plan: Layout, k: int) -> str | None:
-        """Block k's sha256 as computed ahead, or None (not computed, or the file changed)."""
-        key = memo.stat_key(path)
+    def digest(
+        self, path: Path, plan: Layout, k: int, st: os.stat_result | None = None
+    ) -> str | None:
+        """Block k's sha256 as computed ahead, or None (not computed, or the file changed);
+        `st`: the fstat of the file the caller reads (else the path's stat now)."""
+        key = memo.open_key(os.path.realpath(path), st) if st else memo.stat_key(path)
         future = self.found.get((key, plan.tokens, plan.block_tokens, k))
         return future.result() if future is not None else None
 

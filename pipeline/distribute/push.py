@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.distribute.hub import REPO_TYPE, connect, hub_errors
+from pipeline.distribute.pinned import FileId, file_ids
 from pipeline.format.bundle_folder import CACHE_FILE, model_folder, read_manifest
 from pipeline.format.errors import PipelineError
 from pipeline.format.validate import recorded_identity, validate
@@ -32,6 +33,7 @@ class CheckedBundle:
     files: tuple[str, ...]
     cache_sha256: str
     tokens: int
+    ids: tuple[tuple[str, FileId], ...] = ()  # each file's identity as validated (pinned.py)
 
     @property
     def label(self) -> str:
@@ -52,17 +54,22 @@ def check_bundle(bundle: Path, trust_memo: bool = False) -> CheckedBundle:
     """The full validator against the bundle's recorded identity; BundleError when refused
     (`trust_memo`: a cache file this user hashed in full, unchanged since, is not read again)."""
     bundle = Path(bundle)
+    before = file_ids(bundle) if bundle.is_dir() else ()
     identity = recorded_identity(read_manifest(bundle, None))
     manifest = validate(bundle, identity, trust_memo=trust_memo).manifest
+    ids = file_ids(bundle)
+    if ids != before:  # rebuilt or edited meanwhile: what was validated is not what is there
+        raise PipelineError(f"bundle {bundle}: it changed while it was validated; push it again")
     m = manifest
     return CheckedBundle(
         local=bundle,
         name=m.prefix.name,
         version=m.prefix.version,
         repo_path=f"{m.prefix.name}/{m.prefix.version}/{model_folder(m.model.slug, m.model.fingerprint)}",
-        files=tuple(sorted(p.name for p in bundle.iterdir())),
+        files=tuple(name for name, _ in ids),
         cache_sha256=m.cache.file_sha256,
         tokens=m.tokens.count,
+        ids=ids,
     )
 
 

@@ -1,0 +1,69 @@
+"""What a registry, a credential helper or a token service hands back, read as untrusted input.
+
+One way to read a document: its size capped before it is parsed, its JSON nested no deeper than
+pydantic's parser goes (Python's own json raises RecursionError at ~1,000 levels, a traceback),
+and its fields validated by a strict model. One rule for URLs a registry names (a redirect, a
+`Location`, a `Link`): credentials go only to the origin they were given for.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+from pydantic import TypeAdapter, ValidationError
+
+T = TypeVar("T")
+DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+class Unfit(ValueError):
+    """A document that is not what it should be; str() says why in a few words, `errors` are
+    pydantic's (none when it was over its cap)."""
+
+    def __init__(self, why: str, errors: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(why)
+        self.errors = errors or []
+
+
+def parse_as(kind: type[T] | TypeAdapter[T], data: bytes, cap: int) -> T:
+    """data as `kind` (a pydantic model, or a TypeAdapter), strictly; Unfit saying what is
+    wrong (over the cap, not JSON, nested too deep, the first field that does not fit)."""
+    if len(data) > cap:
+        raise Unfit(f"{len(data):,} bytes, over the {cap:,} it may have")
+    adapter = kind if isinstance(kind, TypeAdapter) else TypeAdapter(kind)
+    try:
+        return adapter.validate_json(data, strict=True)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        raise Unfit(first_error(errors[0]), errors) from None
+
+
+def first_error(e: dict[str, Any]) -> str:
+    """One pydantic error as a few words: 'not JSON (...)' or 'field: why'."""
+    if e["type"] == "json_invalid":
+        return f"not JSON ({' '.join(e['msg'].removeprefix('Invalid JSON: ').split())[:80]})"
+    where, why = ".".join(str(p) for p in e["loc"])[:60], " ".join(e["msg"].split())[:80]
+    return f"{where}: {why}" if where else why
+
+
+def origin(url: str) -> tuple[str, str, int | None]:
+    """(scheme, host, port) of a URL, the port made explicit where the scheme implies it."""
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    try:
+        port = parts.port or DEFAULT_PORTS.get(scheme)
+    except ValueError:  # a port that is not a number: matches nothing
+        port = -1
+    return scheme, (parts.hostname or "").lower(), port
+
+
+def same_origin(url: str, other: str) -> bool:
+    """Whether two URLs have one origin (scheme, host, port): only then may a request to `url`
+    carry the credentials given for `other`."""
+    return origin(url) == origin(other)
+
+
+def as_text(value: Any, limit: int = 60) -> str:
+    """A value from the wire for a one-line message: repr'd, one line, cut."""
+    return " ".join(repr(value).split())[:limit]
