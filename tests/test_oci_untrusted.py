@@ -217,7 +217,9 @@ def test_a_malformed_artifact_document_is_one_line_and_nothing_is_published(
 # --- the tag list ------------------------------------------------------------------------------
 
 
-def tag_server(mode: str, seen: list):
+def tag_server(mode: str, seen: list, other: str = ""):
+    """A registry front whose tag list is `mode`; `other`: the origin a Link may name."""
+
     class Front(Quiet):
         def do_GET(self):
             seen.append((self.path, self.headers.get("authorization")))
@@ -227,7 +229,7 @@ def tag_server(mode: str, seen: list):
             body = bodies.get(mode, b'["a"]' if mode == "list" else b'{"tags": ["x"]}')
             link = {
                 "loop": "</v2/fleet/bundles/tags/list?n=1000&last=x>",
-                "other": f"<http://{OTHER}/v2/fleet/bundles/tags/list?last=x>",
+                "other": f"<http://{other}/v2/fleet/bundles/tags/list?last=x>",
                 "scheme": f"<https://{self.headers['host']}/v2/fleet/bundles/tags/list?last=x>",
             }.get(mode)
             self.reply(200, body, [("link", f'{link}; rel="next"')] if link else [])
@@ -241,9 +243,6 @@ def tag_server(mode: str, seen: list):
             self.wfile.write(body)
 
     return Front
-
-
-OTHER = "127.0.0.1:9"  # set per test: the other origin a Link names
 
 
 @pytest.mark.parametrize(
@@ -261,17 +260,16 @@ OTHER = "127.0.0.1:9"  # set per test: the other origin a Link names
         ("scheme", ": its Link header sends the next page to another origin (https://{host}/v2/"
          "fleet/bundles/tags/list?last=x); no request was sent there"),
     ],
+    ids=["html", "ints", "list", "loop", "other-host", "other-scheme"],
 )  # fmt: skip
 def test_a_bad_tag_list_is_one_line_and_no_credentials_leave_the_origin(
     mode: str, why: str, model: Path, capsys, monkeypatch
 ):
-    global OTHER
     seen: list = []
     monkeypatch.setenv("PREFIX_BUNDLES_REGISTRY_USER", "alice")
     monkeypatch.setenv("PREFIX_BUNDLES_REGISTRY_PASSWORD", "s3cret")
     with serving(tag_server("x", seen)) as other:
-        OTHER = other
-        with serving(tag_server(mode, seen)) as host:
+        with serving(tag_server(mode, seen, other)) as host:
             repo = f"oci://{host}/fleet/bundles"
             assert main(["pull", "--repo", repo, "--model", str(model)]) == 1
     sep = "" if why.startswith(":") else " "
@@ -378,6 +376,7 @@ def write_config(tmp_path: Path, monkeypatch, config) -> Path:
          "at line 1 column 211)); fix or remove it, or set PREFIX_BUNDLES_REGISTRY_USER and "
          "PREFIX_BUNDLES_REGISTRY_PASSWORD"),
     ],
+    ids=["auth-not-base64", "a-list", "auth-not-a-string", "nested-5000-deep"],
 )  # fmt: skip
 def test_a_broken_docker_config_is_one_line_naming_it(config, why, tmp_path, monkeypatch):
     path = write_config(tmp_path, monkeypatch, config)

@@ -43,7 +43,9 @@ def first_error(e: dict[str, Any]) -> str:
     """One pydantic error as a few words: 'not JSON (...)' or 'field: why'."""
     if e["type"] == "json_invalid":
         return f"not JSON ({' '.join(e['msg'].removeprefix('Invalid JSON: ').split())[:80]})"
-    where, why = ".".join(str(p) for p in e["loc"])[:60], " ".join(e["msg"].split())[:80]
+    # the path may hold keys from the document: escaped, so one line stays one line
+    where = repr(".".join(str(p) for p in e["loc"]))[1:-1][:60]
+    why = " ".join(e["msg"].split())[:80]
     return f"{where}: {why}" if where else why
 
 
@@ -62,8 +64,3 @@ def same_origin(url: str, other: str) -> bool:
     """Whether two URLs have one origin (scheme, host, port): only then may a request to `url`
     carry the credentials given for `other`."""
     return origin(url) == origin(other)
-
-
-def as_text(value: Any, limit: int = 60) -> str:
-    """A value from the wire for a one-line message: repr'd, one line, cut."""
-    return " ".join(repr(value).split())[:limit]
