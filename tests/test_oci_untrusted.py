@@ -19,10 +19,11 @@ from pathlib import Path
 
 import pytest
 from registry_env import Registry, corrupt, registry
+from test_oci import no_docker_config  # noqa: F401 - an autouse fixture: no machine credentials
 from test_oci_fastpath import Quiet, serving
 
 from pipeline.cli import main
-from pipeline.distribute import oci, oci_auth, oci_push
+from pipeline.distribute import oci_auth, oci_push
 from pipeline.distribute.artifact import HEADER_TYPE, MAX_CONFIG_BYTES, parse_manifest, tag_of
 from pipeline.distribute.blocks import MAX_HEADER_BYTES
 from pipeline.distribute.oci import Registry as Client
@@ -31,14 +32,6 @@ from pipeline.format.errors import PipelineError
 
 NOTHING = "nothing was published"
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(autouse=True)
-def no_docker_config(tmp_path: Path, monkeypatch):
-    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "no-docker-config"))
-    monkeypatch.delenv("PREFIX_BUNDLES_REGISTRY_USER", raising=False)
-    monkeypatch.delenv("PREFIX_BUNDLES_REGISTRY_PASSWORD", raising=False)
-    monkeypatch.setattr(oci, "BACKOFF_S", 0.0)
 
 
 @pytest.fixture
