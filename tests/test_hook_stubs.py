@@ -165,10 +165,24 @@ class StubQuantizingPrefixCache(StubMemoryAwarePrefixCache):
     `_QuantizedCacheWrapper` layers, handed out dequantized (full-precision KVCache objects),
     matched by longest common prefix (trimmed to it), the match's key in `_last_matched_key`."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        # vllm-mlx counts each fetch in `_stats` (hits, misses, tokens saved: its /v1/status)
+        self._stats = SimpleNamespace(hits=0, misses=0, tokens_saved=0)
+
     def store(self, tokens: list[int], cache: list) -> bool:
         return super().store(tokens, [_QuantizedCacheWrapper(layer, 8, 32) for layer in cache])
 
     def fetch(self, tokens: list[int]) -> tuple[list | None, list[int]]:
+        found = self._fetch(tokens)
+        if found[0] is None:
+            self._stats.misses += 1
+        else:
+            self._stats.hits += 1
+            self._stats.tokens_saved += len(tokens) - len(found[1])
+        return found
+
+    def _fetch(self, tokens: list[int]) -> tuple[list | None, list[int]]:
         import mlx.core as mx
         from mlx_lm.models.cache import KVCache
 
@@ -217,6 +231,8 @@ def test_its_own_quantized_entry_handed_out_dequantized_is_held_to_the_rule(pinn
     cache.store(ids(8), prefill(pinned_cache.model, ids(8))[0])  # another entry, stored last
     opening = [*entry[:3], 99, 98]
     assert served(cache.fetch(opening), opening) == 0
+    # its own counters say what the request got: a miss (they counted a 3-token hit)
+    assert (cache._stats.hits, cache._stats.tokens_saved, cache._stats.misses) == (0, 0, 1)
     half = entry[:20]  # a supersequence hit, handed out one token short: 19 of 40
     assert served(cache.fetch(half), half) == 0
     whole = [*entry, 99]

@@ -41,9 +41,14 @@ def pinned_memory_cache_class(
             answered = [False]  # the last call was answered by a restored snapshot
 
             def own(t: list[int]) -> tuple[Any, list[int]]:
+                stats = getattr(self, "_stats", None)  # vllm-mlx's counters (its /v1/status)
+                counted = _counts(stats)
                 found = base.fetch(self, t)
                 if found[0] is not None and not self.usable(t, found):
                     self._last_match_type, self._last_matched_key = "miss", None
+                    if counted is not None:  # its counters say a hit: the request gets none
+                        stats.hits, stats.tokens_saved = counted
+                        stats.misses += 1
                     return None, list(t)
                 if found[0] is not None and snapshots is not None:
                     key = getattr(self, "_last_matched_key", None) or next(
@@ -95,6 +100,13 @@ def pinned_memory_cache_class(
                 self.kept = [(key, entry.cache) for key, entry in list(self._entries.items())]
 
     return PinnedMemoryCache
+
+
+def _counts(stats: Any) -> tuple[int, int] | None:
+    """(hits, tokens saved) of a cache's own counters, None where it keeps none."""
+    hits, saved = getattr(stats, "hits", None), getattr(stats, "tokens_saved", None)
+    ok = isinstance(hits, int) and isinstance(saved, int) and hasattr(stats, "misses")
+    return (hits, saved) if ok else None
 
 
 def install_memory_cache(scheduler: Any, mounted: Mounted, server: str, snapshots: Any) -> type:
