@@ -238,7 +238,7 @@ def _push_pinned(
         "dev.mlx-prefix-bundles.prefix": f"{name}@{version}",
         "dev.mlx-prefix-bundles.cache-sha256": b.cache_sha256,
     }
-    sizes = {f: pinned.ids[f][2] for f in files}
+    sizes = {f: pinned.size(f) for f in files}
     size = _check_manifest_size(b, tag, plan, sizes, len(record), annotations)  # before uploads
     up.meter.start(f"{name}@{version}", size)
     layers = [up.put(FILE_TYPE, pinned.read(f), counts, f) for f in files]

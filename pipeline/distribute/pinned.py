@@ -1,7 +1,7 @@
 """A validated bundle's files, held to the ones the validator read.
 
-`file_ids` records every file's identity (device, inode, size, mtime, ctime: what the hash memo
-trusts) around validation; `Pinned` opens each file once (no link followed), refuses one that is
+`file_ids` records every file's identity (memo.file_identity: size, mtime, ctime, inode, device,
+what the hash memo trusts) around validation; `Pinned` opens each file once (no link followed), refuses one that is
 not that file, serves its bytes from the descriptor only, and `check` looks again (the open file
 and the name) right before the tag moves. A bundle rebuilt or edited while it is pushed is then
 one line, and its tag keeps the artifact it had.
@@ -14,12 +14,10 @@ from pathlib import Path
 
 from pipeline.distribute.blocks import open_regular
 from pipeline.format.errors import PipelineError
+from pipeline.format.memo import file_identity
 
 FileId = tuple[int, int, int, int, int]
-
-
-def file_id(st: os.stat_result) -> FileId:
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+file_id = file_identity  # (size, mtime, ctime, inode, device): what the hash memo trusts
 
 
 def file_ids(folder: Path) -> tuple[tuple[str, FileId], ...]:
@@ -58,10 +56,14 @@ class Pinned:
             "file validated); push again. Its tag was not moved"
         )
 
+    def size(self, name: str) -> int:
+        """The validated file's size (its identity's first number)."""
+        return self.ids[name][0]
+
     def read(self, name: str) -> bytes:
         """A small file's bytes, whole."""
         fd = self.fds[name]
-        size = self.ids[name][2]
+        size = self.size(name)
         data = os.pread(fd, size, 0)
         if len(data) != size:
             raise self.changed(name)

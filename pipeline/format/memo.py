@@ -43,7 +43,13 @@ def stat_key(path: Path) -> str:
 def open_key(real: str, st: os.stat_result) -> str:
     """stat_key of a file already open, from its fstat: the numbers are those of the bytes that
     will be read (the path is only the label that lets `store` forget its older states)."""
-    return f"{real}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}|{st.st_dev}"
+    return "|".join([real, *map(str, file_identity(st))])
+
+
+def file_identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
+    """What the memo trusts as a file's contents: size, mtime, ctime, inode, device (any write,
+    rename over or copy in changes one of them)."""
+    return (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
 
 
 def _private(path: Path, want_dir: bool) -> bool:

@@ -134,6 +134,5 @@ def inputs_key(config: dict[str, Any]) -> str | None:
 
 
 def _stat(path: Path, root: Path) -> bytes:
-    st = os.stat(path)
-    numbers = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev)
+    numbers = memo.file_identity(os.stat(path))
     return f"{path.relative_to(root)}|{'|'.join(map(str, numbers))}\0".encode()
