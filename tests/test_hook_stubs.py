@@ -404,7 +404,7 @@ def test_mlx_openai_servers_handler_mounts_only_what_serve_validated(
 @pytest.fixture
 def trie():
     """vllm-mlx's pinned trie (mlx-lm's LRUPromptCache, installed here too) with one bundle."""
-    from pipeline.runtime.servers.vllm_mlx import pinned_trie_class
+    from pipeline.runtime.servers.vllm_mlx_simple_engine import pinned_trie_class
 
     model = llama_model(hidden=128, heads=4)
     prefix = ids(24)

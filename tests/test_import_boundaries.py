@@ -245,25 +245,51 @@ def test_the_example_gets_openblas_although_it_imports_mlx_first(
 
 
 SERVERS = PIPELINE / "runtime" / "servers"
+HOOK_LINES = 150  # issue 37: a hook declares; what two hooks share is a module of its own
+
+
+def hook_stems() -> set[str]:
+    from pipeline.runtime.servers import HOOKS
+
+    return {module.rsplit(".", 1)[1] for module in HOOKS.values()}
+
+
+def owning_hook(stem: str) -> str | None:
+    """The hook a module of servers/ belongs to: the hook itself, or one of its server's own
+    parts, named `<hook>_<part>.py` (the code only that server runs: an engine's cache, its
+    process's thread), which only that hook imports."""
+    owners = [h for h in hook_stems() if stem == h or stem.startswith(h + "_")]
+    return max(owners, key=len) if owners else None
 
 
 def test_no_server_module_imports_serve_and_no_hook_imports_another():
     """serve.py only dispatches (issue 37): the shared start-up lives in servers/, so nothing
-    there imports runtime/serve.py (the cycle it used to be), and a hook is one module that
-    imports no other hook (a shared part is a module of its own, such as memory_cache.py)."""
-    from pipeline.runtime.servers import HOOKS
-
-    hooks = {module for module in HOOKS.values()}
+    there imports runtime/serve.py (the cycle it used to be), and a hook imports no other hook
+    nor another server's part (a part two hooks share is a shared module, such as memory_cache.py);
+    a server's own part imports no hook and is imported by its hook alone."""
     problems = []
     for path in sorted(SERVERS.glob("*.py")):
-        me = f"pipeline.runtime.servers.{path.stem}"
+        mine = owning_hook(path.stem)
         for module, name, line in imports(path):
             target = f"{module}.{name}" if name else module
             if module == "pipeline.runtime.serve" or target == "pipeline.runtime.serve":
                 problems.append(f"{path.name}:{line} imports pipeline.runtime.serve")
-            if me in hooks and target != me and (module in hooks or target in hooks):
-                problems.append(f"{path.name}:{line} (a hook) imports the hook {target}")
+            for imported in {module, target}:
+                stem = imported.removeprefix("pipeline.runtime.servers.")
+                if stem == imported or "." in stem or stem == path.stem:
+                    continue
+                theirs = owning_hook(stem)
+                if theirs is not None and (theirs != mine or stem in hook_stems()):
+                    problems.append(f"{path.name}:{line} imports {stem} (server {theirs}'s)")
     assert problems == []
+
+
+def test_each_hook_module_declares_in_at_most_150_lines():
+    """A hook says what its server differs by; its server's own parts (an engine's cache, a
+    thread's life) are modules named for it, and what hooks share is shared (issue 37)."""
+    for stem in sorted(hook_stems()):
+        lines = len((SERVERS / f"{stem}.py").read_text(encoding="utf-8").splitlines())
+        assert lines <= HOOK_LINES, f"{stem}.py has {lines} lines"
 
 
 def shape(function) -> list:
@@ -306,12 +332,10 @@ def test_server_names_live_in_the_format_and_what_each_server_can_do_in_its_hook
     code to call and which follow an Anthropic body are read from their hooks, so adding a
     server is one module, one registry line and its name in the format's list."""
     from pipeline.format.manifest import SERVER_NAMES
-    from pipeline.runtime.servers import HOOKS
     from pipeline.runtime.servers.tokens import anthropic_servers, request_code_servers
 
-    hooks = {module.rsplit(".", 1)[1] for module in HOOKS.values()}
     for path in sorted(SERVERS.glob("*.py")):
-        if path.stem in hooks or path.stem == "__init__":  # the registry: one line per hook
+        if owning_hook(path.stem) or path.stem == "__init__":  # the registry: one line per hook
             continue
         text = path.read_text()
         listed = [n for n in SERVER_NAMES if n != "mlx-lm" and f'"{n}"' in text]
