@@ -27,9 +27,9 @@ def main() -> None:
     a = list(range(1, 21))
     mounted = Mounted(Path("."), PromptCacheManager(), MountResult())
     out = {}
-    from pipeline.runtime.servers import mlx_openai, vllm_mlx
+    from pipeline.runtime.servers import mlx_openai, vllm_mlx_simple_engine
 
-    trie = vllm_mlx.pinned_trie_class(mounted)(10, 1 << 30)
+    trie = vllm_mlx_simple_engine.pinned_trie_class(mounted)(10, 1 << 30)
     trie.keep_entries = True
     model = object()
     trie.insert_cache(model, a, rotating_entry(len(a)))
