@@ -13,12 +13,13 @@ build *args:
     python build.py build "$@"
 
 # The tests without the slow ones (no network, no GPU; the tiny model is generated on the fly).
+# Run by pytest-xdist on up to 4 cores (`just test -n 0`: one process, e.g. to debug one test).
 test *args:
-    python -m pytest -m "not slow" "$@"
+    python -m pytest -m "not slow" -n auto --maxprocesses 4 "$@"
 
 # Only the slow tests (real servers, both mlx-lm minors, the full fuzz sweep); CI runs both.
 test-slow *args:
-    python -m pytest -m slow "$@"
+    python -m pytest -m slow -n auto --maxprocesses 4 "$@"
 
 # Side-by-side benchmarks against mlx_lm; writes bench/RESULTS.md and a chart. `just bench --quick`.
 bench *args:
