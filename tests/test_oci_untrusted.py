@@ -473,10 +473,15 @@ def _edit_in_place(work: Path) -> None:
         f.write(bytes([last[0] ^ 1]))
 
 
+def _cut_short_in_place(work: Path) -> None:
+    """What `cp` over the file does first (a careless deploy script copying while it is pushed)."""
+    os.truncate(work / "cache.safetensors", 4096)
+
+
 @pytest.mark.parametrize(
     "when, change",
     [("validated", _rebuild_by_rename), ("uploading", _rebuild_by_rename),
-     ("uploading", _edit_in_place)],
+     ("uploading", _edit_in_place), ("uploading", _cut_short_in_place)],
 )  # fmt: skip
 def test_a_bundle_changed_while_it_is_pushed_is_refused_and_its_tag_stays(
     when: str, change, tmp_path: Path, shop_bundle: Path, capsys, monkeypatch
@@ -508,6 +513,31 @@ def test_a_bundle_changed_while_it_is_pushed_is_refused_and_its_tag_stays(
         f"error: bundle shop/1/{shop_bundle.name} ({work}): the bundle changed while it was "
         f"pushed ({name} is not the file validated); push again. Its tag was not moved\n"
     )
+
+
+def test_a_block_read_for_a_push_from_a_file_cut_short_is_not_sigbus(
+    shop_bundle: Path, tmp_path: Path
+):
+    """A push reads each block by pread into a buffer it hashes and sends: a file truncated
+    meanwhile reads zeros past its end (a fresh process: a mapping would die of SIGBUS)."""
+    cache = Path(shutil.copy(shop_bundle / "cache.safetensors", tmp_path / "c.safetensors"))
+    tokens = json.loads((shop_bundle / "manifest.json").read_text())["tokens"]["count"]
+    code = (
+        "import os\n"
+        "from pipeline.distribute.blocks import Source, read_layout\n"
+        f"path = {str(cache)!r}\n"
+        f"plan = read_layout(path, {tokens})\n"
+        "source = Source(path, plan)\n"
+        "with source.views(0) as parts:\n"  # the push is under way: block 0 went up
+        "    pass\n"
+        "os.truncate(path, 4096)\n"
+        "with source.views(plan.blocks - 1) as parts:\n"
+        "    print(sum(map(len, parts)), set(b''.join(parts)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, (out.returncode, out.stderr)
+    size, values = out.stdout.split(" ", 1)
+    assert values == "{0}\n" and int(size) > 0
 
 
 def test_a_reuse_source_cut_short_while_open_reads_short_not_sigbus(

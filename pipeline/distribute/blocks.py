@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import mmap
 import os
 import stat
 import struct
@@ -188,35 +187,37 @@ def read_layout(source: Path | int, tokens: int, block_size: int | None = None) 
 
 
 class Source:
-    """A cache file (a path, or a descriptor open on it) read for its blocks: copies by pread (a
-    file cut short meanwhile reads short, never SIGBUS), views of a mapping made when asked."""
+    """A cache file (a path, or a descriptor open on it) read for its blocks by pread, never
+    mapped: a file cut short meanwhile reads short (or zeros past its end), never SIGBUS."""
 
     def __init__(self, source: Path | int, plan: Layout) -> None:
         self.plan = plan
         self.fd = os.dup(source) if isinstance(source, int) else open_regular(source)
-        self._map: mmap.mmap | None = None
-        self._lock = threading.Lock()
 
     def close(self) -> None:
-        if self._map is not None:
-            self._map.close()
         os.close(self.fd)
-
-    @property
-    def map(self) -> mmap.mmap:
-        with self._lock:
-            if self._map is None:
-                self._map = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ)
-            return self._map
 
     def block(self, k: int) -> bytes:
         return b"".join(os.pread(self.fd, n, o) for o, n in self.plan.block_ranges(k))
 
     @contextmanager
     def views(self, k: int) -> Iterator[list[memoryview]]:
-        """Block k as views of the mapped file, in order (no copy); released on exit."""
-        whole = memoryview(self.map)
-        parts = [whole[o : o + n] for o, n in self.plan.block_ranges(k)]
+        """Block k's runs read into one buffer, as views in order; released on exit. Past a
+        file's end (cut short while read) a run reads zeros: its blob then has another digest,
+        and a push's check of its pinned files refuses the change before any tag moves."""
+        ranges = list(self.plan.block_ranges(k))
+        whole = memoryview(bytearray(sum(n for _, n in ranges)))
+        parts, at = [], 0
+        for offset, n in ranges:
+            part = whole[at : at + n]
+            done = 0
+            while done < n:
+                got = os.preadv(self.fd, [part[done:]], offset + done)
+                if got == 0:
+                    break
+                done += got
+            parts.append(part)
+            at += n
         try:
             yield parts
         finally:

@@ -28,7 +28,7 @@ CHUNK = 1 << 20
 MAX_REDIRECTS = 5
 REDIRECTS = (301, 302, 303, 307, 308)
 PROXY_VARS = ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY")
-Body = bytes | Sequence[Any]  # bytes, or buffers sent one after another (views of a mapped file)
+Body = bytes | Sequence[Any]  # bytes, or buffers sent one after another (views of a block)
 
 
 class Unserved(Exception):

@@ -275,7 +275,7 @@ class LocalBlocks:
         self.lock = threading.Lock()
 
     def _source(self, path: Path, b: int) -> tuple[Source, int] | None:
-        """(mapped file, first block known to differ) or None when unusable."""
+        """(open file, first block known to differ) or None when unusable."""
         with self.lock:
             if (path, b) not in self.opened:
                 try:

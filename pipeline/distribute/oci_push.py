@@ -252,7 +252,7 @@ def _push_pinned(
             if prehash is not None:
                 path, st = b.local / CACHE_FILE, os.fstat(cache)
                 ahead = functools.partial(prehash.digest, path, plan, k, st)
-            with source.views(k) as parts:  # hashed and sent from the mapped file: no copy
+            with source.views(k) as parts:  # read once, hashed and sent from one buffer
                 return up.put(BLOCK_TYPE, parts, counts, ahead=ahead)
 
         layers += in_parallel(block, range(plan.blocks))  # in block order
