@@ -515,11 +515,26 @@ def test_a_bundle_changed_while_it_is_pushed_is_refused_and_its_tag_stays(
     )
 
 
-def test_a_block_read_for_a_push_from_a_file_cut_short_is_not_sigbus(
-    shop_bundle: Path, tmp_path: Path
+PUSH_READ = (  # a push under way (block 0 went up), then the last block hashed and sent
+    "with source.views(0) as parts:\n    pass\n"
+    "os.truncate(path, 4096)\n"
+    "with source.views(plan.blocks - 1) as parts:\n"
+    "    print(sum(map(len, parts)) > 0 and set(b''.join(parts)) == {0})\n"
+)
+REUSE_READ = (  # a pull taking the last block from a local bundle: short, so downloaded instead
+    "os.truncate(path, 4096)\n"
+    "k = plan.blocks - 1\n"
+    "print(len(source.block(k)) < sum(n for _, n in plan.block_ranges(k)))\n"
+)
+
+
+@pytest.mark.parametrize("read", [PUSH_READ, REUSE_READ], ids=["push", "pull-reuse"])
+def test_a_cache_file_cut_short_while_its_blocks_are_read_is_not_sigbus(
+    read: str, shop_bundle: Path, tmp_path: Path
 ):
-    """A push reads each block by pread into a buffer it hashes and sends: a file truncated
-    meanwhile reads zeros past its end (a fresh process: a mapping would die of SIGBUS)."""
+    """Blocks are read by pread, never through a mapping: a file truncated meanwhile (cp over
+    it) reads short or zeros past its end, and the process lives on (a fresh process: a mapping
+    would die of SIGBUS, -7). A push's check of its pinned files then refuses the change."""
     cache = Path(shutil.copy(shop_bundle / "cache.safetensors", tmp_path / "c.safetensors"))
     tokens = json.loads((shop_bundle / "manifest.json").read_text())["tokens"]["count"]
     code = (
@@ -528,34 +543,6 @@ def test_a_block_read_for_a_push_from_a_file_cut_short_is_not_sigbus(
         f"path = {str(cache)!r}\n"
         f"plan = read_layout(path, {tokens})\n"
         "source = Source(path, plan)\n"
-        "with source.views(0) as parts:\n"  # the push is under way: block 0 went up
-        "    pass\n"
-        "os.truncate(path, 4096)\n"
-        "with source.views(plan.blocks - 1) as parts:\n"
-        "    print(sum(map(len, parts)), set(b''.join(parts)))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
-    assert out.returncode == 0, (out.returncode, out.stderr)
-    size, values = out.stdout.split(" ", 1)
-    assert values == "{0}\n" and int(size) > 0
-
-
-def test_a_reuse_source_cut_short_while_open_reads_short_not_sigbus(
-    shop_bundle: Path, tmp_path: Path
-):
-    """A local bundle a pull takes blocks from, truncated meanwhile: the block reads short (and
-    is downloaded instead), the process is not killed by SIGBUS (a fresh process: it would be)."""
-    cache = Path(shutil.copy(shop_bundle / "cache.safetensors", tmp_path / "c.safetensors"))
-    tokens = json.loads((shop_bundle / "manifest.json").read_text())["tokens"]["count"]
-    code = (
-        "import os, sys\n"
-        "from pipeline.distribute.blocks import Source, read_layout\n"
-        f"path = {str(cache)!r}\n"
-        f"plan = read_layout(path, {tokens})\n"
-        "source = Source(path, plan)\n"
-        "os.truncate(path, 4096)\n"
-        "k = plan.blocks - 1\n"
-        "print(len(source.block(k)) < sum(n for _, n in plan.block_ranges(k)))\n"
-    )
+    ) + read
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert (out.returncode, out.stdout) == (0, "True\n"), out.stderr
