@@ -201,6 +201,21 @@ def test_prune_never_touches_folders_outside_the_layout(project: Path, shop, cap
     assert not shop["old"].exists() and not shop["orphan"].exists()
 
 
+def test_a_folder_of_the_layout_that_is_no_bundle_is_kept_with_its_reason(
+    project: Path, shop, capsys
+):
+    """A prefix without a definition loses its bundles, not a user's folder spelled like one
+    (before: `zz/1/<model folder>/thesis.txt` was deleted as a bundle of no definition)."""
+    theirs = project / "bundles" / "zz" / "1" / shop["orphan"].name
+    theirs.mkdir(parents=True)
+    (theirs / "thesis.txt").write_text("precious\n")
+    code, report = prune_json(project, capsys, "--apply")
+    assert code == 0 and (theirs / "thesis.txt").read_text() == "precious\n"
+    assert not shop["orphan"].exists()  # gone@1: a whole bundle of no definition
+    kept = {Path(k.path): k.reason for k in report.kept}
+    assert kept[theirs] == "no definition, and not a whole bundle of it: left for you to look at"
+
+
 def test_a_staging_leftover_of_any_depth_is_sized_and_removed(project: Path, shop, capsys):
     """A dead build's staging folder nested past Python's recursion limit: prune's plan and its
     removal walk it without recursion (before: a RecursionError traceback in the dry run, and

@@ -75,6 +75,9 @@ class Plan:
         return sum(c.bytes for c in self.delete)
 
 
+LEFT = "left"  # _doomed's kind for a folder prune never deletes (it says why)
+
+
 @dataclass(frozen=True)
 class Bundle:
     path: Path
@@ -100,7 +103,9 @@ def plan(bundles_root: Path, prefixes: Path, keep: int = 1) -> Plan:
     locked = {name: entry.version for name, entry in read_lock(lock_file).prefixes.items()}
     result = Plan()
     for b, kind, reason in _doomed(layout_bundles(root), defined, keep, prefixes):
-        if locked.get(b.prefix) == b.version:
+        if kind == LEFT:
+            result.kept.append(Kept(b.path, b.prefix, b.version, b.model_folder, reason))
+        elif locked.get(b.prefix) == b.version:
             why = f"version {b.version} of {b.prefix} is named in {lock_file}"
             result.kept.append(Kept(b.path, b.prefix, b.version, b.model_folder, why))
         else:
@@ -133,7 +138,9 @@ def _doomed(bundles: list[Bundle], defined: set[str], keep: int, prefixes: Path)
     """(bundle, kind, reason) for every bundle past retention, before the lockfile is consulted."""
     groups: dict[tuple[str, str], list[Bundle]] = defaultdict(list)
     for b in bundles:
-        if b.prefix not in defined:
+        if b.prefix not in defined and not _looks_whole(b):  # a user's folder, or a copy cut short
+            yield b, LEFT, "no definition, and not a whole bundle of it: left for you to look at"
+        elif b.prefix not in defined:
             yield b, "no-definition", f"no definition {b.prefix}.toml in {prefixes}/"
         else:
             groups[(b.prefix, b.model_folder)].append(b)
