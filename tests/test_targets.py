@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from pathlib import Path
@@ -85,3 +86,42 @@ def test_serve_refuses_an_unsupported_mlx_lm(monkeypatch):
         "serve supports mlx-lm >=0.31,<0.33; found 0.40.1: "
         "install one with \"pip install 'mlx-lm>=0.31,<0.33'\""
     )
+
+
+def test_a_model_folder_spelled_another_way_builds_the_same_bundle(
+    tmp_path: Path, tiny_model: Path, monkeypatch, capsys
+):
+    """The bundle names a --model folder the same however the command line spells it (relative,
+    absolute, through a link): the same inputs give the same bytes, so the second build is up to
+    date (before: the typed path went into the cache metadata and the build key, and every other
+    spelling rebuilt the bundle, dropping its signature)."""
+    import json
+
+    from pipeline.builder.definition import load_definition
+    from pipeline.builder.targets import targets
+    from pipeline.cli import main
+
+    write_definition(tmp_path, tiny_model)
+    link = tmp_path / "model-link"
+    link.symlink_to(tiny_model)
+    inside = Path(shutil.copytree(tiny_model, tmp_path / "models" / "copy"))
+    monkeypatch.chdir(tmp_path)
+    definition = load_definition(tmp_path / "prefixes" / "shop.toml", tmp_path)
+    refs = {
+        (t.model_ref, t.model_dir)
+        for spelling in (None, tiny_model, Path(os.path.relpath(tiny_model)), Path("model-link"))
+        for t in targets(definition, tmp_path, spelling)
+    }
+    assert refs == {(str(tiny_model), tiny_model.resolve())}  # the definition's own path
+    for spelling in (inside, Path("models/copy"), Path("models/../models/copy")):
+        (target,) = targets(definition, tmp_path, spelling)
+        assert target.model_ref == "models/copy"  # not the definition's: relative to the project
+
+    bundle = build_bundle(tmp_path)
+    before = (bundle / "cache.safetensors").read_bytes()
+    projects = ["--prefixes", "prefixes", "--bundles", "bundles"]
+    capsys.readouterr()
+    assert main([*projects, "build", "--json", "--model", os.path.relpath(tiny_model)]) == 0
+    (result,) = json.loads(capsys.readouterr().out)["targets"]
+    assert result["status"] == "up-to-date"
+    assert (bundle / "cache.safetensors").read_bytes() == before

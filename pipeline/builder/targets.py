@@ -104,7 +104,8 @@ def targets(
         check_model_folder(model_override)  # the --model folder, named as the user gave it
         path = Path(model_override).resolve()
         model_dir = resolve_model(ModelSpec(path=str(path)), root)
-        return [Target(definition, model_dir, slugify(path.name), str(model_override))]
+        ref = folder_ref(definition, root, model_dir)
+        return [Target(definition, model_dir, slugify(path.name), ref)]
     return [
         Target(
             definition,
@@ -116,3 +117,17 @@ def targets(
         for spec in definition.spec.models
         if only is None or model_ref(spec) in only
     ]
+
+
+def folder_ref(definition: LoadedDefinition, root: Path, folder: Path) -> str:
+    """How the bundle names a --model folder (its cache metadata, its build key): however the
+    command line spells it (relative, absolute, through a link), the definition's own path when
+    that is the same folder, else the folder relative to the project, else its real path; never
+    the spelling, so the same inputs give the same bytes."""
+    for spec in definition.spec.models:
+        if spec.path is not None and (root / spec.path).resolve() == folder:
+            return spec.path
+    try:
+        return folder.relative_to(Path(root).resolve()).as_posix()
+    except ValueError:
+        return str(folder)
