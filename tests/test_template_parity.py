@@ -9,6 +9,7 @@ from pathlib import Path
 import jinja2
 import pytest
 
+from pipeline.builder import template as template_module
 from pipeline.builder.template import check_pin, render, template_sha256, uses_date
 from pipeline.format.errors import TemplateError
 
@@ -420,6 +421,41 @@ def test_unsupported_template_raises_template_error(tokenizer, text, expected):
     assert str(caught.value) == expected
     with pytest.raises((jinja2.TemplateError, TypeError)):  # transformers refuses it too
         hf_render(tokenizer, text, CHAT)
+
+
+RUNAWAY = [
+    P(
+        "{{ 'a' * 1000000000 }}",
+        "chat template asks for 1,000,000,000 items in one `*`, over 67,108,864; fix the template",
+        id="string-times-a-billion",
+    ),
+    P(
+        "{% set l = [1] * 30000 %}{% for a in l %}{% for b in l %}{% endfor %}{% endfor %}",
+        "chat template took over 1 s to render (a runaway loop?); fix the template",
+        id="nested-loops",
+    ),
+    P(
+        "{{ 7 ** 100000000 }}",
+        "chat template asks for a number of over 65,536 bits in `**`; fix the template",
+        id="huge-power",
+    ),
+    P(
+        "{% for i in range(9000) %}{{ 'x' * 9000 }}{% endfor %}",
+        "chat template rendered 81,000,000 characters, over the 67,108,864 a prefix may have; "
+        "fix the template",
+        id="huge-output",
+    ),
+]
+
+
+@pytest.mark.parametrize(("text", "expected"), RUNAWAY)
+def test_a_runaway_template_is_one_error_not_a_hang_or_all_memory(text, expected, monkeypatch):
+    """A template is code from a model repo: a render that would run for hours or take
+    gigabytes is one TemplateError (before: `build` hung, 6.4 GB resident for 'a' * 10**9)."""
+    monkeypatch.setattr(template_module, "RENDER_SECONDS", 1)
+    with pytest.raises(TemplateError) as caught:
+        render(text, CHAT)
+    assert str(caught.value) == expected
 
 
 BATCH = "messages[0] is " + repr(CHAT)[:80] + "; pass message dicts"

@@ -7,12 +7,15 @@ reads a pinned clock instead of the wall clock, so a rendered prefix is reproduc
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
 import re
+import signal
+import threading
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from functools import lru_cache
 from typing import Any
@@ -37,6 +40,11 @@ _PROBE_CLOCKS = (
 )
 _MIN_JINJA = (3, 1, 6)  # transformers refuses older jinja2: known sandbox escapes
 _NOW: ContextVar[datetime.datetime] = ContextVar("chat_template_now")
+# What a render may cost (a template is code from a model repo): a real chat template renders in
+# well under a second into at most a few MB; runaway work is one line, never a hang or an OOM.
+RENDER_SECONDS = 20  # wall clock, where the render runs on the main thread (SIGALRM)
+RENDER_ITEMS = 1 << 26  # characters or items one `*` may make, and the rendered text's length
+RENDER_POWER_BITS = 1 << 16  # bits a `**` of whole numbers may make
 
 
 def template_sha256(text: str) -> str:
@@ -94,11 +102,45 @@ def _render(template: str, inputs: dict[str, Any], now: datetime.datetime) -> st
     compiled = _compile(template)
     token = _NOW.set(now)
     try:
-        return compiled.render(**inputs)
+        with _time_limit(RENDER_SECONDS):
+            text = compiled.render(**inputs)
+    except _TooCostly as exc:
+        raise TemplateError(f"chat template {exc}; fix the template") from None
     except Exception as exc:  # a template is code: anything it raises is its failure, not ours
         raise _render_error(exc) from exc
     finally:
         _NOW.reset(token)
+    if len(text) > RENDER_ITEMS:
+        raise TemplateError(
+            f"chat template rendered {len(text):,} characters, over the {RENDER_ITEMS:,} a prefix "
+            "may have; fix the template"
+        )
+    return text
+
+
+class _TooCostly(Exception):  # noqa: N818 - said as "chat template <message>"
+    """A render past RENDER_SECONDS, or one operation past its size limit."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Interrupt a render still running after `seconds` (SIGALRM: on the main thread only; a
+    render elsewhere has the size limits alone). A timer already set is left as it was."""
+    usable = threading.current_thread() is threading.main_thread() and hasattr(signal, "setitimer")
+    if not usable or signal.getitimer(signal.ITIMER_REAL)[0] > 0:
+        yield
+        return
+
+    def expired(signum: int, frame: Any) -> None:
+        raise _TooCostly(f"took over {seconds:g} s to render (a runaway loop?)")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _variables(
@@ -217,7 +259,7 @@ def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
             f"jinja2 {jinja2.__version__} is older than 3.1.6 and has known sandbox escapes; "
             "upgrade it with `pip install -U jinja2`"
         )
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+    env = _BoundedEnvironment(
         trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
     )
     env.filters["tojson"] = _tojson
@@ -226,6 +268,26 @@ def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
     env.globals["dict"] = _TemplateDict()
     env.globals["namespace"] = _TemplateNamespace
     return env
+
+
+class _BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with `*` and `**` held to what a prompt could need ('a' * 10**9
+    would take gigabytes before anything could check the output)."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                sized = isinstance(seq, (str, bytes, list, tuple))
+                if sized and isinstance(n, int) and len(seq) * n > RENDER_ITEMS:
+                    raise _TooCostly(
+                        f"asks for {len(seq) * n:,} items in one `*`, over {RENDER_ITEMS:,}"
+                    )
+        if operator == "**" and isinstance(left, int) and isinstance(right, int) and right > 0:
+            if max(abs(left), 1).bit_length() * right > RENDER_POWER_BITS:
+                raise _TooCostly(f"asks for a number of over {RENDER_POWER_BITS:,} bits in `**`")
+        return super().call_binop(context, operator, left, right)
 
 
 class _GenerationTag(jinja2.ext.Extension):
