@@ -104,7 +104,8 @@ def test_a_remount_checks_bundles_against_the_weights_the_server_runs(
     write_definition(tmp_path, model)
     old = build_bundle(tmp_path)
     options = ServeOptions("mlx-lm", model, tmp_path / "bundles", (), (), True)
-    read = remount_read(options, mount_options(options, None), settled_identity(model))
+    served = settled_identity(model)
+    read = remount_read(options, mount_options(options, None, served[0].model), served)
     assert [b.path for b in read().bundles] == [old]
     swap_weights(model, tiny_model_other_weights)
     shutil.rmtree(old)

@@ -176,3 +176,42 @@ def test_a_folder_of_special_files_and_a_broken_symlink_are_reported_not_skipped
     reasons = sorted(r.reason for r in result.refused)
     assert result.bundles == [] and len(reasons) == 2
     assert reasons[0] == "broken symlink; not followed" and "is a FIFO" in reasons[1]
+
+
+def test_a_lockfile_pin_the_deploy_lacks_is_refused_not_served_cold(
+    two_versions: Path, tiny_model: Path, tiny_model_other_weights: Path, tmp_path: Path, capsys
+):
+    """The lockfile pins shop@3 for this model; only shop@1 and @2 are deployed: a refusal
+    naming the pin (serve --strict stops), not a prefix silently left cold (before: nothing
+    said, --strict started). A pin for another model is not this deploy's to hold."""
+    from pipeline.format.fingerprint import model_fingerprint
+    from pipeline.format.lockfile import LockedPrefix, Lockfile, locked_for_model, write_lock
+
+    bundles = copy_bundles(two_versions, tmp_path / "bundles")
+    fingerprint = model_fingerprint(tiny_model)
+    (folder,) = (p.name for p in (bundles / "shop" / "2").iterdir())
+    entry = LockedPrefix(
+        version=3, content_sha256="0" * 64, template_sha256="0" * 64, models={folder: fingerprint}
+    )
+    path = tmp_path / "prefixes.lock"
+    write_lock(path, Lockfile(prefixes={"shop": entry}))
+    assert locked_for_model(path, fingerprint) == {"shop": 3}
+    assert locked_for_model(path, model_fingerprint(tiny_model_other_weights)) == {}
+
+    result = mount(
+        tiny_model, bundles, skip_refused=True, versions={"shop": 3}, required={"shop": 3}
+    )
+    assert result.bundles == [] and [(r.path, r.field) for r in result.refused] == [
+        (bundles / "shop" / "3", "lockfile")
+    ]
+    argv = ["serve", "--model", str(tiny_model), "--bundles", str(bundles), "--strict"]
+    assert cli_main([*argv, "--lockfile", str(path), "--port", "1"]) == 1
+    err = capsys.readouterr().err
+    assert (
+        err.strip()
+        .splitlines()[-1]
+        .startswith(
+            f"error: bundle {bundles / 'shop' / '3'}: the lockfile pins shop@3 for this model, but "
+            f"no bundle of it is in {bundles}"
+        )
+    ), err

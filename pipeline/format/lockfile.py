@@ -163,6 +163,13 @@ def locked_entry(path: Path, lock: Lockfile, name: str, version: int) -> LockedP
     return now
 
 
+def locked_for_model(path: Path, fingerprint: str) -> dict[str, int]:
+    """{prefix name: locked version} of the prefixes the lockfile records as built for the model
+    with this fingerprint: what a deploy of that model must hold."""
+    entries = read_lock(path).prefixes.items()
+    return {name: e.version for name, e in entries if fingerprint in e.models.values()}
+
+
 def locked_versions(path: Path) -> dict[str, int]:
     """{prefix name: locked version}, for mounting exactly what the lockfile names."""
     if not Path(path).is_file():

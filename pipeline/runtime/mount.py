@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,6 +133,7 @@ def mount(
     versions: dict[str, int] | None = None,
     trusted_keys: Sequence[PublicKey] = (),
     identity: ModelIdentity | None = None,
+    required: Mapping[str, int] | None = None,
 ) -> MountResult:
     """Mount the newest version of every bundle found for the served model; refuse bad ones.
 
@@ -146,6 +147,8 @@ def mount(
     With trusted_keys every bundle must carry a valid signature by one of them (the version rules
     then apply to signed manifests, so an older signed version copied back stays unmounted).
     `identity`: the served model's, when the caller read it already (serve: the weights it runs).
+    `required`: {prefix name: version} the deploy must hold (a lockfile's pins for this model,
+    lockfile.locked_for_model): each one neither mounted nor refused is refused (field lockfile).
     """
     start = time.perf_counter()
     result = MountResult()
@@ -161,6 +164,8 @@ def mount(
         except BundleError as exc:
             _refuse(result, exc, skip_refused)
     _keep_chosen(result, versions, skip_refused)
+    if required and not isinstance(bundles, list):
+        _require(result, Path(bundles), required, skip_refused)
     if manager is not None:
         key = model_key or str(model_dir)
         for b in result.bundles:
@@ -203,6 +208,29 @@ def _keep_chosen(result: MountResult, versions: dict[str, int] | None, skip_refu
     result.bundles = [b for b in result.bundles if b.path in chosen]
     for path in unlocked:
         _refuse(result, _unlocked(path, keys[path][0], versions or {}), skip_refused)
+
+
+def _require(
+    result: MountResult, root: Path, required: Mapping[str, int], skip_refused: bool
+) -> None:
+    """Refuse each required prefix version that was neither mounted nor refused: a lockfile pin
+    the deploy lacks would otherwise be served cold without a word."""
+    seen = {(b.manifest.prefix.name, b.manifest.prefix.version) for b in result.bundles}
+    for refused in result.refused:
+        if (key := version_key(root, refused.path)) is not None:
+            seen.add((key[0][0], key[1]))
+    for name, version in sorted(required.items()):
+        if (name, version) not in seen:
+            reason = (
+                f"the lockfile pins {name}@{version} for this model, but no bundle of it is in "
+                f"{root}; deploy it (build, push/pull or copy {name}/{version}/), or serve with "
+                "the lockfile of what is deployed"
+            )
+            _refuse(
+                result,
+                BundleError(str(root / name / str(version)), reason, "lockfile"),
+                skip_refused,
+            )
 
 
 def _unlocked(path: Path, name: str, versions: dict[str, int]) -> BundleError:

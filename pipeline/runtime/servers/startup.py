@@ -24,7 +24,7 @@ from typing import Any
 from pipeline.format.compat import SUPPORTED_RANGE, installed_mlx_lm, mlx_lm_supported
 from pipeline.format.errors import PipelineError
 from pipeline.format.fingerprint import ModelIdentity, folder_state
-from pipeline.format.lockfile import locked_versions
+from pipeline.format.lockfile import locked_for_model, locked_versions
 from pipeline.format.served_identity import changed_message, settled_identity
 from pipeline.format.signature import read_trusted_keys
 from pipeline.runtime.hugepages import ensure_huge_pages
@@ -162,9 +162,9 @@ def mount_for(
     from them, so SIGHUP and --admin-port re-mount them (live_remount)."""
     check_mlx_lm()
     manager = PromptCacheManager()
-    read_options = mount_options(options, chat_template)
     # the weights the server will load: every mount (remounts too) checks bundles against these
     identity, state = settled_identity(options.model, chat_template)
+    read_options = mount_options(options, chat_template, identity.model)
     result = mount(
         options.model,
         options.bundles,
@@ -235,15 +235,20 @@ def check_mlx_lm() -> str:
     return version
 
 
-def mount_options(options: ServeOptions, chat_template: str | None) -> Callable[[], dict]:
+def mount_options(
+    options: ServeOptions, chat_template: str | None, fingerprint: str
+) -> Callable[[], dict]:
     """mount's options from serve's own, read afresh on each call (a remount re-reads the
-    lockfile a deploy may have updated)."""
+    lockfile a deploy may have updated); what the lockfile pins for the served model
+    (`fingerprint`) must be there."""
 
     def read() -> dict:
+        lockfile = options.lockfile
         return {
             "chat_template": chat_template,
             "verify_full": options.verify_full,
-            "versions": locked_versions(options.lockfile) if options.lockfile else None,
+            "versions": locked_versions(lockfile) if lockfile else None,
+            "required": locked_for_model(lockfile, fingerprint) if lockfile else None,
             "trusted_keys": read_trusted_keys(list(options.trusted_keys)),
         }
 
