@@ -38,6 +38,21 @@ def edit_manifest(fn: Callable[[dict], None]) -> Callable[[Path], None]:
     return mutate
 
 
+def grow_token_count(m: dict) -> None:
+    tokens = m["tokens"]
+    tokens.update(count=tokens["count"] + 1, stable_tokens=tokens["count"] + 1)
+    tokens.update(rendered_tokens=max(tokens["rendered_tokens"], tokens["count"]))
+
+
+def repeat_a_key(bundle: Path) -> None:
+    """A JSON object with one key twice, the first value wrong (one parser takes the first,
+    another the last: the same signed bytes would mean two things)."""
+    text = (bundle / MANIFEST_FILE).read_text()
+    text = text.replace('"ids_sha256": ', f'"ids_sha256": "{"0" * 64}",\n    "ids_sha256": ', 1)
+    (bundle / MANIFEST_FILE).write_text(text)
+    reseal_sums(bundle)
+
+
 def first_tensor_dtype(header: dict) -> None:
     name = sorted(k for k in header if k != "__metadata__")[0]
     header[name]["dtype"] = "F64" if header[name]["dtype"] != "F64" else "F32"
@@ -63,8 +78,15 @@ CASES = [
      "unexpected 'notes.txt' in the bundle folder"),
     ("missing sums", lambda b: (b / SUMS_FILE).unlink(), "files", SUMS_FILE, "SHA256SUMS is missing"),
     ("garbled sums", lambda b: (b / SUMS_FILE).write_text("nonsense\n"), "checksums", SUMS_FILE, ""),
-    ("edited manifest", edit_manifest(lambda m: m["tokens"].update(count=m["tokens"]["count"] + 1)),
-     "layout", None, ""),
+    ("edited manifest", edit_manifest(grow_token_count), "layout", None, ""),
+    ("token counts that disagree",
+     edit_manifest(lambda m: m["tokens"].update(stable_tokens=1, rendered_tokens=10**12)),
+     "manifest", None, "stable_tokens (1) must be count"),
+    ("NaN in the fidelity record",
+     edit_manifest(lambda m: m["fidelity"].update(max_abs_logit_diff=float("nan"))), "manifest",
+     None, "fidelity.max_abs_logit_diff"),
+    ("a key twice, the first value wrong", repeat_a_key, "manifest", MANIFEST_FILE,
+     "has the key 'ids_sha256' twice in one object"),
     ("unknown manifest field", edit_manifest(lambda m: m.update(extra=1)), "manifest", None, "extra"),
     ("sums resealed over a changed cache", lambda b: (flip_last_data_byte(b), reseal_sums(b)),
      "cache file", "cache.file_sha256", "SHA256SUMS lists cache.safetensors as"),

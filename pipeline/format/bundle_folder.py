@@ -15,6 +15,7 @@ import os
 import re
 import stat
 from pathlib import Path
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -139,9 +140,30 @@ def read_manifest_bytes(bundle: Path, expected_sha256: str | None) -> bytes:
 def parse_manifest(bundle: Path, data: bytes) -> Manifest:
     """manifest.json's bytes parsed into the strict schema; BundleError naming the field if not."""
     try:
-        return Manifest.model_validate_json(data)
+        manifest = Manifest.model_validate_json(data)
     except ValidationError as exc:
         raise _manifest_error(bundle, exc, data) from None
+    if (problem := _repeated_key(data)) is not None:  # parsers disagree on which value counts
+        raise refuse(bundle, f"{MANIFEST_FILE} {problem}; rebuild the bundle", MANIFEST_FILE)
+    return manifest
+
+
+def _repeated_key(data: bytes) -> str | None:
+    """What is wrong when some object of a JSON document (parsed once already, so well formed)
+    repeats a key, else None."""
+    repeated: list[str] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in items]
+        if len(set(keys)) != len(keys) and not repeated:
+            repeated.append(next(k for i, k in enumerate(keys) if k in keys[:i]))
+        return dict(items)
+
+    try:
+        json.loads(data, object_pairs_hook=pairs)
+    except RecursionError:
+        return "is nested too deep to check its keys"
+    return f"has the key {repeated[0]!r} twice in one object" if repeated else None
 
 
 def _format_refusal(version: object, data: bytes) -> str:

@@ -45,7 +45,8 @@ DEFAULT_LAYOUT = "mlx-lm-0.32"
 
 
 class Record(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    # no NaN or Infinity: JSON has neither (strict parsers refuse `inspect --json` carrying one)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 
 
 class PrefixInfo(Record):
@@ -65,6 +66,15 @@ class TokenInfo(Record):
     ids_sha256: Hex64
     rendered_tokens: Count  # tokens of the rendered prefix before the stability cut
     stable_tokens: Count
+
+    @model_validator(mode="after")
+    def _counts_agree(self) -> TokenInfo:
+        if self.stable_tokens != self.count or self.rendered_tokens < self.count:
+            raise ValueError(
+                f"stable_tokens ({self.stable_tokens}) must be count ({self.count}), and "
+                f"rendered_tokens ({self.rendered_tokens}) at least that"
+            )
+        return self
 
 
 class ModelInfo(Record):
@@ -286,6 +296,11 @@ class Manifest(Record):
         if not v3 and (continued or self.fidelity.inherited is not None):
             raise ValueError(
                 "parent.kind, parent.stored_dtype and fidelity.inherited are format 3 fields"
+            )
+        if parent is not None and parent.reused_tokens > self.tokens.count:
+            raise ValueError(
+                f"parent.reused_tokens ({parent.reused_tokens}) is more than the bundle's "
+                f"{self.tokens.count} tokens"
             )
         return self._fields_of_its_kind()
 
