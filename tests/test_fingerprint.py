@@ -30,6 +30,24 @@ def test_weights_edited_in_place_change_the_fingerprint(
     assert model_fingerprint(model) != before
 
 
+def test_a_shared_cache_folder_is_never_chmodded_and_keeps_no_memo(
+    tmp_path: Path, tiny_model: Path, monkeypatch
+):
+    """PREFIX_BUNDLES_CACHE_DIR naming an existing folder open to others (such as /tmp): a read
+    command leaves its mode alone and keeps no memo there (before: chmod 700, locking every
+    other user out); a folder it creates itself is owner-only."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    monkeypatch.setenv("PREFIX_BUNDLES_CACHE_DIR", str(shared))
+    model_fingerprint(tiny_model)
+    assert oct(shared.stat().st_mode & 0o7777) == oct(0o1777) and list(shared.iterdir()) == []
+    monkeypatch.setenv("PREFIX_BUNDLES_CACHE_DIR", str(tmp_path / "new" / "memo"))
+    model_fingerprint(tiny_model)
+    assert (tmp_path / "new" / "memo").stat().st_mode & 0o077 == 0
+    assert (tmp_path / "new" / "memo" / "sha256-memo.json").is_file()
+
+
 def test_template_is_not_part_of_the_tokenizer_fingerprint(tmp_path: Path, tiny_model: Path):
     model = tmp_path / "m"
     shutil.copytree(tiny_model, model)

@@ -63,6 +63,19 @@ def _private(path: Path, want_dir: bool) -> bool:
     return kind_ok and st.st_uid == os.geteuid() and not st.st_mode & 0o077
 
 
+def _private_folder(folder: Path) -> bool:
+    """Whether the memo's folder is private, creating it owner-only when missing. A folder that
+    exists is never chmod'ed (PREFIX_BUNDLES_CACHE_DIR may name a shared one, such as /tmp):
+    open to others, it keeps no memo."""
+    try:
+        folder.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass
+    except OSError:
+        return False
+    return _private(folder, want_dir=True)
+
+
 def load_table(memo: Path, values: re.Pattern[str] = _HEX64) -> dict[str, str]:
     """A private {key: hex digest} table (empty when missing, unreadable or open to others);
     `values`: the pattern a kept value matches (a hex digest unless told)."""
@@ -90,11 +103,9 @@ def _file_lock(memo: Path) -> Iterator[bool]:
     """flock on `<memo>.lock` in the private folder; yields whether it is held."""
     from filelock import FileLock, Timeout
 
-    if not _private(memo.parent, want_dir=True):
-        try:
-            memo.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except OSError:
-            pass
+    if not _private_folder(memo.parent):
+        yield False
+        return
     lock = FileLock(str(memo) + ".lock", timeout=LOCK_WAIT, mode=0o600)
     try:
         lock.acquire()
@@ -121,10 +132,7 @@ def _load(memo: Path, values: re.Pattern[str] = _HEX64) -> dict[str, str]:
 
 def _store(memo: Path, table: dict[str, str]) -> None:
     try:  # best effort: a read-only home only costs a re-hash next time
-        memo.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if os.stat(memo.parent).st_uid == os.geteuid():
-            os.chmod(memo.parent, 0o700)
-        if not _private(memo.parent, want_dir=True):
+        if not _private_folder(memo.parent):
             return
         tmp = memo.with_name(f".{memo.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
