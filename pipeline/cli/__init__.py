@@ -14,6 +14,7 @@ from pathlib import Path
 from pipeline import __version__
 from pipeline.blas import ensure_fast_blas
 from pipeline.cli.common import err
+from pipeline.cli.parser import CliParser, given_options
 from pipeline.format.errors import PipelineError
 from pipeline.format.manifest import FORMAT_VERSION, READ_VERSIONS
 
@@ -59,7 +60,7 @@ MODULE_COMMANDS = {
 
 def global_options(suppress: bool, only: set[str] = BOTH) -> argparse.ArgumentParser:
     """--prefixes/--bundles, accepted before and after the command (defaults set once, up front)."""
-    p = argparse.ArgumentParser(add_help=False)
+    p = CliParser(add_help=False)
     # Subcommands must not reset a value given before the command: their copy has no default.
     default = argparse.SUPPRESS if suppress else None
     if "prefixes" in only:
@@ -79,7 +80,7 @@ def global_options(suppress: bool, only: set[str] = BOTH) -> argparse.ArgumentPa
 
 def setup_arg_parser() -> argparse.ArgumentParser:
     """The whole command line; argparse names the program as invoked (build.py, prefix-bundles)."""
-    p = argparse.ArgumentParser(
+    p = CliParser(
         description="Build, verify and serve MLX prefix-cache bundles.",
         parents=[global_options(suppress=False)],
     )
@@ -123,10 +124,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             _subparser(parser, args.command).error(
                 f"--{option} does not apply to {args.command}; leave it out"
             )
+    _refuse_outside_form(_subparser(parser, args.command), args)
     args.prefixes = args.prefixes or DEFAULT_PREFIXES
     if args.bundles is None and not getattr(args, "bundles_near_model", False):
         args.bundles = DEFAULT_BUNDLES
     return args
+
+
+def _refuse_outside_form(command: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A command's other form takes only its own options (`prune --snapshots DIR` takes only
+    --apply): any other given is a usage error, never silently ignored."""
+    given = given_options(args)
+    for form, options in getattr(args, "form_options", {}).items():
+        others = [o for dest, o in given.items() if dest not in {form, *options}]
+        if form in given and others:
+            command.error(
+                f"{others[0]} does not apply to {args.command} {given[form]}; leave it out"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:

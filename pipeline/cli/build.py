@@ -28,7 +28,9 @@ SHARD_HELP = (
 
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
     b = sub.add_parser("build", parents=parents, help="build bundles for prefix definitions")
-    b.add_argument("prefix", nargs="*", help="definition names (default: all)")
+    b.add_argument(
+        "prefix", nargs="*", action="distinct", help="definition names, each once (default: all)"
+    )
     b.add_argument(
         "--fail-fast",
         action="store_true",
@@ -55,14 +57,15 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         default=True,
         help="warm-equals-cold fidelity check before shipping (default: on)",
     )
-    b.add_argument(
+    lineage = b.add_mutually_exclusive_group()  # --full never continues a parent: one of them
+    lineage.add_argument(
         "--full",
         action="store_true",
         help="prefill from token 0 (the reference); by default a build continues the stored KV "
         "of the proven bundle under --bundles sharing the most tokens with it, at the exact "
         "shared token",
     )
-    b.add_argument(
+    lineage.add_argument(
         "--parent",
         type=Path,
         metavar="BUNDLE",

@@ -14,6 +14,7 @@ from pipeline.cli.common import (
     say,
     warn,
 )
+from pipeline.cli.parser import given_options
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
@@ -42,13 +43,26 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
     )
     n.add_argument(
         "--prefix-messages",
-        type=int,
+        type=_zero_or_more,
         default=0,
         metavar="N",
         help="with --from-request: also the first N messages after the system part",
     )
     add_json_option(n, "new")
     n.set_defaults(func=run)
+
+
+def _zero_or_more(text: str) -> int:
+    """argparse type of --prefix-messages: a count, never a negative (Python's from-the-end) slice."""
+    try:
+        number = int(text)
+    except ValueError:
+        number = -1
+    if number < 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give 0 or more messages, e.g. --prefix-messages 2"
+        )
+    return number
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
         path, notes = made.path, made.notes
         for message in notes:
             note(message)
-    elif args.server or args.prefix_messages:
+    elif args.server or "prefix_messages" in given_options(args):  # even --prefix-messages 0
         raise PipelineError("--server and --prefix-messages go with --from-request")
     else:
         path = new_definition(args.prefixes, args.name, args.model, args.system_file, args.tools)

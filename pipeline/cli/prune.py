@@ -34,10 +34,11 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         type=Path,
         metavar="DIR",
         help="instead: every snapshot set in serve's --snapshots DIR (they hold client prompts), "
-        "deleted with --apply; refused while a serve process uses DIR",
+        "deleted with --apply (no other option applies); refused while a serve process uses DIR",
     )
     add_json_option(p, "prune")
-    p.set_defaults(func=run)
+    # --snapshots is a form of its own: any other option (--keep, --json, --bundles) is refused
+    p.set_defaults(func=run, form_options={"snapshots": {"apply"}})
 
 
 def _at_least_one(text: str) -> int:
@@ -81,8 +82,6 @@ def _snapshots(args: argparse.Namespace) -> int:
     from pipeline.builder.bundles_tree import tree_bytes
     from pipeline.runtime.snapshot_store import SnapshotFolder
 
-    if args.json:
-        raise PipelineError("--json does not apply to prune --snapshots; leave it out")
     # DIR is never made here, and a dry run changes nothing (no lock file is made)
     folder = SnapshotFolder(args.snapshots, create=False, listing=not args.apply)
     try:  # its lock: refused while a serve process holds it

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pipeline.cli.common import say
 from pipeline.cli.reports import DOCUMENTS, schema_of, schema_text
+from pipeline.format.errors import PipelineError
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
@@ -37,13 +38,27 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
 def run(args: argparse.Namespace) -> int:
     names = [args.document] if args.document else sorted(DOCUMENTS)
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        for name in names:
-            path = args.out / f"{name}.json"
-            path.write_text(schema_text(name))
-            say(str(path))
+        _write(args.out, names)
     elif args.document:
         print(schema_text(args.document), end="")
     else:
         print(json.dumps({name: schema_of(name) for name in names}, indent=2, sort_keys=True))
     return 0
+
+
+def _write(folder: Path, names: list[str]) -> None:
+    """DIR/<command>.json for each name, DIR made when missing; an OS error is one line."""
+    fix = "name a folder this user can write (it is made when missing)"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            path = folder / f"{name}.json"
+            path.write_text(schema_text(name))
+            say(str(path))
+    except FileExistsError:
+        raise PipelineError(f"schema --out {folder}: it is a file, not a folder; {fix}") from None
+    except OSError as exc:
+        where = exc.filename or folder
+        raise PipelineError(
+            f"schema --out {folder}: cannot write {where} ({exc.strerror or exc}); {fix}"
+        ) from None

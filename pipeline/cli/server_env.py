@@ -112,18 +112,17 @@ def run(args: argparse.Namespace) -> int:
     servers = checked_servers(args.server)
     venv = Path(args.dir)
     commands = plan(servers, venv)
-    if args.dry_run:
-        if args.json:
-            return _emit(venv, servers, commands, "dry-run", None)
-        for command in commands:
-            print(shell_line(command))
-        return 0
+    # the dry run checks DIR as the run does: it refuses (or finds ready) what the run would
     if (venv / "bin" / "python").exists() and (versions := _imports(servers, venv)) is not None:
         if args.json:
             return _emit(venv, servers, commands, "ready", versions)
         say(f"{venv} already has {', '.join(servers)} ({versions}); nothing to do")
         return 0
-    _clear(venv, args.replace)
+    _check_replaceable(venv, args.replace)
+    if args.dry_run:
+        return _dry_run(args, venv, servers, commands)
+    if venv.exists():
+        shutil.rmtree(venv)
     for command in commands:
         note(f"running {shell_line(command)}")
         if command[0] == "write-pth":
@@ -145,6 +144,17 @@ def run(args: argparse.Namespace) -> int:
         f"made {venv} ({versions}): run {venv}/bin/prefix-bundles serve --server {servers[0]} "
         "--model DIR ..."
     )
+    return 0
+
+
+def _dry_run(args: argparse.Namespace, venv: Path, servers: list[str], commands: list) -> int:
+    """The commands the run would run, printed (or as JSON); nothing is run or written."""
+    if venv.exists():
+        note(f"--replace: the run removes {venv} first")
+    if args.json:
+        return _emit(venv, servers, commands, "dry-run", None)
+    for command in commands:
+        print(shell_line(command))
     return 0
 
 
@@ -230,8 +240,8 @@ def _write_pth(path: Path, folders: list[str]) -> None:
     path.write_text("".join(f"{f}\n" for f in folders), encoding="utf-8")
 
 
-def _clear(venv: Path, replace: bool) -> None:
-    """Refuse a DIR that exists, unless --replace and it is a venv."""
+def _check_replaceable(venv: Path, replace: bool) -> None:
+    """Refuse a DIR that exists, unless --replace and it is a venv (the run then removes it)."""
     if not venv.exists():
         return
     if not replace:
@@ -244,7 +254,6 @@ def _clear(venv: Path, replace: bool) -> None:
             f"server-env: {venv} exists and is not a virtual environment (no pyvenv.cfg); "
             "it was left as it is: name another DIR"
         )
-    shutil.rmtree(venv)
 
 
 def check_script(servers: list[str]) -> str:
@@ -269,7 +278,7 @@ def _imports(servers: list[str], venv: Path) -> str | None:
     """The venv's versions ('mlx-lm 0.31.3, rapid-mlx 0.16.10') when its Python imports
     everything, else None."""
     proc = subprocess.run(
-        [str(venv / "bin" / "python"), "-c", check_script(servers)],
+        [str(venv / "bin" / "python"), "-B", "-c", check_script(servers)],  # -B: writes nothing
         capture_output=True,
         text=True,
     )
