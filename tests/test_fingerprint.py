@@ -65,3 +65,22 @@ def test_chat_template_jinja_file_wins(tmp_path: Path, tiny_model: Path):
     shutil.copytree(tiny_model, model)
     (model / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
     assert model_identity(model).template != model_identity(tiny_model).template
+
+
+def test_a_config_with_more_layers_than_a_bundle_records_is_refused_unbuilt(tiny_model: Path):
+    """10**6 layers would be built (lazily: minutes and tens of GB) before the identity check
+    refuses the bundle; past what a manifest records, it is refused before any is built."""
+    import pytest
+
+    from pipeline.format.cache_state import lazy_model, model_cache_classes
+
+    config = json.loads((tiny_model / "config.json").read_text())
+    for where in ([], ["text_config"]):
+        huge = json.loads(json.dumps(config))
+        target = huge
+        for key in where:
+            target = target.setdefault(key, {})
+        target["num_hidden_layers"] = 10**6
+        with pytest.raises(ValueError, match="num_hidden_layers is 1000000, over the 4096 layers"):
+            lazy_model(huge)
+        assert model_cache_classes(huge) is None

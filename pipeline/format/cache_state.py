@@ -46,11 +46,28 @@ def lazy_model(config: dict[str, Any]) -> Any:
     model does). Raises when this mlx-lm does not know the architecture."""
     from mlx_lm.utils import MODEL_REMAPPING
 
+    _check_layer_counts(config)
     model_type = config.get("model_type")
     if not isinstance(model_type, str):
         raise ValueError("config.json has no model_type")
     module = importlib.import_module(f"mlx_lm.models.{MODEL_REMAPPING.get(model_type, model_type)}")
     return module.Model(module.ModelArgs.from_dict(config))
+
+
+MAX_LAYERS = 4096  # what a manifest records (cache.classes); a config past it is refused unbuilt
+_LAYER_KEYS = ("num_hidden_layers", "num_layers", "n_layers", "n_layer")
+
+
+def _check_layer_counts(config: dict[str, Any], where: str = "") -> None:
+    """Refuse a layer count no bundle can record before building that many layers (a config
+    with 10**5 layers took 40 s and 9 GB to build lazily, before the identity check refused it)."""
+    for key, value in config.items():
+        if isinstance(value, dict) and not where:  # text_config, ...: one level down
+            _check_layer_counts(value, f"{key}.")
+        elif key in _LAYER_KEYS and isinstance(value, int) and value > MAX_LAYERS:
+            raise ValueError(
+                f"config.json {where}{key} is {value}, over the {MAX_LAYERS} layers a bundle records"
+            )
 
 
 def model_cache_classes(config: dict[str, Any]) -> tuple[str, ...] | None:
