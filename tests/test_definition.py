@@ -321,6 +321,19 @@ INVALID = [
         {},
         "not valid TOML (Illegal character '\\n' (at line 1, column 10)); fix the syntax",
     ),
+    (
+        "a byte-order mark",
+        "\ufeff" + VALID,
+        {},
+        "not valid TOML (it starts with a UTF-8 byte-order mark; save it without one); fix the "
+        "syntax",
+    ),
+    (
+        "a template variable the builder sets, in kwargs",
+        VALID.replace(TEMPLATE, TEMPLATE + "kwargs = { add_generation_prompt = true }\n"),
+        {},
+        "template.kwargs: 'add_generation_prompt' is set by the builder, not by kwargs; remove it",
+    ),
 ]
 
 

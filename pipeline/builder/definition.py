@@ -85,6 +85,11 @@ class TemplateSpec(Strict):
         problem = json_problem(kwargs)  # hashed as JSON, sent as a request's chat_template_kwargs
         if problem:
             raise ValueError(problem)
+        from pipeline.builder.template import RESERVED_TEMPLATE_VARIABLES
+
+        reserved = [k for k in RESERVED_TEMPLATE_VARIABLES if k in kwargs]
+        if reserved:
+            raise ValueError(f"'{reserved[0]}' is set by the builder, not by kwargs; remove it")
         return kwargs
 
     @model_validator(mode="after")

@@ -24,6 +24,8 @@ TOO_DEEP = "nested too deeply for this parser; flatten it"
 
 def parse_toml(text: str) -> dict[str, Any]:
     """tomllib.loads; ValueError (TOMLDecodeError or too deep) when the text is not usable TOML."""
+    if text.startswith("\ufeff"):  # tomllib's own error would be "Invalid statement" at 1:1
+        raise ValueError("it starts with a UTF-8 byte-order mark; save it without one")
     try:
         return tomllib.loads(text)
     except RecursionError:

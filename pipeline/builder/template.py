@@ -32,7 +32,7 @@ from pipeline.format.fingerprint import sha256_text
 # Names a message's reasoning may come under; transformers copies it to the first and `thinking`.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # Template variables apply_chat_template sets itself; extra kwargs with these names break its call.
-_RESERVED = ("messages", "tools", "documents", "add_generation_prompt")
+RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt")
 # Two clocks that differ in every strftime field, so any read of the clock changes the output.
 _PROBE_CLOCKS = (
     datetime.datetime(2001, 2, 3, 0, 0, 0),
@@ -156,8 +156,8 @@ def _variables(
         if not isinstance(value, str):
             raise TemplateError(f"special token {name}={value!r} is not a string; pass its text")
     for name in extra or {}:
-        if not isinstance(name, str) or name in _RESERVED:
-            reserved = ", ".join(_RESERVED)
+        if not isinstance(name, str) or name in RESERVED_TEMPLATE_VARIABLES:
+            reserved = ", ".join(RESERVED_TEMPLATE_VARIABLES)
             raise TemplateError(f"extra variable {name!r} is not allowed; pass {reserved} as args")
     inputs = _plain({**(special_tokens or {}), **(extra or {})})  # extra overrides special tokens
     inputs.update(
