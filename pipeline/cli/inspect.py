@@ -40,8 +40,9 @@ def run(args: argparse.Namespace) -> int:
     manifest = read_manifest(bundle, None)  # shown even when invalid; validity is decided below
     identity = _identity(args, manifest)
     keys = trusted_keys(args)
-    refusal = _validity(bundle, identity, keys, manifest.kind or "prefix")
-    print_inspect(bundle, manifest, args, identity, refusal, keys)
+    kind = expected_kind(bundle)
+    refusal = _validity(bundle, identity, keys, kind)
+    print_inspect(bundle, manifest, args, identity, refusal, keys, kind)
     return 0 if refusal is None else 1
 
 
@@ -57,7 +58,7 @@ def _run_json(bundle: Path, args: argparse.Namespace) -> int:
         manifest = None  # the validator below says why, at the stage that refuses it
     identity = _identity(args, manifest) if args.model else integrity_identity(bundle)
     keys = trusted_keys(args)
-    kind = getattr(manifest, "kind", None) or "prefix"
+    kind = expected_kind(bundle)
     refusal = _validity(bundle, identity, keys, kind)
     fields = {name: getattr(manifest, name, None) for name in Manifest.model_fields}
     validity = Validity(
@@ -156,8 +157,18 @@ def _signature_report(bundle: Path, verified: bool) -> SignatureReport | None:
     )
 
 
+def expected_kind(bundle: Path) -> str:
+    """The kind serve takes the folder for, whatever its manifest says: "snapshot" only inside a
+    set serve wrote (DIR/set-N/<rank>-<id>, the set holding serve's mark), else "prefix" (as
+    verify and mount judge a bundle folder), so inspect gives the same folder the same verdict."""
+    from pipeline.runtime.snapshot_store import SET_NAME, _marked
+
+    set_folder = Path(bundle).absolute().parent
+    return "snapshot" if SET_NAME.match(set_folder.name) and _marked(set_folder) else "prefix"
+
+
 def _validity(bundle: Path, identity, keys: tuple = (), kind: str = "prefix"):
-    """The validator's verdict for a bundle or a snapshot (`kind`, as its manifest says): None
+    """The validator's verdict for a bundle or a snapshot (`kind`, by where the folder is): None
     when valid, else the BundleError."""
     from pipeline.format.errors import BundleError
     from pipeline.format.validate import validate

@@ -16,11 +16,15 @@ NO_HOST_KEY = (
 )
 NO_MODEL = "not checked: no --model given (the recorded fingerprints were compared with nothing)"
 REBUILT = {"files", "checksums", "manifest", "cache file", "layout", "tokens", "data"}
+NA = "n/a"  # an optional manifest field the file leaves null
 
 
-def print_inspect(bundle: Path, manifest: Any, args: Any, identity: Any, refusal: Any, keys: tuple):
-    """The whole text report: summary, files, checks, verdict and the next command."""
-    say(f"{'snapshot' if manifest.kind == 'snapshot' else 'bundle'} {bundle}")
+def print_inspect(
+    bundle: Path, manifest: Any, args: Any, identity: Any, refusal: Any, keys: tuple, kind: str
+):
+    """The whole text report: summary, files, checks, verdict and the next command; `kind`: what
+    the folder was checked as (by where it is, not by what its manifest says)."""
+    say(f"{'snapshot' if kind == 'snapshot' else 'bundle'} {bundle}")
     data = manifest.model_dump(mode="json")
     _print_rows(summary_rows(data))
     if data.get("parent"):  # an incremental build: which bundle's cache it started from
@@ -29,10 +33,10 @@ def print_inspect(bundle: Path, manifest: Any, args: Any, identity: Any, refusal
             say(f"  parent checked: {data['parent']['checked']}")
     say(f"  signature: {_signature_line(bundle)}")
     print_files(bundle)
-    _print_checks(manifest, args, identity, refusal, keys)
+    _print_checks(manifest, args, identity, refusal, keys, kind)
     model = getattr(args, "model", None)
     scope = f" for {model}" if model else " (integrity only)"
-    if manifest.kind == "snapshot" and not keys:
+    if kind == "snapshot" and not keys:
         scope += ", host signature not checked"
     say(f"valid{scope}: {'yes' if refusal is None else 'no'}")
     say(f"next: {next_step(bundle, manifest, model, refusal, bool(keys))}")
@@ -47,7 +51,9 @@ def summary_rows(data: dict) -> list[tuple[str, str]]:
             ("prefix", f"{p['name']}@{p['version']}, content sha256 {p['content_sha256'][:16]}..")
         )
     if data.get("snapshot"):
-        rows.append(("snapshot", ", ".join(f"{k}={v}" for k, v in data["snapshot"].items())))
+        rows.append(
+            ("snapshot", ", ".join(f"{k}={_or_na(v)}" for k, v in data["snapshot"].items()))
+        )
     t = data["tokens"]
     stable = (
         "all stable"
@@ -101,7 +107,23 @@ def _cache_cell(c: dict) -> str:
 def _fidelity_cell(f: dict) -> str:
     if not f.get("checked"):
         return "not checked at build"
-    return f"max |logit diff| {f['max_abs_logit_diff']:.3g} <= {f['threshold']:g}, greedy match {f['greedy_match']}"
+    return _fidelity(f["max_abs_logit_diff"], f["threshold"], f["greedy_match"])
+
+
+def _fidelity(diff: float | None, threshold: float | None, greedy: bool | None) -> str:
+    """The build's check; a field the manifest leaves null (the schema allows it) as n/a."""
+    return (
+        f"max |logit diff| {_num(diff, '.3g')} <= {_num(threshold, 'g')}, "
+        f"greedy match {_or_na(greedy)}"
+    )
+
+
+def _num(x: float | None, spec: str) -> str:
+    return NA if x is None else format(x, spec)
+
+
+def _or_na(x: Any) -> str:
+    return NA if x is None else str(x)
 
 
 def size(n: int) -> str:
@@ -132,7 +154,7 @@ def print_files(bundle: Path) -> None:
         say(f"  {name:<{w[0]}}  {n:>{w[1]}}  {human:<{w[2]}}  {why}".rstrip())
 
 
-def _print_checks(manifest, args: Any, identity, refusal, keys: tuple) -> None:
+def _print_checks(manifest, args: Any, identity, refusal, keys: tuple, kind: str) -> None:
     """The validator's stages in order: ok up to the one that refused, which says why; a check
     that was not made (no --model, no --trusted-key) as not made."""
     from pipeline.format.identity import identity_checks
@@ -152,7 +174,7 @@ def _print_checks(manifest, args: Any, identity, refusal, keys: tuple) -> None:
         elif name == "identity" and not model and reached and failed != name:
             say(f"  --   {name:<21} {NO_MODEL}")
         elif name == "signature" and not keys and reached:
-            say(f"  --   {name:<21} {NO_HOST_KEY if manifest.kind == 'snapshot' else NO_KEY}")
+            say(f"  --   {name:<21} {NO_HOST_KEY if kind == 'snapshot' else NO_KEY}")
         elif name == failed:
             say(f"  FAIL {name:<21} {refusal.reason}")
         elif reached:
@@ -171,9 +193,8 @@ def _print_info(manifest) -> None:
         f"  info stability              {t.stable_tokens}/{t.rendered_tokens} rendered tokens are a prefix of every probe turn"
     )
     if f.checked:
-        say(
-            f"  info fidelity               max |logit diff| {f.max_abs_logit_diff:.3g} <= {f.threshold:g}, greedy match {f.greedy_match} (at build, vs {f.reference})"
-        )
+        fidelity = _fidelity(f.max_abs_logit_diff, f.threshold, f.greedy_match)
+        say(f"  info fidelity               {fidelity} (at build, vs {_or_na(f.reference)})")
         say(f"  info serving path           {_serving(f)}")
         say(f"  info reuse rule             {_reuse_rule(manifest)}")
 
@@ -231,7 +252,7 @@ def _serving(f) -> str:
             f"inherited from {i.bundle} (its stored positions are this bundle's first "
             f"{i.tokens:,}): {_serving_check(i.serving)}"
         )
-    return f.serving_skipped
+    return _or_na(f.serving_skipped)
 
 
 def _serving_check(s) -> str:

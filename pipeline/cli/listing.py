@@ -6,7 +6,14 @@ import argparse
 from pathlib import Path
 
 from pipeline.cli.common import add_json_option, emit, integrity_identity, say, warn
-from pipeline.cli.reports import ListedBundle, ListedDefinition, ListReport, ListTotals, refusal_of
+from pipeline.cli.reports import (
+    ListedBundle,
+    ListedDefinition,
+    ListReport,
+    ListTotals,
+    Refusal,
+    refusal_of,
+)
 from pipeline.format.errors import PipelineError
 
 
@@ -64,10 +71,49 @@ def _definition(
     except PipelineError as exc:
         return ListedDefinition(name=name, file=file, status="broken", error=str(exc), bundles=[])
     folder = bundles_root / definition.name / str(definition.version)
-    built = found.get((definition.name, definition.version), [])
-    bundles = [_bundle(b) for b in built] or [ListedBundle(path=str(folder), status="missing")]
+    built = [_bundle(b) for b in found.get((definition.name, definition.version), [])]
+    bundles = _shadowed(definition.name, definition.version, folder, found, built)
+    bundles = bundles or [ListedBundle(path=str(folder), status="missing")]
     version = definition.version
     return ListedDefinition(name=name, file=file, status="ok", version=version, bundles=bundles)
+
+
+def _shadowed(
+    name: str,
+    version: int,
+    folder: Path,
+    found: dict[tuple[str, int], list[Path]],
+    bundles: list[ListedBundle],
+) -> list[ListedBundle]:
+    """Serve mounts the highest version on disk per prefix and model folder and never falls back
+    to an older one: a model folder holding a version above the definition's is broken for it."""
+    higher: dict[str, tuple[int, Path]] = {}
+    for (n, v), paths in sorted(found.items()):  # by version: the highest is kept
+        if n == name and v > version:
+            higher.update((path.name, (v, path)) for path in paths)
+    listed = {b.model_folder: b for b in bundles}
+    for model_folder, (v, path) in higher.items():
+        reason = _shadow_reason(name, version, v, path)
+        listed[model_folder] = ListedBundle(
+            path=str(folder / model_folder),
+            model_folder=model_folder,
+            status="broken",
+            refusal=Refusal(field=None, check=None, reason=reason),
+        )
+    return [listed[k] for k in sorted(listed)]
+
+
+def _shadow_reason(name: str, version: int, higher: int, path: Path) -> str:
+    """What serve does with the higher version instead, and the two ways out."""
+    fix = f"remove {path}, or give the definition a version above {higher} and build it"
+    verdict = _bundle(path)
+    if verdict.status == "built":
+        return f"serve mounts {name}@{higher} ({path}) instead of version {version}; {fix}"
+    return (
+        f"serve picks {name}@{higher} ({path}), the highest version on disk, and refuses it "
+        f"({verdict.refusal.reason}); it never falls back to version {version}, so this model "
+        f"runs {name} cold; {fix}"
+    )
 
 
 def _bundle(bundle: Path) -> ListedBundle:
@@ -112,7 +158,9 @@ def _print(report: ListReport) -> None:
                 size = f"{b.bytes / 2**20:,.1f} MiB" if b.bytes is not None else "-"
                 rows.append((label, b.model_folder, f"{b.tokens:,}", size, "built", b.path))
             else:
-                fix = f"{b.refusal.reason}; rebuild: prefix-bundles build {d.name} --force"
+                fix = b.refusal.reason  # a version above the definition's names its own fix
+                if b.refusal.check is not None:  # the validator refused it
+                    fix += f"; rebuild: prefix-bundles build {d.name} --force"
                 rows.append((label, b.model_folder, "-", "-", "broken", fix))
     header = ("prefix", "model folder", "tokens", "size", "status", "path / what to do")
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(5)]

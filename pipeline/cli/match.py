@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from pipeline.cli.common import add_json_option, emit_json, err, request_code_server, say
+from pipeline.cli.keys import add_trusted_key_option, trusted_keys
 from pipeline.format.errors import PipelineError
 
 
@@ -37,8 +38,15 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         "i.e. mlx_lm.server; an Anthropic body: the first server whose request code follows "
         "one, vllm-mlx)",
     )
+    m.add_argument(
+        "--lockfile",
+        type=Path,
+        help="as serve --lockfile: only the versions this prefixes.lock names are considered",
+    )
     add_json_option(m, "match")
-    m.set_defaults(func=run)
+    add_trusted_key_option(m)  # as serve's: an unsigned bundle is not considered
+    # --bundles defaults to <model>/prefix-bundles, where serve looks
+    m.set_defaults(func=run, bundles_near_model=True)
 
 
 def _body(args: argparse.Namespace) -> tuple[dict, str]:
@@ -66,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.builder.authoring import match_request
     from pipeline.format.errors import BundleError
     from pipeline.format.validate import validate
-    from pipeline.runtime.mount import choose_versions, find_bundles, identity_for
+    from pipeline.runtime.mount import identity_for, model_bundles_dir
     from pipeline.runtime.servers.tokens import anthropic_servers
 
     body, api = _body(args)
@@ -79,12 +87,13 @@ def run(args: argparse.Namespace) -> int:
             "OpenAI chat-completions body"
         )
     identity = identity_for(args.model)
-    paths, problems = find_bundles(args.bundles)
-    skipped = [f"{p.path}: {p.reason}" for p in problems]  # what serve would not mount either
+    keys = trusted_keys(args)
+    bundles = args.bundles or model_bundles_dir(args.model)  # where serve looks
+    chosen_paths, skipped = _mounted(bundles, args.lockfile)
     valid = []
-    for path in choose_versions(args.bundles, paths)[0]:
+    for path in chosen_paths:
         try:
-            valid.append(validate(path, identity))
+            valid.append(validate(path, identity, trusted_keys=keys))
         except BundleError as exc:
             skipped.append(str(exc))
     request, matches = match_request(args.model, valid, body, server)
@@ -92,8 +101,25 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         _emit(server, api, request, matches, chosen, skipped)
     else:
-        _print(server, request, matches, chosen, skipped, args.bundles)
+        _print(server, request, matches, chosen, skipped, bundles)
     return 0 if chosen else 1
+
+
+def _mounted(bundles: Path, lockfile: Path | None) -> tuple[list[Path], list[str]]:
+    """The bundles serve would try to mount (the newest, or the lockfile's versions), and what
+    it would not mount, with why."""
+    from pipeline.format.lockfile import locked_versions
+    from pipeline.runtime.mount import choose_versions, find_bundles, version_key
+
+    versions = locked_versions(lockfile) if lockfile else None
+    paths, problems = find_bundles(bundles)
+    skipped = [f"{p.path}: {p.reason}" for p in problems]  # what serve would not mount either
+    chosen, other = choose_versions(bundles, paths, versions)
+    for path in other:
+        key = version_key(bundles, path)
+        if versions is not None and key is not None and key[0][0] not in versions:
+            skipped.append(f"{path}: prefix {key[0][0]} is not in the lockfile {lockfile}")
+    return chosen, skipped
 
 
 def _print(server, request, matches, chosen, skipped, bundles) -> None:
