@@ -72,7 +72,7 @@ def global_options(suppress: bool, only: set[str] = BOTH) -> argparse.ArgumentPa
             "--bundles",
             type=Path,
             default=default,
-            help="bundles folder (default: bundles; for verify, pull and serve: "
+            help="bundles folder (default: bundles; for verify, match, pull and serve: "
             "<model>/prefix-bundles)",
         )
     return p

@@ -161,10 +161,10 @@ def expected_kind(bundle: Path) -> str:
     """The kind serve takes the folder for, whatever its manifest says: "snapshot" only inside a
     set serve wrote (DIR/set-N/<rank>-<id>, the set holding serve's mark), else "prefix" (as
     verify and mount judge a bundle folder), so inspect gives the same folder the same verdict."""
-    from pipeline.runtime.snapshot_store import SET_NAME, _marked
+    from pipeline.runtime.snapshot_store import SET_NAME, is_marked
 
     set_folder = Path(bundle).absolute().parent
-    return "snapshot" if SET_NAME.match(set_folder.name) and _marked(set_folder) else "prefix"
+    return "snapshot" if SET_NAME.match(set_folder.name) and is_marked(set_folder) else "prefix"
 
 
 def _validity(bundle: Path, identity, keys: tuple = (), kind: str = "prefix"):

@@ -115,9 +115,9 @@ class SnapshotFolder:
             if entry.name == LOCK_FILE:
                 continue
             set_name, staged = SET_NAME.match(entry.name), STAGING_NAME.match(entry.name)
-            if folder and set_name and _marked(path):
+            if folder and set_name and is_marked(path):
                 sets.append((int(set_name[1]), path))
-            elif folder and staged and (_marked(path) or _empty(path)):
+            elif folder and staged and (is_marked(path) or _empty(path)):
                 staging.append(path)
             else:
                 strays.append((path, _stray(entry, folder)))
@@ -198,7 +198,7 @@ def _stray(entry: os.DirEntry, folder: bool) -> str:
     return "is not a snapshot set"
 
 
-def _marked(folder: Path) -> bool:
+def is_marked(folder: Path) -> bool:
     """The folder holds serve's mark: a regular file of exactly MARK_TEXT (never a link)."""
     try:
         fd = os.open(folder / SET_MARK, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
