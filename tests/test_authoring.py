@@ -240,6 +240,18 @@ ODD_REQUESTS = [
         json.dumps({"system": 5, "messages": []}),
         "system: 5 is neither a string nor a list of text blocks",
     ),
+    (
+        "an empty system message",
+        json.dumps({"messages": [{"role": "system", "content": ""}]}),
+        "the definition made from it would be refused ({prefixes}/x.toml: prefix.messages.0: "
+        "content is empty; write the message text or remove the message)",
+    ),
+    (
+        "a lone surrogate in the system text",
+        '{"messages": [{"role": "system", "content": "a\\ud800b"}]}',
+        "prefix message 0 has text that is not Unicode (a lone surrogate such as \\ud800); fix "
+        "the request",
+    ),
 ]
 
 
@@ -255,6 +267,7 @@ def test_new_from_an_odd_request_body_is_one_exact_line(
     body.write_text(text)
     code = main(["--prefixes", str(prefixes), "new", "x", "--model", str(tiny_model), "--from-request", str(body)])  # fmt: skip
     assert code == 1
+    expected = expected.replace("{prefixes}", str(prefixes))
     assert capsys.readouterr().err.splitlines() == [f"error: --from-request {body}: {expected}"]
     assert list(prefixes.iterdir()) == []
 
@@ -351,6 +364,19 @@ def test_new_refuses_a_definition_name_that_is_not_a_plain_name(
     err = capsys.readouterr().err.splitlines()
     assert code != 0 and len(err) == 1 and err[0].startswith("error: "), err
     assert _tree(tmp_path) == {"prefixes": None}
+
+
+def test_new_names_what_exists_of_the_definition(tmp_path: Path, tiny_model: Path, capsys):
+    """Only the folder its files would go to exists: the error names that folder (before: it
+    said prefixes/foo.toml already exists, a file that did not)."""
+    prefixes = tmp_path / "prefixes"
+    (prefixes / "foo").mkdir(parents=True)
+    capsys.readouterr()
+    assert main(["--prefixes", str(prefixes), "new", "foo", "--model", str(tiny_model)]) == 1
+    assert capsys.readouterr().err == (
+        f"error: folder {prefixes / 'foo'}: already exists; choose another name, or edit the "
+        "definition and bump its version\n"
+    )
 
 
 def test_new_never_writes_through_a_dangling_link(tmp_path: Path, tiny_model: Path, capsys):

@@ -118,8 +118,24 @@ def definition_from_request(
     if servers:
         extra["servers"] = servers
     tools_text = None if tools is None else json.dumps(tools, indent=2, ensure_ascii=False) + "\n"
-    path = _write_definition(prefix_dir, name, model_dir, messages, tools_text, extra)
+    for i, (_, text) in enumerate(messages):
+        if not _is_unicode(text):
+            raise DefinitionError(
+                f"{where}: prefix message {i} has text that is not Unicode (a lone surrogate such "
+                "as \\ud800); fix the request"
+            )
+    if tools_text is not None and not _is_unicode(tools_text):
+        raise DefinitionError(f"{where}: tools hold text that is not Unicode; fix the request")
+    path = _write_definition(prefix_dir, name, model_dir, messages, tools_text, extra, where)
     return FromRequest(path, "anthropic" if anthropic else "openai", notes)
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _role(message: Any, where: str) -> str:
@@ -185,9 +201,11 @@ def _write_definition(
     messages: list[tuple[str, str]],
     tools: str | None,
     extra: dict[str, Any],
+    source: str | None = None,
 ) -> Path:
     """Write prefixes/<name>.toml (+ one file per message and tools.json in prefixes/<name>/)
-    pinned to the model's template; `extra` holds top-level keys (api, servers).
+    pinned to the model's template; `extra` holds top-level keys (api, servers); `source`: what
+    the content came from (`--from-request FILE`), named when the definition is refused.
 
     All or nothing: every file is written into a hidden staging folder inside prefix_dir, loaded
     back through the definition schema, then moved into place (the folder, then the .toml, which
@@ -232,7 +250,10 @@ def _write_definition(
         try:
             load_definition(stage / path.name, repo_root)
         except DefinitionError as exc:  # name the file as it would have been, not the staging
-            raise DefinitionError(str(exc).replace(str(stage / path.name), str(path))) from None
+            said = str(exc).replace(str(stage / path.name), str(path))
+            if source is not None:  # the input is to fix, not a file that was never written
+                said = f"{source}: the definition made from it would be refused ({said})"
+            raise DefinitionError(said) from None
         _move_into_place(stage, path, folder)
     except OSError as exc:
         raise DefinitionError(f"cannot write {path}: {exc.strerror}; nothing was written") from None
@@ -251,11 +272,15 @@ def _toml_value(value: str | list[str]) -> str:
 
 
 def _refuse_existing(path: Path, folder: Path) -> None:
-    """DefinitionError when the definition or its folder exists, even as a (dangling) link."""
-    if os.path.lexists(path) or os.path.lexists(folder):
-        raise DefinitionError(
-            f"{path}: already exists; choose another name or edit it and bump version"
-        )
+    """DefinitionError naming what exists of the definition (its .toml, or the folder beside it
+    that would hold its files), even as a (dangling) link."""
+    for taken in (path, folder):
+        if os.path.lexists(taken):
+            what = "folder " if os.path.isdir(taken) and not os.path.islink(taken) else ""
+            raise DefinitionError(
+                f"{what}{taken}: already exists; choose another name, or edit the definition and "
+                "bump its version"
+            )
 
 
 def _move_into_place(stage: Path, path: Path, folder: Path) -> None:
