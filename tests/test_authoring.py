@@ -407,6 +407,30 @@ def test_a_failed_new_leaves_the_tree_as_it_was(tmp_path: Path, tiny_model: Path
     assert _tree(prefixes) == before
 
 
+def test_a_definition_build_would_refuse_is_said_so_by_new(
+    tmp_path: Path, tiny_model: Path, capsys
+):
+    """new asks the builder's own checks before any prefill: a definition whose turn the
+    template drops says why build will refuse it, in the text and in --json's buildable
+    (before: "build it with ..." and buildable null, then build refused it)."""
+    from pipeline.cli.reports import NewReport
+
+    from conftest import document
+
+    prefixes = tmp_path / "prefixes"
+    prefixes.mkdir()
+    body = tmp_path / "request.json"
+    body.write_text(json.dumps({"messages": [{"role": "system", "content": "x"}]}))
+    argv = ["--prefixes", str(prefixes), "new", "tiny", "--model", str(tiny_model)]
+    assert main([*argv, "--from-request", str(body), "--json"]) == 0
+    captured = capsys.readouterr()
+    doc = document(NewReport, captured.out)
+    assert doc.buildable is not None and "stable" in doc.buildable, doc.buildable
+    assert f"warning: build would refuse it as it is: {doc.buildable}" in captured.err
+    assert main(["--prefixes", str(prefixes), "build", "tiny"]) == 1
+    assert doc.buildable in capsys.readouterr().err
+
+
 def test_a_developer_message_is_kept_as_captured(tmp_path: Path, tiny_model: Path):
     """OpenAI's developer role stays developer: the definition renders what mlx_lm.server (the
     default server) hands its template for that request, not a system prompt it never sends."""

@@ -15,6 +15,7 @@ from filelock import Timeout as LockTimeout
 from pipeline import __version__
 from pipeline.blas import blas_status
 from pipeline.builder.build_record import record_built
+from pipeline.builder.definition import LoadedDefinition
 from pipeline.builder.fidelity import run_checks
 from pipeline.builder.incremental import (
     REFUSED_PARENT,
@@ -427,14 +428,19 @@ def _produce(job: Job, bundles_root: Path, tmp: Path) -> tuple[Manifest, dict[st
 
 
 def _stable_cut(job: Job, tokenizer: Any) -> StableCut:
+    return stable_cut(job.target.definition, job.target.model_dir, job.rendered, tokenizer)
+
+
+def stable_cut(
+    d: LoadedDefinition, model_dir: Path, rendered: Rendered, tokenizer: Any
+) -> StableCut:
     """The bundle's ids: the pinned template as the builder renders it (mlx_lm.server's path), or
-    the definition's servers' own request code."""
-    d = job.target.definition
+    the definition's servers' own request code (PipelineError when too few are stable)."""
     if d.spec.servers:
-        return server_cut(d, job.target.model_dir, job.rendered)
-    rerender = lambda msgs: render_prefix(d, job.target.model_dir, messages=msgs).text  # noqa: E731
+        return server_cut(d, model_dir, rendered)
+    rerender = lambda msgs: render_prefix(d, model_dir, messages=msgs).text  # noqa: E731
     ids_of = lambda msgs: encode(tokenizer, rerender(msgs))  # noqa: E731
-    base = encode(tokenizer, job.rendered.text)
+    base = encode(tokenizer, rendered.text)
     return stable_prefix(base, d.messages, ids_of, tokenizer.decode)
 
 

@@ -96,10 +96,14 @@ def run(args: argparse.Namespace) -> int:
     (definition,) = load_definitions(args.prefixes, [args.name])
     from pipeline.builder.model_files import load_tokenizer
 
-    tokens = encode(load_tokenizer(Path(args.model)), render_prefix(definition, args.model).text)
+    tokenizer = load_tokenizer(Path(args.model))
+    rendered = render_prefix(definition, args.model)
+    tokens = encode(tokenizer, rendered.text)
     follows = ", ".join(definition.spec.servers)
     how = f"; the build takes its ids from {follows}'s own request code" if follows else ""
-    why_not = _unbuildable(definition)
+    missing = _unbuildable(definition)
+    refused = missing or _refused(definition, Path(args.model), rendered, tokenizer)
+    why_not = missing or refused
     if args.json:
         from pipeline.cli.reports import NewReport
 
@@ -111,13 +115,31 @@ def run(args: argparse.Namespace) -> int:
             )
         )  # fmt: skip
     else:
+        then = f"; build it with 'python build.py build {args.name}'" if why_not is None else ""
         say(
             f"wrote {path} ({len(tokens):,} tokens for {args.model} as the pinned template "
-            f"renders it{how}); build it with 'python build.py build {args.name}'"
+            f"renders it{how}){then}"
         )
-    if why_not is not None:
-        warn(f"this environment cannot build it yet: {why_not}")
+    if missing is not None:
+        warn(f"this environment cannot build it yet: {missing}")
+    elif refused is not None:
+        warn(f"build would refuse it as it is: {refused}")
     return 0
+
+
+def _refused(definition, model: Path, rendered, tokenizer) -> str | None:
+    """Why `build` would refuse the definition before any prefill (a turn the template drops, too
+    few stable tokens), asked of the builder's own checks; None when they pass."""
+    from pipeline.builder.builder import stable_cut
+    from pipeline.builder.render import check_rendered
+    from pipeline.format.errors import PipelineError
+
+    try:
+        check_rendered(definition, rendered.text)
+        stable_cut(definition, model, rendered, tokenizer)
+    except PipelineError as exc:
+        return str(exc)
+    return None
 
 
 def _unbuildable(definition) -> str | None:

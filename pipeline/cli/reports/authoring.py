@@ -44,4 +44,7 @@ class NewReport(Report):
     servers: list[str] = Field(description="whose request code gives the ids; [] the template's")
     tokens: int = Field(description="tokens of the prefix as the pinned template renders it")
     notes: list[str] = Field(description="what a captured request had that was left out")
-    buildable: str | None = Field(description="why this environment cannot build it; null: it can")
+    buildable: str | None = Field(
+        description="why this environment cannot build it, or why build would refuse it as it is "
+        "(a turn the template drops, too few stable tokens); null: it can be built"
+    )
