@@ -95,6 +95,7 @@ def test_every_single_valued_option_given_twice_is_a_usage_error(capsys):
         (["build", "-v", "--verbose"], "-v and --verbose given together; pass one of them"),
         (["build", "shop", "shop"], "shop given twice; name it once"),
         (["build", "a", "--full", "--parent", "DIR"], "argument --parent: not allowed with argument --full"),
+        (["build", "a", "--full", "--parent-check", "sample"], "--parent-check does not apply with --full; leave it out"),
         (["build", "--forc"], "unrecognized arguments: --forc"),
         (["build", "--js"], "unrecognized arguments: --js"),
         (["build", "--no-ch"], "unrecognized arguments: --no-ch"),

@@ -133,7 +133,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def _refuse_outside_form(command: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """A command's other form takes only its own options (`prune --snapshots DIR` takes only
-    --apply): any other given is a usage error, never silently ignored."""
+    --apply), and an option that says how to do what another turns off (`build --full
+    --parent-check`) is refused with it: any other given is a usage error, never silently
+    ignored."""
     given = given_options(args)
     for form, options in getattr(args, "form_options", {}).items():
         others = [o for dest, o in given.items() if dest not in {form, *options}]
@@ -141,6 +143,10 @@ def _refuse_outside_form(command: argparse.ArgumentParser, args: argparse.Namesp
             command.error(
                 f"{others[0]} does not apply to {args.command} {given[form]}; leave it out"
             )
+    for dest, moot in getattr(args, "moot_with", {}).items():
+        given_moot = [given[m] for m in moot if m in given]
+        if dest in given and given_moot:
+            command.error(f"{given_moot[0]} does not apply with {given[dest]}; leave it out")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -104,7 +104,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         "build",
         "; per-target lines go to stderr; on an error it lists what was done and the failed target",
     )
-    b.set_defaults(func=run)
+    b.set_defaults(func=run, moot_with={"full": ("parent_check",)})  # --full continues no parent
 
 
 def _parent_keys(args: argparse.Namespace) -> tuple:
