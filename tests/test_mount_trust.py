@@ -205,7 +205,8 @@ def test_a_lockfile_pin_the_deploy_lacks_is_refused_not_served_cold(
         (bundles / "shop" / "3", "lockfile")
     ]
     argv = ["serve", "--model", str(tiny_model), "--bundles", str(bundles), "--strict"]
-    assert cli_main([*argv, "--lockfile", str(path), "--port", "1"]) == 1
+    port = str(__import__("servers_env").free_port())  # tests run in parallel: never a fixed port
+    assert cli_main([*argv, "--lockfile", str(path), "--port", port]) == 1
     err = capsys.readouterr().err
     assert (
         err.strip()

@@ -255,7 +255,8 @@ def test_a_conversation_survives_a_restart(tmp_path: Path, tiny_model: Path):
         # a second serve on the same folder is refused with one line
         other = subprocess.run(
             [sys.executable, str(ROOT / "build.py"), "serve", "--model", str(tiny_model),
-             "--bundles", str(bundles), "--port", "1", "--snapshots", str(snaps)],
+             "--bundles", str(bundles), "--port", str(servers_env.free_port()),
+             "--snapshots", str(snaps)],
             capture_output=True, text=True, env=env, timeout=120,
         )  # fmt: skip
         # the graceful stop asked of the admin endpoint (as SIGTERM): the set is saved first
