@@ -141,3 +141,73 @@ def test_what_a_remount_pins_is_what_the_mount_result_lists(tmp_path: Path, tiny
     shutil.rmtree(root / "bundles" / "other")
     r.remount()
     assert [b.name for b in first.bundles] == ["shop@1"]
+
+
+def test_every_remount_runs_on_one_worker_thread_and_a_burst_is_one_remount(
+    tmp_path: Path, tiny_model: Path
+):
+    """MLX keeps a stream thread for each thread that evaluates arrays: a thread per remount
+    (SIGHUP, each admin request) grew the process by one OS thread per remount. All run on one
+    worker; requests made while one waits to start join it."""
+    import os
+    import threading
+
+    root = tmp_path / "project"
+    define(root, tiny_model)
+    run_build(root)
+    r, _ = remounter(root, tiny_model, lambda b: None)
+    calls, gate = [], threading.Event()
+    load = r.load
+
+    def counted():
+        calls.append(threading.current_thread().name)
+        gate.wait(10)
+        return load()
+
+    r.load = counted
+
+    def os_threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    first = r.request()
+    while not calls:  # the first is under way; the next ones wait, and join one another
+        threading.Event().wait(0.01)
+    burst = [r.request() for _ in range(50)]
+    assert len({id(f) for f in burst}) == 1
+    gate.set()
+    first.result(10), burst[0].result(10)
+    assert calls == ["prefix-bundles-remount"] * 2
+    before = os_threads()
+    for _ in range(20):
+        threading.Thread(target=r.remount).start()  # as the admin endpoint's request threads
+    for _ in range(20):
+        r.remount()
+    assert os_threads() <= before + 2, (before, os_threads())  # no thread left per remount
+
+
+def test_a_remount_while_the_bundles_folder_is_away_changes_nothing(
+    tmp_path: Path, tiny_model: Path
+):
+    """A deploy's `mv bundles bundles.old; mv new bundles` caught half-way: the remount fails as
+    a whole (SIGHUP logs it, the admin endpoint answers 500) and what was mounted stays (before:
+    every bundle was removed and the remount answered 200)."""
+    import pytest
+
+    from pipeline.format.errors import PipelineError
+    from pipeline.format.served_identity import settled_identity
+    from pipeline.runtime.servers.options import ServeOptions
+    from pipeline.runtime.servers.startup import mount_options, remount_read
+
+    root = tmp_path / "project"
+    define(root, tiny_model)
+    run_build(root)
+    options = ServeOptions("mlx-lm", tiny_model, root / "bundles", (), (), True)
+    served = settled_identity(tiny_model)
+    read = remount_read(options, mount_options(options, None, served[0].model), served)
+    manager = PromptCacheManager()
+    first = mount(tiny_model, root / "bundles", skip_refused=True, manager=manager, model_key="m")
+    r = Remounter(first, manager, "m", read)
+    (root / "bundles").rename(root / "bundles.old")
+    with pytest.raises(PipelineError, match="is not a folder now; nothing was changed"):
+        r.remount()
+    assert [b.name for b in r.current.values()] == ["shop@1"] == [b.name for b in first.bundles]

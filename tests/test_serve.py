@@ -555,6 +555,41 @@ def wait_for(log: Path, text: str, count: int = 1, timeout: float = 120) -> None
 
 
 @pytest.mark.slow
+def test_a_sighup_never_kills_serve_starting_or_stopping(tiny_model: Path, tmp_path: Path):
+    """A deploy's reload (`systemctl reload`: SIGHUP) while serve starts, or while it saves its
+    snapshots at a stop, killed it (SIGHUP's default action: exit -1, no line). During start-up
+    it is noted and read once the remount is in place; after the stop it is ignored."""
+    from test_incremental import define, run_build
+
+    root = tmp_path / "project"
+    define(root, tiny_model)
+    run_build(root)
+    port, log = free_port(), tmp_path / "serve.log"
+    args = [sys.executable, str(ROOT / "build.py"), "serve", "--model", str(tiny_model),
+            "--bundles", str(root / "bundles"), "--port", str(port),
+            "--snapshots", str(tmp_path / "snaps")]  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            for _ in range(5):  # from the first steps on (imports, mount, warm-up)
+                time.sleep(0.15)
+                proc.send_signal(signal.SIGHUP)
+            wait_ready(port, proc, log)
+            wait_for(log, "remount: a SIGHUP came during start-up; re-reading the bundles")
+            wait_for(log, "remount: 0 added, 0 replaced, 0 removed, 1 kept")
+            chat(port, "Where is my order 12345?")
+            proc.send_signal(signal.SIGTERM)  # a graceful stop: the snapshots are saved
+            for _ in range(20):
+                time.sleep(0.02)
+                proc.send_signal(signal.SIGHUP)
+            assert proc.wait(timeout=60) == 0, log.read_text()
+        finally:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert "snapshots: saved" in log.read_text()
+
+
+@pytest.mark.slow
 def test_sighup_remounts_new_refused_and_removed_versions_while_serving(
     tiny_model: Path, tmp_path: Path
 ):

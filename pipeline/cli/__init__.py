@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import signal
 import sys
 from pathlib import Path
 
@@ -149,9 +150,24 @@ def _refuse_outside_form(command: argparse.ArgumentParser, args: argparse.Namesp
             command.error(f"{given_moot[0]} does not apply with {given[dest]}; leave it out")
 
 
+def _command_of(argv: list[str]) -> str | None:
+    """The command argv names, read without the parser (before any import or re-exec)."""
+    words = iter(argv)
+    for word in words:
+        if word in ("--prefixes", "--bundles"):
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: one-line 'error: ...' and exit 1 on failure, 2 on usage errors."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if _command_of(argv) == "serve" and hasattr(signal, "SIGHUP"):
+        # a deploy's reload before serve can take it must not kill it (SIGHUP's default): the
+        # mount ahead reads the folder anyway; serve notes one from its first step on
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # also across a re-exec (BLAS, huge pages)
     ensure_fast_blas(argv)  # before any command module imports mlx; may re-execute this process
     args = parse_args(argv)
     try:

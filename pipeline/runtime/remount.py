@@ -12,8 +12,10 @@ derived from a replaced version can serve a request whose ids differ from it.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,7 +72,8 @@ def _key(b: MountedBundle) -> tuple[str, str]:
 
 class Remounter:
     """Holds what is mounted for one served model and re-reads the bundles on request; one
-    remount at a time (a second call waits for the first)."""
+    remount at a time, every one on the same worker thread (MLX keeps a stream thread for each
+    thread that evaluates arrays: a thread per remount leaked one OS thread per remount)."""
 
     def __init__(
         self,
@@ -87,36 +90,68 @@ class Remounter:
         self.current = {_key(b): b for b in current.bundles}
         self.manager, self.model_key, self.load, self.unusable = manager, model_key, load, unusable
         self._lock = threading.Lock()
+        self._queue: queue.Queue[Future] = queue.Queue()
+        self._waiting: Future | None = None  # a request not yet started (later ones join it)
+        self._worker: threading.Thread | None = None
 
     def remount(self) -> Changes:
+        """Remount on the worker thread and wait for what it did (raises what it raised)."""
+        return self.request().result()
+
+    def request(self) -> Future:
+        """Ask for a remount on the worker thread; a request made while another waits to start
+        joins it (a burst of SIGHUPs is one remount after the one under way)."""
         with self._lock:
-            found = self.load()
-            changes = Changes(refused=list(found.refused))
-            fresh = {}
-            held = {_refused_name(r) for r in found.refused}  # prefixes that keep their version
-            for b in found.bundles:
-                why = self.unusable(b)
-                if why is None:
-                    fresh[_key(b)] = b
-                else:
-                    changes.unused.append((b.path, why))
-                    held.add(b.manifest.prefix.name)
-            for key, b in fresh.items():
-                self._swap(key, b, changes)
-            for key, old in list(self.current.items()):
-                if key in fresh:
-                    continue
-                if old.manifest.prefix.name in held:
-                    changes.kept.append(old.name)
-                    changes.serving.append(
-                        (old.name, "its new version was refused or is not usable")
-                    )
-                    continue
-                self.manager.unpin(self.model_key, old.name)
-                del self.current[key]
-                changes.removed.append(old.name)
-            self.result.bundles[:] = list(self.current.values())
-            return changes
+            if self._waiting is not None:
+                return self._waiting
+            future: Future = Future()
+            self._waiting = future
+            if self._worker is None:
+                self._worker = threading.Thread(
+                    target=self._serve_requests, name="prefix-bundles-remount", daemon=True
+                )
+                self._worker.start()
+            self._queue.put(future)
+            return future
+
+    def _serve_requests(self) -> None:
+        while True:
+            future = self._queue.get()
+            with self._lock:
+                self._waiting = None
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(self._remount_now())
+            except BaseException as exc:  # noqa: BLE001 - the caller gets it; the worker goes on
+                future.set_exception(exc)
+
+    def _remount_now(self) -> Changes:
+        found = self.load()
+        changes = Changes(refused=list(found.refused))
+        fresh = {}
+        held = {_refused_name(r) for r in found.refused}  # prefixes that keep their version
+        for b in found.bundles:
+            why = self.unusable(b)
+            if why is None:
+                fresh[_key(b)] = b
+            else:
+                changes.unused.append((b.path, why))
+                held.add(b.manifest.prefix.name)
+        for key, b in fresh.items():
+            self._swap(key, b, changes)
+        for key, old in list(self.current.items()):
+            if key in fresh:
+                continue
+            if old.manifest.prefix.name in held:
+                changes.kept.append(old.name)
+                changes.serving.append((old.name, "its new version was refused or is not usable"))
+                continue
+            self.manager.unpin(self.model_key, old.name)
+            del self.current[key]
+            changes.removed.append(old.name)
+        self.result.bundles[:] = list(self.current.values())
+        return changes
 
     def _swap(self, key: tuple[str, str], b: MountedBundle, changes: Changes) -> None:
         old = self.current.get(key)

@@ -9,6 +9,7 @@ caches to the server's own prompt cache. Nothing here imports a server or a hook
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
@@ -16,7 +17,7 @@ import signal
 import sys
 import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -66,41 +67,66 @@ def serve(hook: ServerHook, options: ServeOptions) -> int:
             f"--snapshots is not supported with --server {hook.name} yet (docs/snapshots.md "
             "lists the servers that support it); serve without --snapshots"
         )
-    every = snapshot_interval(hook, options)
-    if options.snapshots is not None and os.path.lexists(options.snapshots):
-        private_folder(options.snapshots, create=False)  # before anything loads (created later)
-    require(hook.package, hook.name)
-    refuse_options(list(options.rest), hook.name, hook.refused(options))
-    check_port(hook.address, list(options.rest))
-    check_admin(options)
-    setup_logging(options.passed("--log-level"))
-    ensure_huge_pages(options.huge_pages, list(options.argv))
-    template = hook.chat_template(options)
-    mounted = mount_for(options, template, lambda b: hook.unusable(b, options), hook.live)
-    check_tokenization(hook, mounted)
-    # a hook whose model process serves the mount (not `live`) opens its snapshots there
-    snapshots = open_snapshots(hook, options, mounted) if options.snapshots and hook.live else None
-    hook.install(mounted, options, snapshots)
-    if options.warm_up:
-        hook.warm_up_server(mounted, options)
-    else:
-        why = (
-            "--no-warm-up" if hook.warm_up else f"off by default for {hook.name}; --warm-up runs it"
+    with hangups_held(hook.live):
+        every = snapshot_interval(hook, options)
+        if options.snapshots is not None and os.path.lexists(options.snapshots):
+            private_folder(options.snapshots, create=False)  # before anything loads (created later)
+        require(hook.package, hook.name)
+        refuse_options(list(options.rest), hook.name, hook.refused(options))
+        check_port(hook.address, list(options.rest))
+        check_admin(options)
+        setup_logging(options.passed("--log-level"))
+        ensure_huge_pages(options.huge_pages, list(options.argv))
+        template = hook.chat_template(options)
+        mounted = mount_for(options, template, lambda b: hook.unusable(b, options), hook.live)
+        check_tokenization(hook, mounted)
+        # a hook whose model process serves the mount (not `live`) opens its snapshots there
+        snapshots = (
+            open_snapshots(hook, options, mounted) if options.snapshots and hook.live else None
         )
-        log.info("no warm-up (%s)", why)
-    log.info("%s", try_it(hook, options))
-    if snapshots is None:
-        return hook.launch(mounted, options)
-    if every is not None:  # saved from the hook's `tick` on the thread that owns the entries
-        snapshots.save_every(every, lambda: listed(hook, mounted, snapshots), mounted.covered)
+        hook.install(mounted, options, snapshots)
+        if options.warm_up:
+            hook.warm_up_server(mounted, options)
+        else:
+            why = (
+                "--no-warm-up"
+                if hook.warm_up
+                else f"off by default for {hook.name}; --warm-up runs it"
+            )
+            log.info("no warm-up (%s)", why)
+        log.info("%s", try_it(hook, options))
+        if snapshots is None:
+            return hook.launch(mounted, options)
+        if every is not None:  # saved from the hook's `tick` on the thread that owns the entries
+            snapshots.save_every(every, lambda: listed(hook, mounted, snapshots), mounted.covered)
+        try:
+            code = hook.launch(mounted, options)
+        except KeyboardInterrupt:  # SIGTERM/SIGINT as re-raised by uvicorn after its graceful stop
+            code = 0
+        snapshots.stop_saving()  # a periodic save under way ends first; none starts after
+        if mounted.loaded_as_fingerprinted():  # else what the server ran is unknown: nothing saved
+            snapshots.save(hook.entries(mounted, snapshots), mounted.covered)  # the server stopped
+        return code
+
+
+EARLY_HANGUP = threading.Event()  # a SIGHUP came before live remount could take it
+
+
+@contextlib.contextmanager
+def hangups_held(live: bool) -> Iterator[None]:
+    """SIGHUP never kills serve (its default action): from the first step a SIGHUP is noted
+    (`live_remount` then remounts once: a deploy's reload during a restart is not lost), and
+    after the server stopped it is ignored (Python restores the default while it exits)."""
+    if not (live and hasattr(signal, "SIGHUP")):
+        yield
+        return
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGHUP, lambda signum, frame: EARLY_HANGUP.set())
     try:
-        code = hook.launch(mounted, options)
-    except KeyboardInterrupt:  # SIGTERM/SIGINT as re-raised by uvicorn after its graceful stop
-        code = 0
-    snapshots.stop_saving()  # a periodic save under way ends first; none starts after
-    if mounted.loaded_as_fingerprinted():  # else what the server ran is unknown: nothing saved
-        snapshots.save(hook.entries(mounted, snapshots), mounted.covered)  # the server stopped
-    return code
+        yield
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
 
 
 def listed(hook: ServerHook, mounted: Mounted, snapshots: Any) -> list[Any]:
@@ -322,17 +348,21 @@ def live_remount(
         token = read_token(serve_options.admin_token_file)
         start_admin(serve_options.admin_port, token, remounter, stop_serve)
 
-    def run() -> None:
-        try:
-            remounter.remount().log(log)
-        except Exception as exc:  # noqa: BLE001 - a failed remount leaves what was mounted
-            log.error("remount failed (%s); the mounted bundles stay", describe(exc))
+    def logged(done: Any) -> None:
+        if done.exception() is None:
+            done.result().log(log)
+        else:  # a failed remount leaves what was mounted
+            log.error("remount failed (%s); the mounted bundles stay", describe(done.exception()))
 
-    def on_hangup(signum: int, frame: Any) -> None:
-        threading.Thread(target=run, name="prefix-bundles-remount", daemon=True).start()
+    def on_hangup(signum: int, frame: Any) -> None:  # on the remounter's one worker thread
+        remounter.request().add_done_callback(logged)
 
     if hasattr(signal, "SIGHUP") and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGHUP, on_hangup)
+        if EARLY_HANGUP.is_set():  # sent while serve was starting: that deploy is read now
+            EARLY_HANGUP.clear()
+            log.info("remount: a SIGHUP came during start-up; re-reading the bundles")
+            on_hangup(signal.SIGHUP, None)
 
 
 def remount_read(
@@ -353,6 +383,11 @@ def remount_read(
                 changed_message(serve_options.model, "since serve started"),
             )
         model, bundles = serve_options.model, serve_options.bundles
+        if not Path(bundles).is_dir():  # a deploy's mv under way: not "every bundle removed"
+            raise PipelineError(
+                f"bundles folder {bundles} is not a folder now; nothing was changed: remount "
+                "again once the deploy has put it back"
+            )
         return mount(model, bundles, skip_refused=True, identity=identity, **options())
 
     return read
