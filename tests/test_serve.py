@@ -669,6 +669,7 @@ def test_the_admin_endpoint_remounts_and_answers_with_a_json_report(
     run_build(root)
     token = "s3cret-token-0123456789"
     (tmp_path / "token").write_text(token + "\n")
+    os.chmod(tmp_path / "token", 0o600)  # serve refuses a token file others can read
     admin_port = free_port()
     extra = ("--admin-port", str(admin_port), "--admin-token-file", str(tmp_path / "token"))
     log = tmp_path / "serve.log"

@@ -10,7 +10,10 @@ whatever address that server listens on), in a daemon thread:
                              true}): the server stops, and with --snapshots saves them first
 
 With --admin-token-file F every request must carry `Authorization: Bearer <the file's first
-line>` (401 otherwise). A failed remount answers 500 with its error; what was mounted stays.
+line>` (401 otherwise); F (mode 0600) is read again when it changes, and while it is gone or
+unusable every request is refused (503). A request a web page may have sent is refused (403): a
+Host or an Origin that is not loopback's, a POST typed as text/plain or a form. A failed remount
+answers 500 with its error; what was mounted stays. Every answer is JSON.
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import os
+import re
+import stat
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -26,6 +33,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.format.errors import PipelineError
+from pipeline.format.regular_files import FileProblem, read_text
 from pipeline.runtime.remount import Changes, Remounter
 
 log = logging.getLogger("prefix-bundles")
@@ -103,88 +111,212 @@ def mounted(remounter: Remounter) -> list[MountedBundleInfo]:
     ]
 
 
-def read_token(path: Path | None) -> str | None:
-    """The admin token: the file's first line; PipelineError naming the file when unusable."""
-    if path is None:
-        return None
+TOKEN_BYTES = 4096  # a token file larger than this is not one (/dev/zero is refused unread)
+IDLE_SECONDS = 15  # a connection silent this long is closed (half-sent requests hold threads)
+LOOPBACK = re.compile(r"(127\.0\.0\.1|localhost|\[::1\])(:\d{1,5})?", re.IGNORECASE)
+LOOPBACK_ORIGIN = re.compile(r"https?://" + LOOPBACK.pattern, re.IGNORECASE)
+# what a web page may POST anywhere without a CORS preflight (an HTML form, a no-cors fetch)
+FORM_TYPES = ("text/plain", "multipart/form-data", "application/x-www-form-urlencoded")
+
+
+class TokenFile:
+    """--admin-token-file's token, read again whenever the file changes (a rotated token takes
+    over; a deleted or unusable file refuses every request, never keeping the old token)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.lock = path, threading.Lock()
+        self.key, self.token = read_token_file(path)
+
+    def current(self) -> str:
+        """The token the file holds now; PipelineError when it is gone or unusable."""
+        with self.lock:
+            try:
+                changed = file_key(os.stat(self.path)) != self.key
+            except OSError:
+                changed = True  # read_token_file says why
+            if changed:
+                self.key, self.token = read_token_file(self.path)
+            return self.token
+
+
+def file_key(st: os.stat_result) -> tuple[int, ...]:
+    """What changes when the token file is rewritten, replaced or re-moded."""
+    return st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino, st.st_dev
+
+
+def read_token_file(path: Path) -> tuple[tuple[int, ...], str]:
+    """The token file's stat key and its token (the first line): a regular file of this user that
+    only they can read, printable ASCII; PipelineError naming the file and the fix otherwise."""
+    fix = "write one line of at least 16 printable ASCII characters to a file only you can read"
     try:
-        token = Path(path).read_text().strip().splitlines()[0].strip()
-    except (OSError, UnicodeDecodeError, IndexError) as exc:
+        st = os.stat(path)  # before the read: a file replaced meanwhile is read again next time
+        text = read_text(path, TOKEN_BYTES)  # never blocks on a FIFO, never reads /dev/zero
+    except FileNotFoundError:
+        text, why = None, "does not exist"
+    except OSError as exc:
+        text, why = None, f"cannot be read ({exc.strerror})"
+    except FileProblem as exc:
+        text, why = None, str(exc)
+    if text is None:
+        raise PipelineError(f"--admin-token-file {path}: cannot read a token: it {why}; {fix}")
+    if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
         raise PipelineError(
-            f"--admin-token-file {path}: cannot read a token from it ({exc.__class__.__name__}); "
-            "write one line of at least 16 characters"
-        ) from None
+            f"--admin-token-file {path} is open to other users or not yours (mode "
+            f"{stat.S_IMODE(st.st_mode):04o}, owner uid {st.st_uid}); the token guards the admin "
+            f"endpoint: use a file of your own and fix it with 'chmod 600 {path}'"
+        )
+    token = (text.strip().splitlines() or [""])[0].strip()
+    if not (token.isascii() and token.isprintable()):
+        raise PipelineError(
+            f"--admin-token-file {path}: the token is not printable ASCII (an HTTP header "
+            f"cannot carry it); {fix}"
+        )
     if len(token) < 16:
         raise PipelineError(
             f"--admin-token-file {path}: the token is {len(token)} characters; use at least 16"
         )
-    return token
+    return file_key(st), token
 
 
-def start_admin(
-    port: int, token: str | None, remounter: Remounter, stop: Any = None
-) -> ThreadingHTTPServer:
-    """Serve the admin endpoint on HOST:port in a daemon thread; PipelineError if it cannot bind.
-    `stop()` begins a graceful stop of serve (None: /v1/stop is not offered)."""
+def read_token(path: Path | None) -> TokenFile | None:
+    """The admin token file, checked now (PipelineError naming it when unusable) and read again
+    whenever it changes."""
+    return None if path is None else TokenFile(Path(path))
 
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
-            log.info("admin: %s", format % args)
 
-        def _answer(self, status: int, body: dict[str, Any]) -> None:
-            data = (json.dumps(body, indent=2) + "\n").encode()
+class AdminServer(ThreadingHTTPServer):
+    """The endpoint's server: what its handler answers with, and one log line per failure."""
+
+    daemon_threads = True
+
+    def __init__(self, port: int, token: str | TokenFile | None, remounter: Any, stop: Any):
+        self.token, self.remounter, self.stop = token, remounter, stop
+        super().__init__((HOST, port), AdminHandler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # a client gone or too slow is not a bug: one line, no traceback
+        log.warning("admin: a request from %s failed (%s)", client_address[0], sys.exc_info()[1])
+
+
+class AdminHandler(BaseHTTPRequestHandler):
+    timeout = IDLE_SECONDS
+    server: AdminServer
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+        log.info("admin: %s", format % args)
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        # the path only: a query may carry a secret (?token=...)
+        path = getattr(self, "path", "").split("?", 1)[0]
+        log.info("admin: %s %s %s", self.command or "-", path[:200], code)
+
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None):
+        """http.server's own refusals (a malformed request, huge headers, a method it has no
+        do_ for) as JSON; an unknown method is 405 naming the two there are."""
+        self.close_connection = True
+        if code == 501:
+            message, code = f"{self.command} is not allowed; use GET or POST", 405
+        self._answer(code, {"error": message or self.responses[code][0]})
+
+    def _answer(self, status: int, body: dict[str, Any]) -> None:
+        data = (json.dumps(body, indent=2) + "\n").encode()
+        try:
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
+            if status == 405:
+                self.send_header("Allow", "GET, POST")
             self.end_headers()
-            self.wfile.write(data)
+            if self.command != "HEAD":
+                self.wfile.write(data)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+            log.warning("admin: the client closed the connection before the %d answer", status)
 
-        def _allowed(self) -> bool:
-            if token is None:
-                return True
-            given = self.headers.get("Authorization", "")
-            if hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                return True
-            self._answer(401, {"error": "missing or wrong Authorization: Bearer <token>"})
+    def _refusal(self) -> str | None:
+        """Why a request that a web page may have sent is refused (a cross-site request, a DNS
+        rebinding), None for a local client's."""
+        host, origin = self.headers.get("Host"), self.headers.get("Origin")
+        if host is not None and not LOOPBACK.fullmatch(host):
+            return f"Host {host[:100]!r} is not this endpoint's; call http://{HOST}:<port>"
+        if origin is not None and not LOOPBACK_ORIGIN.fullmatch(origin):
+            return (
+                f"a request from the web page {origin[:100]!r} is refused (not a loopback origin)"
+            )
+        kind = self.headers.get("Content-Type", "").split(";")[0].strip().lower()
+        # urllib types an empty POST as a form: only a form with a body is a web page's
+        body = "Transfer-Encoding" in self.headers or self.headers.get("Content-Length", "0") != "0"
+        if self.command == "POST" and kind in FORM_TYPES and (body or kind != FORM_TYPES[-1]):
+            return (
+                f"a POST with Content-Type {kind[:60]} is refused (a web page can send it "
+                "cross-site); send no body, or application/json"
+            )
+        return None
+
+    def _allowed(self) -> bool:
+        if (why := self._refusal()) is not None:
+            self._answer(403, {"error": why})
             return False
+        token = self.server.token
+        try:
+            expected = token.current() if isinstance(token, TokenFile) else token
+        except PipelineError as exc:
+            log.error("admin: %s; every request is refused until it is fixed", exc)
+            self._answer(503, {"error": "the admin token file is unusable (serve's log says why)"})
+            return False
+        if expected is None:
+            return True
+        given = self.headers.get("Authorization", "")
+        if hmac.compare_digest(given.encode(), f"Bearer {expected}".encode()):
+            return True
+        self._answer(401, {"error": "missing or wrong Authorization: Bearer <token>"})
+        return False
 
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
-            if not self._allowed():
-                return
-            if self.path.rstrip("/") != "/v1/bundles":
-                self._answer(404, {"error": f"no {self.path}; GET /v1/bundles"})
-                return
-            self._answer(200, BundlesReport(mounted=mounted(remounter)).model_dump(by_alias=True))
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if not self._allowed():
+            return
+        route = self.path.split("?", 1)[0].rstrip("/")
+        if route != "/v1/bundles":
+            self._answer(404, {"error": f"no {route[:200]}; GET /v1/bundles"})
+            return
+        listing = BundlesReport(mounted=mounted(self.server.remounter))
+        self._answer(200, listing.model_dump(by_alias=True))
 
-        def do_POST(self) -> None:  # noqa: N802
-            if not self._allowed():
-                return
-            if self.path.rstrip("/") == "/v1/stop" and stop is not None:
-                log.warning("admin: a graceful stop was asked for")
-                self._answer(202, {"stopping": True})
-                stop()
-                return
-            if self.path.rstrip("/") != "/v1/bundles/remount":
-                routes = "POST /v1/bundles/remount" + (", POST /v1/stop" if stop else "")
-                self._answer(404, {"error": f"no {self.path}; {routes}"})
-                return
-            try:
-                changes = remounter.remount()
-            except Exception as exc:  # noqa: BLE001 - a failed remount leaves what was mounted
-                log.error("remount failed (%s); the mounted bundles stay", exc)
-                self._answer(500, {"error": f"remount failed: {exc}; the mounted bundles stay"})
-                return
-            changes.log(log)
-            self._answer(200, report(changes, remounter))
+    def do_POST(self) -> None:  # noqa: N802
+        if not self._allowed():
+            return
+        route, stop = self.path.split("?", 1)[0].rstrip("/"), self.server.stop
+        if route == "/v1/stop" and stop is not None:
+            log.warning("admin: a graceful stop was asked for")
+            self._answer(202, {"stopping": True})
+            stop()
+            return
+        if route != "/v1/bundles/remount":
+            routes = "POST /v1/bundles/remount" + (", POST /v1/stop" if stop else "")
+            self._answer(404, {"error": f"no {route[:200]}; {routes}"})
+            return
+        try:
+            changes = self.server.remounter.remount()
+        except Exception as exc:  # noqa: BLE001 - a failed remount leaves what was mounted
+            log.error("remount failed (%s); the mounted bundles stay", exc)
+            self._answer(500, {"error": f"remount failed: {exc}; the mounted bundles stay"})
+            return
+        changes.log(log)
+        self._answer(200, report(changes, self.server.remounter))
 
+
+def start_admin(
+    port: int, token: str | TokenFile | None, remounter: Remounter, stop: Any = None
+) -> ThreadingHTTPServer:
+    """Serve the admin endpoint on HOST:port in a daemon thread; PipelineError if it cannot bind.
+    `stop()` begins a graceful stop of serve (None: /v1/stop is not offered)."""
     try:
-        httpd = ThreadingHTTPServer((HOST, port), Handler)
+        httpd = AdminServer(port, token, remounter, stop)
     except OSError as exc:
         raise PipelineError(
             f"--admin-port {port}: cannot listen on {HOST}:{port} ({exc.strerror}); choose a free "
             "port"
         ) from None
-    httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, name="prefix-bundles-admin", daemon=True).start()
     log.info(
         "admin endpoint on http://%s:%d (POST /v1/bundles/remount, GET /v1/bundles%s)%s",
@@ -196,4 +328,4 @@ def start_admin(
     return httpd
 
 
-__all__ = ["read_token", "report", "start_admin"]
+__all__ = ["TokenFile", "read_token", "report", "start_admin"]

@@ -159,8 +159,8 @@ def port_number(option: str, text: object) -> int:
 
 
 def check_admin(options: ServeOptions) -> None:
-    """The admin endpoint's options, before anything is loaded: its port in range and free,
-    its token file readable."""
+    """The admin endpoint's options, before anything is loaded: its port in range, free and not
+    the server's, its token file usable."""
     from pipeline.runtime.admin import HOST, read_token
 
     if options.admin_token_file is not None:
@@ -172,6 +172,12 @@ def check_admin(options: ServeOptions) -> None:
     import socket
 
     port = port_number("--admin-port", options.admin_port)
+    taken, by = server_port(options)
+    if port == taken:
+        raise PipelineError(
+            f"--admin-port {port} is also the server's port ({by}); the two cannot share it: "
+            "pass another --admin-port or --port (nothing was loaded or mounted)"
+        )
     try:
         with socket.socket() as probe:
             probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -181,6 +187,16 @@ def check_admin(options: ServeOptions) -> None:
             f"--admin-port {port}: cannot listen on {HOST}:{port} ({exc.strerror}); pass another "
             "port (nothing was loaded or mounted)"
         ) from None
+
+
+def server_port(options: ServeOptions) -> tuple[int, str]:
+    """The port the server listens on (its --port, else its hook's default), and which it is."""
+    from pipeline.runtime.servers import hook_for
+
+    text = options.passed("--port")
+    if text is not None:
+        return port_number("--port", text), "--port"
+    return hook_for(options.server).address[1], f"{options.server}'s default; no --port given"
 
 
 def check_port(address: tuple[str, int], rest: list[str]) -> None:
