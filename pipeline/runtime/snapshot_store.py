@@ -11,7 +11,9 @@ DIR/
 A set appears by one rename; older sets and staging leftovers (a crash, a stop cut short) are
 removed at the next start or save, so a half-written set is never read. Serve reads and removes
 only what it wrote: a set or staging folder holds SET_MARK, written first; anything else in DIR
-(an operator's own `set-2/`) is left as it is, with a warning.
+(an operator's own `set-2/`) is left as it is, with a warning. DIR is opened once, at the start,
+after its checks, and held: every later step works under that open folder, and a save first checks
+that DIR still is it (one removed, or replaced by a link to a public folder, is not written).
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import itertools
 import os
 import platform
 import re
-import shutil
 import stat
 import time
 from collections.abc import Sequence
@@ -91,33 +92,67 @@ class Context:
 
 
 class SnapshotFolder:
-    """DIR, private and locked by this process for as long as it lives. `create`: a missing
-    DIR is made (serve); `listing`: only read (prune's dry run), no lock file is made."""
+    """DIR, private, held open and locked by this process for as long as it lives. `create`: a
+    missing DIR is made (serve); `listing`: only read (prune's dry run), no lock file is made."""
 
     def __init__(self, root: Path, create: bool = True, listing: bool = False) -> None:
         self.root = Path(root)
-        private_folder(self.root, create=create and not listing)
-        self._lock = lock_folder(self.root, create=not listing)
+        self._fd = open_private(self.root, create=create and not listing)
+        try:
+            self._lock = lock_folder(self.root, create=not listing, dir_fd=self._fd)
+        except BaseException:
+            os.close(self._fd)
+            raise
 
     def close(self) -> None:
         """Release the folder (the process's exit does it too)."""
         if self._lock >= 0:
             os.close(self._lock)
             self._lock = -1
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def check(self) -> None:
+        """PipelineError unless DIR still is the folder opened at the start, owner-only: one
+        removed, moved or replaced (by a link to a public folder) while serve ran is not written."""
+        held = os.fstat(self._fd)
+        try:
+            now = os.stat(self.root)
+        except OSError:
+            now = None
+        if now is None and (held.st_nlink == 0 or not os.path.lexists(self.root)):
+            raise PipelineError(
+                f"snapshots: {self.root} is gone (removed or moved while serve ran); nothing "
+                "saved; restart serve to save there again (it creates a missing folder)"
+            )
+        if now is None or not os.path.samestat(now, held) or held.st_nlink == 0:
+            raise PipelineError(
+                f"snapshots: {self.root} is no longer the folder serve started with "
+                f"({_replaced_by(self.root)}); not saved; restart serve to use what is there now "
+                "(its checks run at the start)"
+            )
+        if stat.S_IMODE(held.st_mode) & 0o077 or held.st_uid != os.getuid():
+            raise PipelineError(
+                f"snapshots: {self.root} is now open to other users (mode "
+                f"{stat.S_IMODE(held.st_mode):04o}, uid {held.st_uid}); not saved: snapshots hold "
+                "client prompts; make it yours with mode 0700 again"
+            )
 
     def scan(self) -> tuple[list[tuple[int, Path]], list[Path], list[tuple[Path, str]]]:
         """(the sets, newest first; staging leftovers; what is neither, with why). A set or a
         staging folder is a real folder (a link is never followed) of a name serve writes, with
         serve's mark in it (a staging folder may lack it: a crash right after its mkdir)."""
         sets, staging, strays = [], [], []
-        for entry in sorted(os.scandir(self.root), key=lambda e: e.name):
-            path, folder = Path(entry.path), entry.is_dir(follow_symlinks=False)
+        for entry in sorted(os.scandir(self._fd), key=lambda e: e.name):
+            path, folder = self.root / entry.name, entry.is_dir(follow_symlinks=False)
             if entry.name == LOCK_FILE:
                 continue
             set_name, staged = SET_NAME.match(entry.name), STAGING_NAME.match(entry.name)
-            if folder and set_name and is_marked(path):
+            marked = folder and is_marked(Path(entry.name), dir_fd=self._fd)
+            if set_name and marked:
                 sets.append((int(set_name[1]), path))
-            elif folder and staged and (is_marked(path) or _empty(path)):
+            elif folder and staged and (marked or _empty(entry.name, self._fd)):
                 staging.append(path)
             else:
                 strays.append((path, _stray(entry, folder)))
@@ -134,14 +169,14 @@ class SnapshotFolder:
     def tidy(self) -> None:
         """Remove staging leftovers (a crash mid-save; this process holds the lock)."""
         for path in self.scan()[1]:
-            shutil.rmtree(path, ignore_errors=True)
+            _remove_tree(path.name, self._fd, ignore_errors=True)
 
     def drop_sets(self, keep: Path, older_only: bool = False) -> None:
         """Remove every set but `keep` (`older_only`: those numbered below it)."""
         number = int(SET_NAME.match(keep.name)[1])
         for n, path in self.sets():
             if path != keep and (n < number or not older_only):
-                shutil.rmtree(path, ignore_errors=True)
+                _remove_tree(path.name, self._fd, ignore_errors=True)
 
     def wipe(self) -> list[Path]:
         """Remove every set and staging leftover (this process holds the lock: no serve uses the
@@ -149,16 +184,18 @@ class SnapshotFolder:
         sets, staging, _ = self.scan()
         gone = [path for _, path in sets] + staging
         for path in gone:
-            shutil.rmtree(path)
+            _remove_tree(path.name, self._fd)
         return gone
 
     def write_set(self, entries: Sequence[Entry], context: Context, key: Any) -> Path:
         """Write `entries` (hottest first) as the new set, signed with `key`; the previous set
         stays until the new one is complete, then every other set is removed. A failed write
-        (a full disk) is a PipelineError and leaves the folder as it was."""
+        (a full disk) is a PipelineError and leaves the folder as it was; so is a DIR that is no
+        longer the folder opened at the start (`check`): nothing is written then."""
+        self.check()
         sets = self.sets()
         try:
-            final = self._publish(entries, context, key, _free_name(self.root, sets))
+            final = self._publish(entries, context, key, _free_name(self.root, sets, self._fd))
         except (OSError, RuntimeError) as exc:  # mlx's writer raises RuntimeError when full
             kept = f"the previous set {sets[0][1]} stays" if sets else "no set was saved before"
             raise PipelineError(
@@ -170,20 +207,67 @@ class SnapshotFolder:
         return final
 
     def _publish(self, entries: Sequence[Entry], context: Context, key: Any, final: Path) -> Path:
-        staging = self.root / f".staging-{os.getpid()}-{time.monotonic_ns()}"
-        staging.mkdir(mode=0o700)
+        """The set made under the held folder and renamed there; the snapshots' files are
+        written through the staging folder's path once it is shown to reach the folder made."""
+        name = f".staging-{os.getpid()}-{time.monotonic_ns()}"
+        os.mkdir(name, 0o700, dir_fd=self._fd)
         try:
-            _write_private(staging / SET_MARK, MARK_TEXT)
-            for rank, entry in enumerate(entries):
-                write_snapshot(staging, rank, entry, context, key)
-            _fsync(staging)
-            os.rename(staging, final)
+            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self._fd)
+            try:
+                self._reaches(self.root / name, fd)
+                _write_private(Path(SET_MARK), MARK_TEXT, dir_fd=fd)
+                for rank, entry in enumerate(entries):
+                    write_snapshot(self.root / name, rank, entry, context, key)
+                os.fsync(fd)
+                self._reaches(self.root / name, fd)  # a rename through DIR's path publishes it
+            finally:
+                os.close(fd)
+            os.rename(self.root / name, final)
         except BaseException:  # a full disk, a stop cut short: the previous set stays alone
-            shutil.rmtree(staging, ignore_errors=True)
+            _remove_tree(name, self._fd, ignore_errors=True)
             raise
         with contextlib.suppress(OSError):  # the set is in place; only its durability is unsure
-            _fsync(self.root)
+            os.fsync(self._fd)
         return final
+
+    def _reaches(self, path: Path, fd: int) -> None:
+        """PipelineError unless `path` is the folder `fd` holds (DIR replaced since `check`)."""
+        try:
+            same = os.path.samestat(os.stat(path, follow_symlinks=False), os.fstat(fd))
+        except OSError:
+            same = False
+        if not same:
+            raise PipelineError(
+                f"snapshots: {self.root} is no longer the folder serve started with (it was "
+                "replaced during the save); not saved; restart serve to use what is there now"
+            )
+
+
+def _replaced_by(root: Path) -> str:
+    """What DIR is now, for the line refusing a save into it."""
+    if os.path.islink(root):
+        return f"it is now a symbolic link to {shown(os.readlink(root))}"
+    if not os.path.isdir(root):
+        return "it is now something other than a folder"
+    return "another folder is there now"
+
+
+def _remove_tree(name: str, dir_fd: int, ignore_errors: bool = False) -> None:
+    """Remove the folder `name` under the folder `dir_fd` and all in it, never through a link
+    (shutil.rmtree's dir_fd is Python 3.11's)."""
+    try:
+        for _, dirs, files, fd in os.fwalk(name, topdown=False, dir_fd=dir_fd):
+            for child in files:
+                os.unlink(child, dir_fd=fd)
+            for child in dirs:  # a link to a folder is listed here, and only unlinked
+                try:
+                    os.rmdir(child, dir_fd=fd)
+                except NotADirectoryError:
+                    os.unlink(child, dir_fd=fd)
+        os.rmdir(name, dir_fd=dir_fd)
+    except OSError:
+        if not ignore_errors:
+            raise
 
 
 def _stray(entry: os.DirEntry, folder: bool) -> str:
@@ -198,10 +282,11 @@ def _stray(entry: os.DirEntry, folder: bool) -> str:
     return "is not a snapshot set"
 
 
-def is_marked(folder: Path) -> bool:
-    """The folder holds serve's mark: a regular file of exactly MARK_TEXT (never a link)."""
+def is_marked(folder: Path, dir_fd: int | None = None) -> bool:
+    """The folder (under `dir_fd` if given) holds serve's mark: a regular file of exactly
+    MARK_TEXT (never a link)."""
     try:
-        fd = os.open(folder / SET_MARK, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(folder / SET_MARK, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
     except OSError:
         return False
     try:
@@ -210,11 +295,17 @@ def is_marked(folder: Path) -> bool:
         os.close(fd)
 
 
-def _empty(folder: Path) -> bool:
+def _empty(name: str, dir_fd: int) -> bool:
     try:
-        return not any(os.scandir(folder))
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
     except OSError:
         return False
+    try:
+        return not any(os.scandir(fd))
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def shown(path: Path | str) -> str:
@@ -224,17 +315,19 @@ def shown(path: Path | str) -> str:
     return text if text.isprintable() else repr(text)[1:-1]
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+def _write_private(path: Path, data: bytes, dir_fd: int | None = None) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
     with os.fdopen(fd, "wb") as out:
         out.write(data)
 
 
-def _free_name(root: Path, sets: list[tuple[int, Path]]) -> Path:
+def _free_name(root: Path, sets: list[tuple[int, Path]], dir_fd: int) -> Path:
     """set-<N+1> after the newest set, or the first free name in SET_NAME's range after it."""
     first = sets[0][0] + 1 if sets else 1
     for n in itertools.chain(range(first, MAX_SET + 1), range(1, first)):
-        if not os.path.lexists(root / f"set-{n}"):
+        try:
+            os.stat(f"set-{n}", dir_fd=dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
             return root / f"set-{n}"
     raise PipelineError(f"--snapshots {root}: no free set name; empty the folder")
 
@@ -242,14 +335,39 @@ def _free_name(root: Path, sets: list[tuple[int, Path]]) -> Path:
 def private_folder(root: Path, create: bool) -> None:
     """DIR as serve may use it: one it creates (0700), or an existing folder of this user that
     no one else can read. It is never chmod-ed: it may be shared (a link to /tmp)."""
+    os.close(open_private(Path(root), create))
+
+
+def open_private(root: Path, create: bool) -> int:
+    """DIR opened (a link to a folder is followed once, here) and checked as `private_folder`
+    says, through the open folder itself: what is checked is what is held."""
     if create and not os.path.lexists(root):
         root.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileExistsError):
             os.mkdir(root, 0o700)
     try:
-        st = os.stat(root)
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK)
     except FileNotFoundError:
         raise PipelineError(f"--snapshots {root}: no such folder; pass serve's DIR") from None
+    except OSError:  # not a folder, or one this user cannot read: say which
+        _check_private(root, os.stat(root))
+        raise PipelineError(_unusable(root)) from None
+    try:
+        _check_private(root, os.fstat(fd))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _unusable(root: Path) -> str:
+    return (
+        f"--snapshots {root}: this user cannot read and write the folder (mode "
+        f"{stat.S_IMODE(os.stat(root).st_mode):04o}); give it mode 0700 or pass another folder"
+    )
+
+
+def _check_private(root: Path, st: os.stat_result) -> None:
     if not stat.S_ISDIR(st.st_mode):
         raise PipelineError(
             f"--snapshots {root} is not a folder; pass a folder (serve creates a missing one)"
@@ -268,19 +386,19 @@ def private_folder(root: Path, create: bool) -> None:
         )
 
 
-def lock_folder(root: Path, create: bool) -> int:
-    """DIR's lock, held until closed (-1: a listing of a folder no serve has used)."""
+def lock_folder(root: Path, create: bool, dir_fd: int | None = None) -> int:
+    """DIR's lock (in the folder `dir_fd` holds, if given), held until closed (-1: a listing of
+    a folder no serve has used)."""
     import fcntl
 
     # never blocks on a FIFO someone put there; only a regular file is a lock
     flags = (os.O_RDWR | os.O_CREAT if create else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK
     if not os.access(root, os.R_OK | os.W_OK | os.X_OK):
-        raise PipelineError(
-            f"--snapshots {root}: this user cannot read and write the folder (mode "
-            f"{stat.S_IMODE(os.stat(root).st_mode):04o}); give it mode 0700 or pass another folder"
-        )
+        raise PipelineError(_unusable(root))
     try:
-        fd = os.open(root / LOCK_FILE, flags, 0o600)
+        fd = os.open(
+            LOCK_FILE if dir_fd is not None else root / LOCK_FILE, flags, 0o600, dir_fd=dir_fd
+        )
     except FileNotFoundError:
         return -1
     except OSError as exc:

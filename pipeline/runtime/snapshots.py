@@ -60,6 +60,14 @@ def parse_size(text: str) -> int:
     return int(match[1]) * _UNITS[unit]
 
 
+def snapshot_budget(options: Any) -> int | None:
+    """--snapshot-budget in bytes, checked before anything is loaded (serve calls it first, so
+    a typo costs no mount); None without --snapshots, where nothing is saved."""
+    if options.snapshots is None:
+        return None
+    return parse_size(options.snapshot_budget)
+
+
 def every_seconds(options: Any, hook: Any) -> float | None:
     """--snapshot-every MINUTES in seconds (None when not given), checked before anything is
     loaded: it needs --snapshots, a positive number, and a server whose hook calls `tick` only on
@@ -418,7 +426,7 @@ def open_snapshots(options: Any, mounted: Any, hook: Any) -> Snapshots:
     after the bundles `mounted` (what the server's options cannot use refused by `hook`'s rule
     for bundles), and make SIGTERM stop the server gracefully (as SIGINT does) so that the
     entries are saved."""
-    budget = parse_size(options.snapshot_budget)
+    budget = snapshot_budget(options)
     template = options.passed("--chat-template")
     snapshots = Snapshots(options.snapshots, budget, options.model, template, hook.name)
     unusable = lambda snapshot: hook.unusable(snapshot, options)  # noqa: E731
@@ -516,5 +524,6 @@ __all__ = [
     "parent_of_snapshots",
     "parse_size",
     "snapshot_answer",
+    "snapshot_budget",
     "with_snapshots",
 ]
