@@ -171,11 +171,6 @@ def test_the_budget_is_checked_on_its_own():
     assert snapshot_budget(SimpleNamespace(snapshots=None, snapshot_budget="2 lots")) is None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="until pipeline/runtime/servers/startup.py serve calls snapshots.snapshot_budget "
-    "beside snapshot_interval (the lead adds that line; then remove this mark)",
-)
 def test_a_bad_budget_is_refused_before_the_mount(
     tmp_path: Path, tiny_model: Path, capsys, monkeypatch: pytest.MonkeyPatch
 ):

@@ -45,6 +45,7 @@ from pipeline.runtime.servers.options import (
 )
 from pipeline.runtime.servers.tokens import model_type, request_parity
 from pipeline.runtime.snapshot_store import private_folder
+from pipeline.runtime.snapshots import snapshot_budget
 
 log = logging.getLogger("prefix-bundles")
 __all__ = [
@@ -69,6 +70,7 @@ def serve(hook: ServerHook, options: ServeOptions) -> int:
         )
     with hangups_held(hook.live):
         every = snapshot_interval(hook, options)
+        snapshot_budget(options)  # a bad --snapshot-budget is refused before anything loads
         if options.snapshots is not None and os.path.lexists(options.snapshots):
             private_folder(options.snapshots, create=False)  # before anything loads (created later)
         require(hook.package, hook.name)
