@@ -590,6 +590,24 @@ def test_a_sighup_never_kills_serve_starting_or_stopping(tiny_model: Path, tmp_p
 
 
 @pytest.mark.slow
+def test_ctrl_c_ends_serve_with_its_status_not_an_abort(tiny_model: Path, tmp_path: Path):
+    """After the server ran, its threads (MLX's among them) could abort the interpreter's
+    teardown: Ctrl-C ended serve with SIGABRT ("terminate called without an active exception")
+    in about half the runs here (plain mlx_lm.server too). serve ends the process itself once
+    everything is written: 0 (mlx_lm.server stopped on the interrupt) or 130."""
+    bundles = tmp_path / "bundles"
+    bundles.mkdir()
+    for run in range(4):
+        log = tmp_path / f"serve{run}.log"
+        with server_process(tiny_model, bundles, log, "--no-warm-up") as (proc, port):
+            time.sleep(0.3 * run)
+            proc.send_signal(signal.SIGINT)
+            code = proc.wait(timeout=60)
+        assert code in (0, 130), (run, code, log.read_text()[-400:])
+        assert "terminate called" not in log.read_text()
+
+
+@pytest.mark.slow
 def test_sighup_remounts_new_refused_and_removed_versions_while_serving(
     tiny_model: Path, tmp_path: Path
 ):

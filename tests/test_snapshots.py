@@ -345,7 +345,7 @@ def test_serve_saves_after_the_servers_graceful_stop(monkeypatch: pytest.MonkeyP
         def entries(self, mounted, snapshots) -> list:
             return ["entry"]
 
-    options = SimpleNamespace(snapshots=Path("s"), rest=(), warm_up=False, huge_pages=None,
+    options = SimpleNamespace(snapshots=Path("s"), snapshot_budget="2GiB", rest=(), warm_up=False, huge_pages=None,
                               argv=(), passed=lambda o: None)  # fmt: skip
     assert startup.serve(Hook(), options) == 0
     assert saved == ["stop", ["entry"]]

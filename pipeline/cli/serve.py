@@ -114,20 +114,37 @@ def run(args: argparse.Namespace) -> int:
     threads that would keep it alive (mlx_lm.server's generation thread is not a daemon): a
     supervisor must see a failed service, never one that holds the model and serves nothing."""
     from pipeline.runtime.serve import serve
+    from pipeline.runtime.servers.startup import SERVED
 
+    SERVED.clear()  # set by this serve's start-up once its server runs
     try:
-        return serve(args, args.passthrough, args.argv)
+        code = serve(args, args.passthrough, args.argv)
     except (PipelineError, OSError) as exc:
-        if not _lingering_threads():
+        if not (_lingering_threads() or SERVED.is_set()):
             raise
         err(
             str(exc)
             if isinstance(exc, PipelineError)
             else f"{exc.filename or 'I/O'}: {exc.strerror or exc}"
         )
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        os._exit(1)
+        _exit_now(1)
+    except KeyboardInterrupt:
+        if not SERVED.is_set():
+            raise
+        _exit_now(130)
+    if SERVED.is_set():  # a stop's status, not a teardown's SIGABRT, is what a supervisor sees
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """End the process with `code`, logs and output flushed, without the interpreter's teardown."""
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def _lingering_threads() -> list[threading.Thread]:

@@ -97,6 +97,8 @@ def serve(hook: ServerHook, options: ServeOptions) -> int:
             )
             log.info("no warm-up (%s)", why)
         log.info("%s", try_it(hook, options))
+        if hook.live:  # from here the process ends without the interpreter teardown (cli.serve)
+            SERVED.set()
         if snapshots is None:
             return hook.launch(mounted, options)
         if every is not None:  # saved from the hook's `tick` on the thread that owns the entries
@@ -112,6 +114,10 @@ def serve(hook: ServerHook, options: ServeOptions) -> int:
 
 
 EARLY_HANGUP = threading.Event()  # a SIGHUP came before live remount could take it
+# the server ran in this process: its threads (MLX's among them) can abort the interpreter's
+# teardown (SIGABRT, "terminate called without an active exception"; plain mlx_lm.server too),
+# so the CLI ends such a process with os._exit once everything is written
+SERVED = threading.Event()
 
 
 @contextlib.contextmanager
