@@ -163,6 +163,7 @@ def _command_of(argv: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: one-line 'error: ...' and exit 1 on failure, 2 on usage errors."""
+    own_process = argv is None  # the process's own command line: it may end the process itself
     argv = sys.argv[1:] if argv is None else list(argv)
     if _command_of(argv) == "serve" and hasattr(signal, "SIGHUP"):
         # a deploy's reload before serve can take it must not kill it (SIGHUP's default): the
@@ -170,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # also across a re-exec (BLAS, huge pages)
     ensure_fast_blas(argv)  # before any command module imports mlx; may re-execute this process
     args = parse_args(argv)
+    args.own_process = own_process
     try:
         return args.func(args)
     except PipelineError as exc:

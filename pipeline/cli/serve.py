@@ -117,10 +117,12 @@ def run(args: argparse.Namespace) -> int:
     from pipeline.runtime.servers.startup import SERVED
 
     SERVED.clear()  # set by this serve's start-up once its server runs
+    # ended here, not by the interpreter's teardown, when this is the process's command line
+    ours = lambda: SERVED.is_set() and getattr(args, "own_process", False)  # noqa: E731
     try:
         code = serve(args, args.passthrough, args.argv)
     except (PipelineError, OSError) as exc:
-        if not (_lingering_threads() or SERVED.is_set()):
+        if not (_lingering_threads() or ours()):
             raise
         err(
             str(exc)
@@ -129,10 +131,10 @@ def run(args: argparse.Namespace) -> int:
         )
         _exit_now(1)
     except KeyboardInterrupt:
-        if not SERVED.is_set():
+        if not ours():
             raise
         _exit_now(130)
-    if SERVED.is_set():  # a stop's status, not a teardown's SIGABRT, is what a supervisor sees
+    if ours():  # a stop's status, not a teardown's SIGABRT, is what a supervisor sees
         _exit_now(code)
     return code
 

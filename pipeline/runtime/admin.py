@@ -109,7 +109,7 @@ def mounted(remounter: Remounter) -> list[MountedBundleInfo]:
 
 
 IDLE_SECONDS = 15  # a connection silent this long is closed (half-sent requests hold threads)
-LOOPBACK = re.compile(r"(127\.0\.0\.1|localhost|\[::1\])(:\d{1,5})?", re.IGNORECASE)
+LOOPBACK = re.compile(r"(127\.0\.0\.1|localhost|\[::1\])(:[0-9]{1,5})?", re.IGNORECASE)
 LOOPBACK_ORIGIN = re.compile(r"https?://" + LOOPBACK.pattern, re.IGNORECASE)
 # what a web page may POST anywhere without a CORS preflight (an HTML form, a no-cors fetch)
 FORM_TYPES = ("text/plain", "multipart/form-data", "application/x-www-form-urlencoded")
