@@ -577,3 +577,49 @@ def test_omni_pool_entries_holding_4_bit_kv_serve_only_their_share():
     mounted.manager.fetch("bundles", prefix + [0])  # a request continues it
     mounted.manager.unpin("bundles", "q")
     assert not entry_usable(mounted, exact, other_system)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "said"),
+    [
+        ([[1, 2, 3], [1, 2, 3]], "one list of whole numbers, got a 2-D array"),
+        ([1.5, 2.7, 3.0], "got a 1-D array of float64"),
+        ([True, False], "got a 1-D array of bool"),
+        (np.array([2**63 + 5, 1], dtype=np.uint64), "is past what a token id can be"),
+        ([1, 2**70], "got a 1-D array of object"),
+        ([[1, 2], [3]], "must be a list of whole numbers"),
+        ("abc", "got a 0-D array"),
+    ],
+    ids=["a batch", "floats", "bools", "uint64 past int64", "past int64", "ragged", "a string"],
+)
+def test_token_ids_that_are_not_one_prompt_are_refused_not_reshaped(model, tokens, said):
+    """A batch was flattened into one prompt, floats truncated, big unsigned ids wrapped: each
+    looked up another prompt than the one asked for. Now one error naming what was given."""
+    manager = pinned(model, ids(24))
+    for call in (manager.fetch, manager.covered):
+        with pytest.raises(PipelineError, match=said):
+            call("m", tokens)
+
+
+def test_a_path_and_its_string_name_the_same_model(model, tmp_path):
+    """mount() pins under str(model_dir); a server asking with the Path (or a trailing slash)
+    was cold on every request."""
+    from pathlib import Path
+
+    prefix = ids(24)
+    manager = PromptCacheManager()
+    cache, _ = prefill(model, prefix)
+    manager.pin(str(tmp_path / "m"), prefix, cache, "b")
+    for key in (tmp_path / "m", f"{tmp_path}/m/", Path(f"{tmp_path}/m")):
+        assert manager.fetch(key, [*prefix, 1]).cache_hit_tokens == 24
+    with pytest.raises(PipelineError, match="model key must be a str or a path, got int"):
+        manager.fetch(3, prefix)
+
+
+def test_fork_cache_refuses_a_negative_trim(model):
+    """A negative trim made a cache whose offset ran past its keys (silently broken attention)."""
+    from pipeline.runtime.prompt_cache import fork_cache
+
+    cache, _ = prefill(model, ids(24))
+    with pytest.raises(PipelineError, match="trim must be 0 or more tokens, got -3"):
+        fork_cache(cache, -3)

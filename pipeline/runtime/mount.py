@@ -167,7 +167,7 @@ def mount(
     if required and not isinstance(bundles, list):
         _require(result, Path(bundles), required, skip_refused)
     if manager is not None:
-        key = model_key or str(model_dir)
+        key = model_key or str(Path(model_dir))
         for b in result.bundles:
             manager.pin(key, b.tokens, b.cache, b.name)
     result.seconds = time.perf_counter() - start

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -137,6 +139,34 @@ def _narrow(layer: Any) -> None:
         layer.values = tuple(x[..., :end, :] for x in layer.values)
 
 
+def _model_key(key: Any) -> str:
+    """A model key as every call spells it: a path and its string (trailing slash or not) name
+    the same model; PipelineError for anything else."""
+    if not isinstance(key, (str, os.PathLike)):
+        raise PipelineError(f"model key must be a str or a path, got {type(key).__name__}")
+    return str(Path(key))
+
+
+def token_ids(tokens: Any) -> np.ndarray:
+    """Token ids as a 1-D int64 array; PipelineError for anything else (a batch of prompts, float
+    or bool values, ids past int64: flattening, truncating or wrapping them would look up another
+    prompt than the one asked for)."""
+    try:
+        ids = np.asarray(tokens)
+    except (TypeError, ValueError, OverflowError) as exc:  # ragged lists, huge ints, odd objects
+        raise PipelineError(f"token ids must be a list of whole numbers ({exc})") from None
+    if ids.size == 0 and ids.ndim == 1:
+        return ids.astype(np.int64)
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise PipelineError(
+            f"token ids must be one list of whole numbers, got a {ids.ndim}-D array of "
+            f"{ids.dtype} (one prompt's ids: a list of int)"
+        )
+    if ids.dtype.kind == "u" and ids.size and int(ids.max()) > np.iinfo(np.int64).max:
+        raise PipelineError(f"token id {int(ids.max())} is past what a token id can be")
+    return ids.astype(np.int64, copy=False)
+
+
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     """Length of the longest common prefix of two token arrays."""
     n = min(len(a), len(b))
@@ -148,7 +178,7 @@ def _make_entry(tokens: Sequence[int], cache: list, source: str, label: str) -> 
     """Own a snapshot of `cache` (new handles, materialized); None when it covers nothing."""
     if not isinstance(cache, list) or not cache:
         raise PipelineError(f"{label}: expected a prompt cache (non-empty list), got {cache!r}")
-    ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+    ids = token_ids(tokens)
     offsets = _offsets(cache)
     if len(offsets) > 1:
         raise PipelineError(
@@ -179,8 +209,8 @@ def reusable_tokens(
     serve (0: it cannot serve the request). Always at least one token left to process; an entry
     whose layers cannot all be trimmed only when the request extends it whole; a lossy entry
     only for its stated share (lossy_min_tokens). serve and `match` both decide with it."""
-    ids = np.asarray(entry_tokens, dtype=np.int64).reshape(-1)
-    req = np.asarray(request, dtype=np.int64).reshape(-1)
+    ids = token_ids(entry_tokens)
+    req = token_ids(request)
     common, whole = _common_prefix(ids, req), len(ids)
     if trimmable:
         keep = min(common, len(req) - 1)
@@ -221,6 +251,8 @@ def fork_cache(cache: list, trim: int = 0) -> list:
     """A copy-on-write copy of a prompt cache, less its last `trim` tokens: new handles over the
     same buffers, KV buffers cut to their offset, so the first write copies only what is kept
     (one copy, where copy.deepcopy and a first write make two) and `cache` is never written."""
+    if not isinstance(trim, int) or trim < 0:
+        raise PipelineError(f"fork_cache: trim must be 0 or more tokens, got {trim!r}")
     out = [_fork(layer) for layer in cache]
     for layer in out:
         if trim:
@@ -257,6 +289,7 @@ class PromptCacheManager:
 
     def pin(self, model_key: str, tokens: Sequence[int], cache: list, name: str) -> None:
         """Mount a bundle's cache for `model_key`; never evicted, never mutated by requests."""
+        model_key = _model_key(model_key)
         entry = _make_entry(tokens, cache, f"bundle:{name}", f"bundle {name}")
         if entry is None:
             raise PipelineError(f"bundle {name}: its prompt cache covers no tokens; rebuild it")
@@ -267,19 +300,22 @@ class PromptCacheManager:
 
     def covered(self, model_key: str, tokens: Sequence[int]) -> int:
         """How many leading tokens `fetch` would serve from a pinned bundle (no copy made)."""
-        request = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        model_key = _model_key(model_key)
+        request = token_ids(tokens)
         with self._lock:
             pinned = list(self._pinned.get(model_key, {}).values())
         return _best(pinned, request)[1] if len(request) > 1 else 0
 
     def unpin(self, model_key: str, name: str) -> None:
         """Forget a pinned bundle (one that cannot be used with the server's options)."""
+        model_key = _model_key(model_key)
         with self._lock:
             self._pinned.get(model_key, {}).pop(name, None)
 
     def fetch(self, model_key: str, tokens: Sequence[int]) -> CacheHit:
         """The longest reusable cached prefix of `tokens`, as a cache the caller may mutate."""
-        request = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        model_key = _model_key(model_key)
+        request = token_ids(tokens)
         with self._lock:
             candidates = list(self._pinned.get(model_key, {}).values())
             candidates += [e for (key, _), e in self._entries.items() if key == model_key]
@@ -308,6 +344,7 @@ class PromptCacheManager:
         ready and a copy of that cache's size sits in MLX's buffer cache, so the first request
         costs what an in-memory hit costs. Call it once the model is loaded, before serving.
         """
+        model_key = _model_key(model_key)
         with self._lock:
             pinned = list(self._pinned.get(model_key, {}).values())
         if not pinned:
@@ -325,6 +362,7 @@ class PromptCacheManager:
         not kept: the ids may include a last sampled token the state never saw, and a later
         request would continue from the wrong state.
         """
+        model_key = _model_key(model_key)
         if isinstance(cache, list) and cache and not _offsets(cache):
             with self._lock:
                 self._counts["rejected"] += 1
@@ -373,7 +411,8 @@ class PromptCacheManager:
         - `own` (the entry's cache, when given) holding quantized KV is itself lossy: held to
           the rule for its own length `own_tokens` (when the server tells it), else to at
           least one token (its KV never becomes the start of an unrelated prompt)."""
-        request = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        model_key = _model_key(model_key)
+        request = token_ids(tokens)
         with self._lock:
             taken = self._handed_out.get(model_key, set())
             lineage = [e for k, e in self._lossy_lineage.get(model_key, {}).items() if k in taken]
