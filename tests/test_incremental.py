@@ -457,11 +457,41 @@ def test_a_parent_this_builder_did_not_write_follows_the_parent_check(
         again = run_build(root, parent_check=policy, force=True)
         assert again.manifest.parent.checked == parent.checked
         assert (again.bundle / MANIFEST_FILE).read_bytes() == manifest
-    # the child was written by this builder: the next version reuses it with no recompute
+    # a child built from token 0 here is in the build record: the next version reuses it with no
+    # recompute; one continuing a spot-checked parent is not (a spot check is not a proof, and
+    # the record must not turn it into one for every descendant): the next one starts anew
     define(root, tiny_model, version=3, system=SYSTEM + MORE + " Ask for the order id first.")
     third = run_build(root)
-    assert third.manifest.parent is not None and third.manifest.parent.version == 2
-    assert third.manifest.parent.checked.startswith("built by this builder")
+    if parent is None:
+        assert third.manifest.parent is not None and third.manifest.parent.version == 2
+        assert third.manifest.parent.checked.startswith("built by this builder")
+    else:
+        assert third.manifest.parent is None and "parent_warning" in third.report
+
+
+def test_a_child_of_a_spot_checked_parent_is_never_signed(
+    tmp_path: Path, tiny_model: Path, monkeypatch
+):
+    """A signature vouches for every byte: --sign-key refuses a child whose parent was reused on
+    a spot check, new or up to date (before: it signed it, and `verify --trusted-key` then
+    vouched for a child of an altered parent), and nothing is published or signed."""
+    from pipeline.format.bundle_folder import SIGNATURE_FILE
+    from pipeline.format.secret_key import generate
+
+    root = tmp_path / "project"
+    monkeypatch.setenv("PREFIX_BUNDLES_CACHE_DIR", str(tmp_path / "builder-a"))
+    define(root, tiny_model)
+    run_build(root)
+    monkeypatch.setenv("PREFIX_BUNDLES_CACHE_DIR", str(tmp_path / "builder-b"))
+    define(root, tiny_model, version=2, system=SYSTEM + MORE)
+    key = generate()
+    with pytest.raises(BuildError, match="reused on a spot check, which is not a proof"):
+        run_build(root, parent_check="sample", sign_key=key)
+    assert not (root / "bundles" / "shop" / "2").exists()
+    child = run_build(root, parent_check="sample")  # unsigned: as asked
+    with pytest.raises(BuildError, match="reused on a spot check, which is not a proof"):
+        run_build(root, parent_check="sample", sign_key=key)  # up to date: signing it is refused
+    assert not (child.bundle / SIGNATURE_FILE).exists()
 
 
 def test_the_sample_check_refuses_a_grossly_edited_first_window(tmp_path: Path, tiny_model: Path):

@@ -23,6 +23,7 @@ from pipeline.builder.incremental import (
     Wanted,
     continued_reference,
     find_parent,
+    proven_lineage,
 )
 from pipeline.builder.prefill import (
     Progress,
@@ -299,6 +300,7 @@ def _prove_and_sign(job: Job, bundles_root: Path, current: Manifest) -> BuildRes
             check=current.fidelity.checked,
         )  # fmt: skip
         rebuilt, _ = _produce(proof, bundles_root, tmp)
+        _refuse_to_vouch(job.dest, rebuilt)
         different = _first_difference(tmp, job.dest, rebuilt, current)
         if different is not None:
             raise BuildError(
@@ -312,6 +314,17 @@ def _prove_and_sign(job: Job, bundles_root: Path, current: Manifest) -> BuildRes
         discard(bundles_root, tmp)
     report = {"signed": f"rebuilt {how} and compared", "key": signature.key}
     return BuildResult(job.dest, current, report, up_to_date=True)
+
+
+def _refuse_to_vouch(dest: Path, manifest: Manifest) -> None:
+    """A signature goes only on proven bytes: BuildError for a bundle whose parent was reused on
+    a spot check (--parent-check sample|chunks), before anything is signed or published."""
+    if not proven_lineage(manifest):
+        raise BuildError(
+            f"{dest}: --sign-key: it continues {manifest.parent.prefix}@{manifest.parent.version} "
+            "reused on a spot check, which is not a proof, and a signature vouches for every "
+            "byte; sign the parent and pass --trusted-key, or build it with --full"
+        )
 
 
 def _recorded_parent(bundles_root: Path, current: Manifest) -> Path | bool:
@@ -354,10 +367,11 @@ def _build_locked(job: Job, bundles_root: Path) -> BuildResult:
         manifest, report = _produce(job, bundles_root, tmp)
         hashed = _hashed_key(tmp / CACHE_FILE, manifest)
         if job.sign_key is not None:
+            _refuse_to_vouch(job.dest, manifest)
             sign_manifest(tmp, job.sign_key)
         publish(bundles_root, tmp, job.dest)
-        # a later incremental build may reuse it with no recompute, and with no second hash
-        record_built(sha256_bytes(manifest_bytes(manifest)), manifest)
+        if proven_lineage(manifest):  # a later build may reuse it with no recompute (or hash)
+            record_built(sha256_bytes(manifest_bytes(manifest)), manifest)
         _carry_hash(hashed, job.dest / CACHE_FILE, manifest)
         return BuildResult(job.dest, manifest, report, up_to_date=False)
     finally:

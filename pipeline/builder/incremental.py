@@ -283,6 +283,15 @@ def _load(bundle: Path, manifest: Manifest, wanted: Wanted) -> tuple[Resume | No
 
 
 UNPROVEN_REFUSAL = f"not reused: {UNPROVEN}"
+SPOT_CHECKED = "spot check: "  # how a parent reused on a spot check is recorded (parent.checked)
+
+
+def proven_lineage(manifest: Manifest) -> bool:
+    """Whether every token of a bundle is proven: built from token 0, or continuing a parent
+    that was signed, built here or recomputed (never one reused on a spot check: a spot check
+    is not a proof, and neither the build record nor a signature may turn it into one)."""
+    checked = manifest.parent.checked if manifest.parent is not None else ""
+    return checked is not None and not checked.startswith(SPOT_CHECKED)
 
 
 def _prove(checked: Validated, wanted: Wanted, done: int) -> str:
@@ -309,7 +318,7 @@ def _prove(checked: Validated, wanted: Wanted, done: int) -> str:
         if problem:
             return problem
         return (
-            f"spot check: {UNPROVEN}; two {WINDOW}-token windows recomputed (tokens "
+            f"{SPOT_CHECKED}{UNPROVEN}; two {WINDOW}-token windows recomputed (tokens "
             f"{sample_windows(done)}) matched within tolerance"
         )
     unavailable = _chunks_unavailable(manifest, wanted)
@@ -321,7 +330,7 @@ def _prove(checked: Validated, wanted: Wanted, done: int) -> str:
         return chunks
     which = " and ".join(map(str, chunks))
     return (
-        f"spot check: {UNPROVEN}; its chunk {which} of {step} tokens (holding the first and the "
+        f"{SPOT_CHECKED}{UNPROVEN}; its chunk {which} of {step} tokens (holding the first and the "
         f"last of the {done:,} reused) recomputed from token 0 and byte-identical"
     )
 
