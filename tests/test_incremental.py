@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -504,3 +505,18 @@ def test_the_sample_check_refuses_a_grossly_edited_first_window(tmp_path: Path, 
     retamper(old.bundle, list(range(total)), range(0, 4))
     with pytest.raises(BuildError, match=r"recomputed from token 0, tokens 0-64 differ"):
         run_build(root, parent=old.bundle, parent_check="sample")
+
+
+def test_a_parent_folder_named_otherwise_is_recorded_by_its_layout_name(
+    tmp_path: Path, tiny_model: Path
+):
+    """--parent "Parent Copy" (an exact copy of a bundle built here): the child records the
+    parent's folder as the layout names it (before: the copy's name failed the manifest schema,
+    a pydantic traceback)."""
+    root = tmp_path / "project"
+    define(root, tiny_model)
+    old = run_build(root)
+    copy = Path(shutil.copytree(old.bundle, tmp_path / "Parent Copy"))
+    define(root, tiny_model, version=2, system=SYSTEM + MORE)
+    child = run_build(root, parent=copy)
+    assert child.manifest.parent is not None and child.manifest.parent.folder == old.bundle.name

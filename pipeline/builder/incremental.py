@@ -45,6 +45,7 @@ from pipeline.format.bundle_folder import (
     CACHE_FILE,
     MANIFEST_FILE,
     check_folder,
+    model_folder,
     read_manifest,
     read_sums,
 )
@@ -356,7 +357,7 @@ def _record(parent: Validated, done: int, how: str, wanted: Wanted) -> ParentInf
     return ParentInfo(
         prefix=p.name,
         version=p.version,
-        folder=parent.path.name,
+        folder=model_folder(m.model.slug, m.model.fingerprint),  # as the layout names it
         file_sha256=m.cache.file_sha256,
         reused_tokens=done,
         checked=how,
