@@ -301,9 +301,11 @@ def test_a_candidate_with_special_files_is_passed_over_without_reading_them(
 # --- a tampered parent (issue 16, finding 2) ------------------------------------------------------
 
 
-def retamper(bundle: Path, layers: list[int], positions: range) -> None:
+def retamper(bundle: Path, layers: list[int], positions: range, keep_sha256: bool = False) -> None:
     """Alter the K/V of these positions in these layers, then rewrite the manifest's pins and
-    SHA256SUMS so that the bundle passes the validator (the format has no signature here)."""
+    SHA256SUMS so that the bundle passes the validator (the format has no signature here);
+    `keep_sha256`: rewrite only the BLAKE3 pin (the one a build's read checks), leaving the
+    genuine sha256 everywhere."""
     import numpy as np
 
     from pipeline.format.bundle_folder import sums_text
@@ -326,11 +328,12 @@ def retamper(bundle: Path, layers: list[int], positions: range) -> None:
     (bundle / CACHE_FILE).write_bytes(bytes(raw))
     d = file_digests(bundle / CACHE_FILE)
     m = Manifest.model_validate_json((bundle / MANIFEST_FILE).read_bytes())
-    cache = m.cache.model_copy(update={"file_sha256": d.sha256, "file_blake3": d.blake3})
+    sha256 = m.cache.file_sha256 if keep_sha256 else d.sha256
+    cache = m.cache.model_copy(update={"file_sha256": sha256, "file_blake3": d.blake3})
     data = manifest_bytes(m.model_copy(update={"cache": cache}))
     (bundle / MANIFEST_FILE).write_bytes(data)
     (bundle / SUMS_FILE).write_text(
-        sums_text({CACHE_FILE: d.sha256, MANIFEST_FILE: sha256_bytes(data)})
+        sums_text({CACHE_FILE: sha256, MANIFEST_FILE: sha256_bytes(data)})
     )
 
 
@@ -520,3 +523,23 @@ def test_a_parent_folder_named_otherwise_is_recorded_by_its_layout_name(
     define(root, tiny_model, version=2, system=SYSTEM + MORE)
     child = run_build(root, parent=copy)
     assert child.manifest.parent is not None and child.manifest.parent.folder == old.bundle.name
+
+
+def test_a_spot_checked_parent_must_have_the_sha256_it_pins(
+    tmp_path: Path, tiny_model: Path, monkeypatch
+):
+    """An unsigned parent not built here whose bytes were altered away from the spot check's
+    windows, with only its BLAKE3 pin rewritten (`verify` and `sha256sum -c` refuse it): it was
+    continued, and the child recorded the genuine sha256 of bytes it never continued. Now it is
+    passed over, saying why."""
+    root = tmp_path / "project"
+    monkeypatch.setenv("PREFIX_BUNDLES_CACHE_DIR", str(tmp_path / "builder-a"))
+    define(root, tiny_model)
+    old = run_build(root)
+    monkeypatch.setenv("PREFIX_BUNDLES_CACHE_DIR", str(tmp_path / "builder-b"))
+    total = len(old.manifest.cache.classes)
+    retamper(old.bundle, [total - 1], range(100, 104), keep_sha256=True)
+    define(root, tiny_model, version=2, system=SYSTEM + MORE)
+    child = run_build(root, parent_check="sample")
+    assert child.manifest.parent is None and child.report["reused_tokens"] == 0
+    assert "does not have the sha256 it pins" in child.report["reuse"], child.report["reuse"]

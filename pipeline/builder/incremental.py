@@ -26,6 +26,7 @@ pins only prove it unchanged since someone wrote them; what proves the someone (
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,7 +134,7 @@ def find_parent(
         if resume is not None:
             resume = dataclasses.replace(resume, refused=tuple(refused))
             return resume, _reused_line(resume)
-        if reason and reason.startswith((SPOT_CHECK, UNPROVEN_REFUSAL)):
+        if reason:  # a bundle that would give tokens, passed over: one line says why
             refused.append(f"{path}: {reason}")
     if refused:
         return None, f"prefilled from token 0; {REFUSED_PARENT}: {'; '.join(refused)}"
@@ -274,6 +275,10 @@ def _load(bundle: Path, manifest: Manifest, wanted: Wanted) -> tuple[Resume | No
     how = _prove(checked, wanted, done)
     if how.startswith(SPOT_CHECK) or how.startswith(UNPROVEN_REFUSAL):
         return None, how
+    if how.startswith(SPOT_CHECKED) and not _sha256_pinned(bundle, checked.manifest):
+        # unsigned and not built here: its manifest is as anyone wrote it, so the sha256 it pins
+        # (what the child records of it) is checked too, not only the BLAKE3 the read checked
+        return None, f"refused by the validator: {CACHE_FILE} does not have the sha256 it pins"
     seconds = time.perf_counter() - start  # the manifest says how, identical builds alike
     import mlx.core as mx
 
@@ -350,6 +355,27 @@ def _chunks_unavailable(manifest: Manifest, wanted: Wanted) -> str | None:
         f"needs one built from token 0 that stores its compute dtype ({why}); pass "
         "--parent-check sample, or sign it and pass --trusted-key"
     )
+
+
+def _sha256_pinned(bundle: Path, manifest: Manifest) -> bool:
+    """Whether the bundle's cache file has the sha256 its manifest pins (read by pread, in 8 MiB
+    pieces)."""
+    import hashlib
+
+    digest, offset = hashlib.sha256(), 0
+    try:
+        fd = os.open(bundle / CACHE_FILE, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:  # gone or swapped for a link since it was validated: not this parent
+        return False
+    try:
+        while piece := os.pread(fd, 8 << 20, offset):
+            digest.update(piece)
+            offset += len(piece)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return digest.hexdigest() == manifest.cache.file_sha256
 
 
 def _record(parent: Validated, done: int, how: str, wanted: Wanted) -> ParentInfo:
