@@ -4,10 +4,12 @@ with the bundle it serves and why."""
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
 
+from fuzz_corpus import reseal_sums
 from test_incremental import MORE, define, run_build
 
 from pipeline.runtime import mount
@@ -211,3 +213,24 @@ def test_a_remount_while_the_bundles_folder_is_away_changes_nothing(
     with pytest.raises(PipelineError, match="is not a folder now; nothing was changed"):
         r.remount()
     assert [b.name for b in r.current.values()] == ["shop@1"] == [b.name for b in first.bundles]
+
+
+def test_a_new_version_with_the_same_bytes_is_served_under_its_own_name(
+    tmp_path: Path, tiny_model: Path
+):
+    """shop@2 whose cache bytes equal shop@1's (a version bump with no change to the tokens):
+    the remount kept listing shop@1 at a folder that had been deleted. Now shop@2 replaces it."""
+    root = tmp_path / "project"
+    define(root, tiny_model)
+    v1 = run_build(root)
+    r, _ = remounter(root, tiny_model, lambda b: None)
+    v2 = root / "bundles" / "shop" / "2" / v1.bundle.name
+    shutil.copytree(v1.bundle, v2)
+    manifest = json.loads((v2 / "manifest.json").read_text())
+    manifest["prefix"]["version"] = 2
+    (v2 / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    reseal_sums(v2)
+    shutil.rmtree(v1.bundle.parent.parent / "1")
+    changes = r.remount()
+    assert changes.replaced == [("shop@1", "shop@2")], changes
+    assert [(b.name, b.path) for b in r.current.values()] == [("shop@2", v2)]

@@ -313,7 +313,8 @@ class PromptCacheManager:
             self._pinned.get(model_key, {}).pop(name, None)
 
     def fetch(self, model_key: str, tokens: Sequence[int]) -> CacheHit:
-        """The longest reusable cached prefix of `tokens`, as a cache the caller may mutate."""
+        """The longest reusable cached prefix of `tokens`, as a cache the caller may change with
+        MLX operations (they copy first; a NumPy view of its arrays shares the bundle's memory)."""
         model_key = _model_key(model_key)
         request = token_ids(tokens)
         with self._lock:

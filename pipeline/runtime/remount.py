@@ -155,8 +155,9 @@ class Remounter:
 
     def _swap(self, key: tuple[str, str], b: MountedBundle, changes: Changes) -> None:
         old = self.current.get(key)
-        if old is not None and old.manifest.cache.file_sha256 == b.manifest.cache.file_sha256:
-            changes.kept.append(old.name)  # the same bytes: the copy just loaded is dropped
+        same = old is not None and (old.name, old.path) == (b.name, b.path)
+        if same and old.manifest.cache.file_sha256 == b.manifest.cache.file_sha256:
+            changes.kept.append(old.name)  # the same bundle: the copy just loaded is dropped
             changes.serving.append((old.name, "unchanged"))
             return
         self.manager.pin(self.model_key, b.tokens, b.cache, b.name)
