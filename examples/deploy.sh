@@ -20,10 +20,13 @@
 # reads them on the target (`docker login`, or PREFIX_BUNDLES_REGISTRY_USER/_PASSWORD).
 #
 # The bundles go to MODEL/prefix-bundles/, the folder `serve --model MODEL` mounts and
-# `verify --model MODEL` checks when no bundle is named. stdout is verify's JSON report. When
-# verify refuses a bundle (exit 1), the folder as it was before is put back, the new one is kept in
-# MODEL/.prefix-bundles.failed for a look, and nothing is restarted: the running server keeps what
-# it mounted, and a restart of it mounts what it had before.
+# `verify --model MODEL` checks when no bundle is named. stdout is verify's JSON report. A copy is
+# made and verified beside it (MODEL/.prefix-bundles.next, hardlinked from the live folder so only
+# changed files move) and only then swapped in by two renames: the live folder is never half
+# copied, and a deploy stopped at any point (Ctrl-C, a lost ssh) leaves it as it was or whole (a
+# run after one stopped between the renames puts the old folder back first). When verify refuses
+# a bundle (exit 1), the live folder is untouched, the new copy is kept in
+# MODEL/.prefix-bundles.failed for a look, and nothing is restarted.
 set -euo pipefail
 
 if [[ $# -lt 2 || $# -gt 3 ]]; then
@@ -45,6 +48,7 @@ read -r -a systemctl <<< "${SYSTEMCTL:-sudo systemctl}"
 live=$model/prefix-bundles
 previous=$model/.prefix-bundles.previous
 failed=$model/.prefix-bundles.failed
+next=$model/.prefix-bundles.next
 
 if [[ $bundles != oci://* && ! -d $bundles ]]; then
   echo "error: $bundles is not a folder; pass a bundles folder (build output or the unpacked" \
@@ -63,13 +67,31 @@ on_target() {
 
 log() { echo "deploy: $*" >&2; }
 
-# The rollback: a hardlinked snapshot of what is deployed now (no data copied; rsync replaces
-# files by renaming new ones into place, so the snapshot keeps the old contents).
-on_target rm -rf "$previous" "$failed"
+# A run stopped between the swap's two renames left no live folder: the old one comes back first.
+on_target bash -c 'if [[ ! -e $1 && -d $2 ]]; then mv -- "$2" "$1"; fi' _ "$live" "$previous"
+on_target rm -rf "$previous" "$failed" "$next"
 on_target mkdir -p "$live"
-on_target cp -al "$live" "$previous"
 
-if [[ $bundles == oci://* ]]; then
+if [[ $bundles != oci://* ]]; then
+  # the new copy, beside the live folder: hardlinked from it (no data copied; rsync replaces files
+  # by renaming new ones into place, so the live folder keeps its contents), then verified
+  on_target cp -al "$live" "$next"
+  log "copying $bundles/ to ${host:+$host:}$next/"
+  rsync -a --delete --exclude=.staging/ "$bundles/" "${host:+$host:}$next/"
+  log "verifying every bundle in $next against $model"
+  if ! on_target "$python" "$project/build.py" verify --json --model "$model" --bundles "$next"; then
+    on_target mv "$next" "$failed"
+    echo "error: verify refused a bundle (see the error lines above); $live is as it was, the" \
+      "refused copy is in $failed; the server was not told" >&2
+    exit 1
+  fi
+  on_target mv "$live" "$previous"
+  on_target mv "$next" "$live"
+  on_target rm -rf "$previous"
+else
+  # pull publishes each bundle atomically into the live folder; the rollback is a hardlinked
+  # snapshot of what is deployed now
+  on_target cp -al "$live" "$previous"
   log "pulling from $bundles into ${host:+$host:}$live/"
   if [[ -n ${LOCKFILE:-} ]]; then
     pull() { on_target "$python" "$project/build.py" pull --repo "$bundles" --model "$model" --lockfile "$LOCKFILE" >&2; }
@@ -82,20 +104,16 @@ if [[ $bundles == oci://* ]]; then
       "was; the server was not told" >&2
     exit 1
   fi
-else
-  log "copying $bundles/ to ${host:+$host:}$live/"
-  rsync -a --delete --exclude=.staging/ "$bundles/" "${host:+$host:}$live/"
+  log "verifying every bundle in $live against $model"
+  if ! on_target "$python" "$project/build.py" verify --json --model "$model"; then
+    on_target mv "$live" "$failed"
+    on_target mv "$previous" "$live"
+    echo "error: verify refused a bundle (see the error lines above); $live is back as it was," \
+      "the refused copy is in $failed; the server was not told" >&2
+    exit 1
+  fi
+  on_target rm -rf "$previous"
 fi
-
-log "verifying every bundle in $live against $model"
-if ! on_target "$python" "$project/build.py" verify --json --model "$model"; then
-  on_target mv "$live" "$failed"
-  on_target mv "$previous" "$live"
-  echo "error: verify refused a bundle (see the error lines above); $live is back as it was, the" \
-    "refused copy is in $failed; the server was not told" >&2
-  exit 1
-fi
-on_target rm -rf "$previous"
 
 if [[ -n $service ]]; then
   log "$action $service"

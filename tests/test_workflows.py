@@ -19,8 +19,10 @@ import re
 import runpy
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -213,8 +215,12 @@ def test_the_scan_finds_what_each_file_runs():
     shards = sorted(argv[argv.index("--shard") + 1] for argv in builds)
     assert shards == ["1/2", "2/2"]  # the matrix covers every shard of N, each once
     deploy = [i.argv for i in example_invocations() if i.where == DEPLOY.name]
+    # the copy route verifies its staged copy; the registry route pulls, then verifies in place
+    assert deploy[0] == ("verify", "--json", "--model", PLACEHOLDER, "--bundles", PLACEHOLDER)
     assert deploy[-1] == ("verify", "--json", "--model", PLACEHOLDER)
-    assert {d[:5] for d in deploy[:-1]} == {("pull", "--repo", PLACEHOLDER, "--model", PLACEHOLDER)}
+    assert {d[:5] for d in deploy[1:-1]} == {
+        ("pull", "--repo", PLACEHOLDER, "--model", PLACEHOLDER)
+    }
     examples = {i.where: i.argv for i in example_invocations()}
     assert examples[UNIT.name][:3] == ("serve", "--model", "/srv/models/Qwen3-0.6B")
     assert "--strict" in examples[UNIT.name]
@@ -325,6 +331,48 @@ def test_deploy_copies_verifies_and_puts_back_the_old_bundles_on_a_refusal(
     assert hashlib.sha256((deployed / CACHE_FILE).read_bytes()).hexdigest() == good
     assert (model / ".prefix-bundles.failed").is_dir()
     assert not (model / ".prefix-bundles.previous").exists()
+    assert not (model / ".prefix-bundles.next").exists()
+
+
+@pytest.mark.skipif(
+    shutil.which("rsync") is None or sys.platform != "linux",
+    reason="deploy.sh targets Linux hosts (GNU cp -al) and needs rsync",
+)
+def test_a_deploy_stopped_half_way_leaves_the_live_bundles_whole(
+    shop_bundle: Path, tiny_model: Path, tmp_path: Path
+):
+    """rsync copied into the live folder: a deploy stopped mid-copy (Ctrl-C, a lost ssh) left
+    it half updated (a bundle without its cache file; a restart with --strict failed). The copy
+    goes to a staged folder verified before two renames swap it in; a run stopped between the
+    renames is put right by the next run."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    assert _deploy(shop_bundle.parents[2], model).returncode == 0
+    live = model / "prefix-bundles"
+    before = sorted(p.relative_to(live) for p in live.rglob("*"))
+    env = {**os.environ, "PROJECT": str(ROOT), "PYTHON": sys.executable, "SERVICE": ""}
+    slow = tmp_path / "bin"
+    slow.mkdir()
+    (slow / "rsync").write_text(f'#!/bin/sh\n{shutil.which("rsync")} --bwlimit=1 "$@"\n')
+    (slow / "rsync").chmod(0o755)
+    bigger = tmp_path / "new"
+    shutil.copytree(shop_bundle.parents[2], bigger)
+    (bigger / "shop" / "2").mkdir()
+    shutil.copytree(shop_bundle, bigger / "shop" / "2" / shop_bundle.name)
+    proc = subprocess.Popen(
+        ["bash", str(DEPLOY), str(bigger), str(model)],
+        env={**env, "PATH": f"{slow}:{env['PATH']}"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    time.sleep(2)  # mid-copy at 1 KB/s
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.wait(timeout=30)
+    assert sorted(p.relative_to(live) for p in live.rglob("*")) == before
+    # stopped between the renames: no live folder, the old one beside it; the next run restores
+    (model / "prefix-bundles").rename(model / ".prefix-bundles.previous")
+    done = _deploy(shop_bundle.parents[2], model)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.relative_to(live) for p in live.rglob("*")) == before
 
 
 @pytest.mark.skipif(
