@@ -216,3 +216,32 @@ def test_a_lockfile_pin_the_deploy_lacks_is_refused_not_served_cold(
             f"no bundle of it is in {bundles}"
         )
     ), err
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "said"),
+    [
+        ((None,), {}, "model_dir must be a folder path (str or Path), got NoneType"),
+        (("m", 3), {}, "bundles must be a folder path (str or Path), got int"),
+        (("m", ("a", "b")), {}, "bundles must be a folder path (str or Path), got tuple"),
+        (("m",), {"versions": {"shop": "1"}}, "versions must map prefix names to version numbers"),
+        (("m",), {"versions": ["shop"]}, "versions must map prefix names to version numbers"),
+        (("m",), {"manager": {}}, "manager must be a PromptCacheManager, got dict"),
+    ],
+    ids=["no model", "a number", "a tuple", "a version as text", "a list", "a dict manager"],
+)
+def test_mount_names_an_argument_of_the_wrong_kind(args, kwargs, said):
+    """A caller's mistake is one PipelineError naming the argument (before: TypeError or
+    AttributeError from deep inside; versions={"shop": "1"} mounted nothing and said nothing)."""
+    import re
+
+    from pipeline.format.errors import PipelineError
+
+    with pytest.raises(PipelineError, match=re.escape(said)):
+        mount(*args, **kwargs)
+
+
+def test_a_bundles_path_that_is_a_file_is_said_to_be_one(tiny_model: Path, tmp_path: Path):
+    (tmp_path / "bundles").write_text("not a folder")
+    with pytest.raises(BundleError, match="bundles folder is not a folder"):
+        mount(tiny_model, tmp_path / "bundles")

@@ -107,8 +107,9 @@ def find_bundles(root: Path) -> tuple[list[Path], list[RefusedBundle]]:
     """
     root = Path(root)
     if not root.is_dir():
+        what = "is not a folder" if os.path.lexists(root) else "does not exist"
         raise BundleError(
-            str(root), "bundles folder does not exist; pass the folder the bundles were copied to"
+            str(root), f"bundles folder {what}; pass the folder the bundles were copied to"
         )
     if is_bundle_folder(root):
         return [root], []

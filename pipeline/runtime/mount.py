@@ -7,6 +7,7 @@ finds candidate folders, chooses which version to mount, and collects results.
 from __future__ import annotations
 
 import datetime
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.format.bundle_folder import model_folder
-from pipeline.format.errors import BundleError
+from pipeline.format.errors import BundleError, PipelineError
 from pipeline.format.fingerprint import ModelIdentity
 from pipeline.format.manifest import Manifest
 from pipeline.format.served_identity import identity_for  # re-exported: pipeline.runtime's API
@@ -150,6 +151,7 @@ def mount(
     `required`: {prefix name: version} the deploy must hold (a lockfile's pins for this model,
     lockfile.locked_for_model): each one neither mounted nor refused is refused (field lockfile).
     """
+    _check_arguments(model_dir, bundles, versions, required, manager)
     start = time.perf_counter()
     result = MountResult()
     identity = identity or identity_for(model_dir, chat_template)
@@ -172,6 +174,31 @@ def mount(
             manager.pin(key, b.tokens, b.cache, b.name)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _check_arguments(
+    model_dir: Any, bundles: Any, versions: Any, required: Any, manager: Any
+) -> None:
+    """PipelineError naming an argument of the wrong kind (a caller's mistake, not a bundle's:
+    never a TypeError from deep inside, never a refusal blaming a good bundle)."""
+    paths = bundles if isinstance(bundles, list) else [bundles] if bundles is not None else []
+    for name, value in (("model_dir", model_dir), *(("bundles", b) for b in paths)):
+        if not isinstance(value, (str, os.PathLike)):
+            raise PipelineError(
+                f"mount: {name} must be a folder path (str or Path), got {type(value).__name__}"
+            )
+    for name, pins in (("versions", versions), ("required", required)):
+        if pins is None:
+            continue
+        if not isinstance(pins, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool)
+            for k, v in pins.items()
+        ):
+            raise PipelineError(f"mount: {name} must map prefix names to version numbers (int)")
+    if manager is not None and not isinstance(manager, PromptCacheManager):
+        raise PipelineError(
+            f"mount: manager must be a PromptCacheManager, got {type(manager).__name__}"
+        )
 
 
 def _found(
