@@ -18,6 +18,7 @@ from pipeline.builder.build_record import record_built
 from pipeline.builder.definition import LoadedDefinition
 from pipeline.builder.fidelity import run_checks
 from pipeline.builder.incremental import (
+    PARENT_ADVICE,
     REFUSED_PARENT,
     Resume,
     Wanted,
@@ -299,7 +300,15 @@ def _prove_and_sign(job: Job, bundles_root: Path, current: Manifest) -> BuildRes
             job, reuse=_recorded_parent(bundles_root, current), sign_key=None,
             check=current.fidelity.checked,
         )  # fmt: skip
-        rebuilt, _ = _produce(proof, bundles_root, tmp)
+        try:
+            rebuilt, _ = _produce(proof, bundles_root, tmp)
+        except BuildError as exc:  # the parent it names (not a --parent the user passed)
+            said = str(exc).removesuffix(PARENT_ADVICE)
+            raise BuildError(
+                f"{job.dest}: --sign-key: it is signed only once rebuilt as it was made {how}, "
+                f"and that failed ({said}); rebuild it with 'python build.py build --force "
+                "--sign-key KEY'"
+            ) from None
         _refuse_to_vouch(job.dest, rebuilt)
         different = _first_difference(tmp, job.dest, rebuilt, current)
         if different is not None:

@@ -101,6 +101,9 @@ class Resume:
     check_seconds: float = 0.0  # the spot check's time: for build-report.json, not the manifest
 
 
+PARENT_ADVICE = "; pass another bundle or drop --parent to build from token 0"
+
+
 def find_parent(
     bundles_root: Path, wanted: Wanted, exclude: Path, explicit: Path | None = None
 ) -> tuple[Resume | None, str]:
@@ -110,10 +113,7 @@ def find_parent(
         manifest, reason = examine(explicit, wanted)
         resume, reason = (None, reason) if manifest is None else _load(explicit, manifest, wanted)
         if resume is None:
-            raise BuildError(
-                f"--parent {explicit}: cannot be reused ({reason}); "
-                "pass another bundle or drop --parent to build from token 0"
-            )
+            raise BuildError(f"--parent {explicit}: cannot be reused ({reason}){PARENT_ADVICE}")
         return resume, _reused_line(resume)
     try:
         found, _ = find_bundles(bundles_root)
