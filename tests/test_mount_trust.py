@@ -221,9 +221,9 @@ def test_a_lockfile_pin_the_deploy_lacks_is_refused_not_served_cold(
 @pytest.mark.parametrize(
     ("args", "kwargs", "said"),
     [
-        ((None,), {}, "model_dir must be a folder path (str or Path), got NoneType"),
-        (("m", 3), {}, "bundles must be a folder path (str or Path), got int"),
-        (("m", ("a", "b")), {}, "bundles must be a folder path (str or Path), got tuple"),
+        ((None,), {}, "model_dir must be a path (str or Path), got NoneType"),
+        (("m", 3), {}, "bundles must be a path (str or Path), got int"),
+        (("m", ("a", "b")), {}, "bundles must be a path (str or Path), got tuple"),
         (("m",), {"versions": {"shop": "1"}}, "versions must map prefix names to version numbers"),
         (("m",), {"versions": ["shop"]}, "versions must map prefix names to version numbers"),
         (("m",), {"manager": {}}, "manager must be a PromptCacheManager, got dict"),
@@ -239,6 +239,23 @@ def test_mount_names_an_argument_of_the_wrong_kind(args, kwargs, said):
 
     with pytest.raises(PipelineError, match=re.escape(said)):
         mount(*args, **kwargs)
+
+
+def test_the_runtime_calls_name_an_argument_that_is_not_a_path():
+    import re
+
+    from pipeline.format.errors import PipelineError
+    from pipeline.runtime import find_bundles, identity_for
+
+    for call, args, said in [
+        (verify, (None, "m"), "verify: bundle must be a path (str or Path), got NoneType"),
+        (verify, ("b", 3), "verify: model_dir must be a path (str or Path), got int"),
+        (identity_for, (None,), "identity_for: model_dir must be a path (str or Path)"),
+        (identity_for, ("m", 3), "identity_for: chat_template must be text, got int"),
+        (find_bundles, (None,), "find_bundles: root must be a path (str or Path), got NoneType"),
+    ]:
+        with pytest.raises(PipelineError, match=re.escape(said)):
+            call(*args)
 
 
 def test_a_bundles_path_that_is_a_file_is_said_to_be_one(tiny_model: Path, tmp_path: Path):

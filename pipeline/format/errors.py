@@ -1,5 +1,8 @@
 """The one error family of the project: every expected failure is a PipelineError."""
 
+import os
+from pathlib import Path
+
 
 class PipelineError(Exception):
     """Base of every error the pipeline raises on purpose; the message says what to do."""
@@ -30,3 +33,11 @@ class BundleError(PipelineError):
         self.field = field
         self.reason = message
         self.check: str | None = None  # which validator stage refused it (set by validate)
+
+
+def path_argument(value: object, name: str) -> Path:
+    """A library call's folder or file argument as a Path; PipelineError naming it when it is not
+    a path (a caller's mistake, never a TypeError from deep inside nor a bundle's refusal)."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise PipelineError(f"{name} must be a path (str or Path), got {type(value).__name__}")
+    return Path(value)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.format import cache_state, memo
-from pipeline.format.errors import ModelError
+from pipeline.format.errors import ModelError, PipelineError, path_argument
 from pipeline.format.fingerprint import (
     ModelIdentity,
     canonical_json,
@@ -43,8 +43,13 @@ VALUE = re.compile(r'^(null|\[[A-Za-z0-9_", ]*\])\Z')
 def identity_for(model_dir: Path, chat_template: str | None = None) -> ModelIdentity:
     """Fingerprints of the served model, and the cache classes its architecture builds (from the
     memo when their inputs are unchanged); pass the server's template override if it has one."""
-    identity = model_identity(Path(model_dir), chat_template)
-    config = model_config(Path(model_dir))
+    model_dir = path_argument(model_dir, "identity_for: model_dir")
+    if chat_template is not None and not isinstance(chat_template, str):
+        raise PipelineError(
+            f"identity_for: chat_template must be text, got {type(chat_template).__name__}"
+        )
+    identity = model_identity(model_dir, chat_template)
+    config = model_config(model_dir)
     shape = dataclasses.replace(
         identity.shape,
         cache_classes=cache_classes(config),

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline.format.bundle_folder import ALLOWED_FILES, STAGING_DIR
-from pipeline.format.errors import BundleError
+from pipeline.format.errors import BundleError, path_argument
 from pipeline.format.names import NAME_HINT, is_model_folder, is_name, parse_version
 from pipeline.format.regular_files import kind_of
 
@@ -105,7 +105,7 @@ def find_bundles(root: Path) -> tuple[list[Path], list[RefusedBundle]]:
 
     BundleError when root is not a folder.
     """
-    root = Path(root)
+    root = path_argument(root, "find_bundles: root")
     if not root.is_dir():
         what = "is not a folder" if os.path.lexists(root) else "does not exist"
         raise BundleError(

@@ -7,7 +7,6 @@ finds candidate folders, chooses which version to mount, and collects results.
 from __future__ import annotations
 
 import datetime
-import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.format.bundle_folder import model_folder
-from pipeline.format.errors import BundleError, PipelineError
+from pipeline.format.errors import BundleError, PipelineError, path_argument
 from pipeline.format.fingerprint import ModelIdentity
 from pipeline.format.manifest import Manifest
 from pipeline.format.served_identity import identity_for  # re-exported: pipeline.runtime's API
@@ -103,8 +102,9 @@ def verify(
     """Validate one bundle in full without loading it (for deploy scripts): hashes every byte.
 
     With trusted_keys (pipeline.format.signature.read_trusted_keys) it must be signed by one."""
-    identity = identity_for(model_dir, chat_template)
-    return validate(Path(bundle), identity, trusted_keys=trusted_keys).manifest
+    bundle = path_argument(bundle, "verify: bundle")
+    identity = identity_for(path_argument(model_dir, "verify: model_dir"), chat_template)
+    return validate(bundle, identity, trusted_keys=trusted_keys).manifest
 
 
 def mount_one(
@@ -183,10 +183,7 @@ def _check_arguments(
     never a TypeError from deep inside, never a refusal blaming a good bundle)."""
     paths = bundles if isinstance(bundles, list) else [bundles] if bundles is not None else []
     for name, value in (("model_dir", model_dir), *(("bundles", b) for b in paths)):
-        if not isinstance(value, (str, os.PathLike)):
-            raise PipelineError(
-                f"mount: {name} must be a folder path (str or Path), got {type(value).__name__}"
-            )
+        path_argument(value, f"mount: {name}")
     for name, pins in (("versions", versions), ("required", required)):
         if pins is None:
             continue
