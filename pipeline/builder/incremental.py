@@ -26,7 +26,6 @@ pins only prove it unchanged since someone wrote them; what proves the someone (
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,7 +51,7 @@ from pipeline.format.bundle_folder import (
 )
 from pipeline.format.cache_codec import detect_layout, user_metadata
 from pipeline.format.errors import BuildError, BundleError
-from pipeline.format.fingerprint import ModelIdentity
+from pipeline.format.fingerprint import ModelIdentity, sha256_file
 from pipeline.format.manifest import (
     DEFAULT_LAYOUT,
     BuilderInfo,
@@ -358,24 +357,11 @@ def _chunks_unavailable(manifest: Manifest, wanted: Wanted) -> str | None:
 
 
 def _sha256_pinned(bundle: Path, manifest: Manifest) -> bool:
-    """Whether the bundle's cache file has the sha256 its manifest pins (read by pread, in 8 MiB
-    pieces)."""
-    import hashlib
-
-    digest, offset = hashlib.sha256(), 0
+    """Whether the bundle's cache file has the sha256 its manifest pins."""
     try:
-        fd = os.open(bundle / CACHE_FILE, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:  # gone or swapped for a link since it was validated: not this parent
+        return sha256_file(bundle / CACHE_FILE) == manifest.cache.file_sha256
+    except OSError:  # gone since it was validated: not this parent
         return False
-    try:
-        while piece := os.pread(fd, 8 << 20, offset):
-            digest.update(piece)
-            offset += len(piece)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    return digest.hexdigest() == manifest.cache.file_sha256
 
 
 def _record(parent: Validated, done: int, how: str, wanted: Wanted) -> ParentInfo:
