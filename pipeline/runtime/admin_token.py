@@ -10,6 +10,7 @@ import threading
 from pathlib import Path
 
 from pipeline.format.errors import PipelineError
+from pipeline.format.memo import file_identity  # size, times, inode: a chmod changes ctime
 from pipeline.format.regular_files import FileProblem, read_text
 
 TOKEN_BYTES = 4096  # a token file larger than this is not one (/dev/zero is refused unread)
@@ -27,17 +28,12 @@ class TokenFile:
         """The token the file holds now; PipelineError when it is gone or unusable."""
         with self.lock:
             try:
-                changed = file_key(os.stat(self.path)) != self.key
+                changed = file_identity(os.stat(self.path)) != self.key
             except OSError:
                 changed = True  # read_token_file says why
             if changed:
                 self.key, self.token = read_token_file(self.path)
             return self.token
-
-
-def file_key(st: os.stat_result) -> tuple[int, ...]:
-    """What changes when the token file is rewritten, replaced or re-moded."""
-    return st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino, st.st_dev
 
 
 def read_token_file(path: Path) -> tuple[tuple[int, ...], str]:
@@ -71,7 +67,7 @@ def read_token_file(path: Path) -> tuple[tuple[int, ...], str]:
         raise PipelineError(
             f"--admin-token-file {path}: the token is {len(token)} characters; use at least 16"
         )
-    return file_key(st), token
+    return file_identity(st), token
 
 
 def read_token(path: Path | None) -> TokenFile | None:
