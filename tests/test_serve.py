@@ -554,6 +554,18 @@ def wait_for(log: Path, text: str, count: int = 1, timeout: float = 120) -> None
         time.sleep(0.2)
 
 
+def wait_sighup_ignored(proc: subprocess.Popen, timeout: float = 30) -> None:
+    """Until the process ignores SIGHUP (its SigIgn mask in /proc holds signal 1)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        status = Path(f"/proc/{proc.pid}/status").read_text()
+        ignored = int(next(x for x in status.splitlines() if x.startswith("SigIgn:")).split()[1], 16)
+        if ignored & (1 << (signal.SIGHUP - 1)):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"serve did not ignore SIGHUP within {timeout} s (exit {proc.poll()})")
+
+
 @pytest.mark.slow
 def test_a_sighup_never_kills_serve_starting_or_stopping(tiny_model: Path, tmp_path: Path):
     """A deploy's reload (`systemctl reload`: SIGHUP) while serve starts, or while it saves its
@@ -571,6 +583,9 @@ def test_a_sighup_never_kills_serve_starting_or_stopping(tiny_model: Path, tmp_p
     with open(log, "w") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT)
         try:
+            # serve's first step ignores it; before that the interpreter starts (imports: ~0.2 s,
+            # more on a loaded machine), where a SIGHUP ends any process: not what is tested
+            wait_sighup_ignored(proc)
             for _ in range(5):  # from the first steps on (imports, mount, warm-up)
                 time.sleep(0.15)
                 proc.send_signal(signal.SIGHUP)
