@@ -559,7 +559,9 @@ def wait_sighup_ignored(proc: subprocess.Popen, timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
         status = Path(f"/proc/{proc.pid}/status").read_text()
-        ignored = int(next(x for x in status.splitlines() if x.startswith("SigIgn:")).split()[1], 16)
+        ignored = int(
+            next(x for x in status.splitlines() if x.startswith("SigIgn:")).split()[1], 16
+        )
         if ignored & (1 << (signal.SIGHUP - 1)):
             return
         time.sleep(0.005)
