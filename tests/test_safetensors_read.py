@@ -55,6 +55,36 @@ def test_hash_only_pass_keeps_scalars_and_loads_nothing(tensors_file: Path):
     assert data.digests["sha256"] == hashlib.sha256(tensors_file.read_bytes()).hexdigest()
 
 
+def test_a_file_of_many_chunks_hashes_right_through_reused_buffers(tmp_path: Path):
+    """The hash-only pass reads into a few buffers it reuses once both digests took them: every
+    byte of a file many times their size hashed once, in order, by each."""
+    import numpy as np
+
+    from pipeline.format.safetensors_read import CHUNK
+
+    path = tmp_path / "big.safetensors"
+    rng = np.random.default_rng(7)
+    arrays = {
+        f"t{i}": mx.array(rng.integers(0, 255, CHUNK + 977 * i, dtype=np.uint8)) for i in range(5)
+    }
+    mx.save_safetensors(str(path), {**arrays, "s": mx.array(9)})
+    _, data = read_all(path, load=False)
+    raw = path.read_bytes()
+    assert data.digests == {
+        "sha256": hashlib.sha256(raw).hexdigest(),
+        "blake3": blake3(raw).hexdigest(),
+    }
+    assert struct.unpack("<i", data.small["s"])[0] == 9
+
+
+def test_nothing_to_hash_or_load_reads_only_the_scalars(tensors_file: Path):
+    """A file the hash memo vouches for, not loaded: its scalars are read, nothing else."""
+    header = read_header(tensors_file)
+    data = read_data(tensors_file, header, digests=(), load=False)
+    assert data.digests == {} and data.arrays == {}
+    assert struct.unpack("<i", data.small["s"])[0] == 5 and set(data.small) == {"s", "empty"}
+
+
 def test_a_changed_byte_changes_the_digest(tensors_file: Path):
     before = read_all(tensors_file)[1].digests
     data = bytearray(tensors_file.read_bytes())

