@@ -256,7 +256,10 @@ def test_keygen_and_sign_json(shop_bundle: Path, tmp_path: Path, capsys):
     )  # fmt: skip
     bundle = shutil.copytree(shop_bundle, tmp_path / "b")
     damaged = damaged_copy(shop_bundle, tmp_path)
-    argv = ["sign", str(bundle), str(damaged), str(bundle), "--key", str(secret), "--json"]
+    signed = shutil.copytree(shop_bundle, tmp_path / "signed")
+    assert main(["sign", str(signed), "--key", str(secret)]) == 0
+    capsys.readouterr()
+    argv = ["sign", str(bundle), str(damaged), str(signed), "--key", str(secret), "--json"]
     assert main(argv) == 1
     out = capsys.readouterr()
     doc = document(SignReport, out.out)

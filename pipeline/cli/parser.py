@@ -11,6 +11,8 @@ option that does not apply to the form used.
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 from typing import Any
 
 # the namespace attribute where a parse records each dest given, with the option string used
@@ -42,14 +44,21 @@ class Once(argparse.Action):
 
 
 class _Distinct(Once, argparse._StoreAction):
-    """action="distinct": a list of names each given once (`build shop shop` is refused)."""
+    """action="distinct": a list of names each given once (`build shop shop` is refused); paths
+    are compared as the folders they name (`sign a ./a/` signs one bundle: refused too)."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:
-        seen: set[str] = set()
-        for value in map(str, values):
-            if value in seen:
-                raise argparse.ArgumentError(None, f"{value} given twice; name it once")
-            seen.add(value)
+        seen: dict[str, str] = {}
+        for value in values:
+            key = os.path.realpath(value) if isinstance(value, Path) else str(value)
+            if key in seen:
+                same = (
+                    f"{value} given twice"
+                    if seen[key] == str(value)
+                    else (f"{seen[key]} and {value} name the same folder")
+                )
+                raise argparse.ArgumentError(None, f"{same}; name it once")
+            seen[key] = str(value)
         super().__call__(parser, namespace, values, option_string)
 
 

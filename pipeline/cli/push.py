@@ -26,7 +26,9 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         help="validate bundles and upload them to a hub model repo (one commit) or an OCI "
         "registry (oci://HOST/NAMESPACE/NAME: only new blocks move)",
     )
-    p.add_argument("bundle", nargs="+", type=Path, help="bundle folders")
+    p.add_argument(
+        "bundle", nargs="+", type=Path, action="distinct", help="bundle folders, each once"
+    )
     p.add_argument(
         "--repo",
         required=True,

@@ -16,7 +16,9 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         parents=parents,
         help="sign bundles with a minisign secret key (manifest.json.minisig)",
     )
-    s.add_argument("bundle", nargs="+", type=Path, help="bundle folders")
+    s.add_argument(
+        "bundle", nargs="+", type=Path, action="distinct", help="bundle folders, each once"
+    )
     s.add_argument(
         "--key", type=Path, metavar="FILE",
         help=f"the secret key file (default: the key text in ${KEY_ENV})",

@@ -21,7 +21,8 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         "bundle",
         nargs="*",
         type=Path,
-        help="bundle folders (default: every bundle in --bundles, or in <model>/prefix-bundles)",
+        action="distinct",
+        help="bundle folders, each once (default: every bundle in --bundles, or in <model>/prefix-bundles)",
     )
     v.add_argument("--model", type=Path, required=True, help="the model folder they are for")
     v.add_argument(
