@@ -33,7 +33,7 @@ from typing import Any
 
 from pipeline.builder.build_record import built_here, recorded_before_manifests
 from pipeline.builder.parent_checks import (
-    SPOT_CHECK,
+    SPOT_CHECK_DIFFERS,
     WINDOW,
     chunks_check,
     replay,
@@ -272,7 +272,7 @@ def _load(bundle: Path, manifest: Manifest, wanted: Wanted) -> tuple[Resume | No
         return None, f"it shares less than {NOT_ENOUGH} with these tokens"
     start = time.perf_counter()
     how = _prove(checked, wanted, done)
-    if how.startswith(SPOT_CHECK) or how.startswith(UNPROVEN_REFUSAL):
+    if how.startswith(SPOT_CHECK_DIFFERS) or how.startswith(UNPROVEN_REFUSAL):
         return None, how
     if how.startswith(SPOT_CHECKED) and not _sha256_pinned(bundle, checked.manifest):
         # unsigned and not built here: its manifest is as anyone wrote it, so the sha256 it pins
@@ -301,7 +301,7 @@ def proven_lineage(manifest: Manifest) -> bool:
 
 def _prove(checked: Validated, wanted: Wanted, done: int) -> str:
     """How the parent is trusted, as the manifest records it; or why it is not (a refusal that
-    starts with UNPROVEN_REFUSAL or SPOT_CHECK)."""
+    starts with UNPROVEN_REFUSAL or SPOT_CHECK_DIFFERS)."""
     layers, manifest = checked.cache, checked.manifest
     if wanted.trusted_keys:
         return "signed by a trusted key (validated: no recompute)"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-SPOT_CHECK = "recomputed from token 0"
+SPOT_CHECK_DIFFERS = "recomputed from token 0"  # how a refusal for a part that differs opens
 WINDOW = 64  # tokens per window of the sample check
 # within float tolerance: a window shorter than the parent's chunk differs in the last bits; a
 # half-precision parent also differs by its rounding (about one bfloat16 ulp, 2^-8 relative)
@@ -68,7 +68,7 @@ def sample_check(model: Any, layers: list[Any], tokens: list[int], done: int) ->
             for kind, a, b in _pairs(fresh, old, start, end):
                 if not mx.allclose(a, b, rtol=rtol, atol=atol).item():
                     return (
-                        f"{SPOT_CHECK}, tokens {start}-{end} differ from the parent's in layer "
+                        f"{SPOT_CHECK_DIFFERS}, tokens {start}-{end} differ from the parent's in layer "
                         f"{i} {kind} beyond float tolerance: altered, or built differently"
                     )
     return None
@@ -97,10 +97,17 @@ def chunks_check(
             for kind, a, b in _pairs(fresh, old, start, end):
                 if not mx.array_equal(a, b).item():
                     return (
-                        f"{SPOT_CHECK}, chunk {index} (tokens {start}-{end}) differs from the "
+                        f"{SPOT_CHECK_DIFFERS}, chunk {index} (tokens {start}-{end}) differs from the "
                         f"parent's in layer {i} {kind}: altered, or built differently"
                     )
     return checked
 
 
-__all__ = ["SPOT_CHECK", "WINDOW", "chunks_check", "replay", "sample_check", "sample_windows"]
+__all__ = [
+    "SPOT_CHECK_DIFFERS",
+    "WINDOW",
+    "chunks_check",
+    "replay",
+    "sample_check",
+    "sample_windows",
+]
