@@ -110,11 +110,11 @@ DIGEST = "sha256:" + hashlib.sha256(BLOB).hexdigest()
 
 
 @contextmanager
-def serving(handler: type) -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+def serving(handler: type, host: str = "127.0.0.1") -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer((host, 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        yield f"127.0.0.1:{server.server_address[1]}"
+        yield f"{host}:{server.server_address[1]}"
     finally:
         server.shutdown()
         server.server_close()

@@ -10,6 +10,7 @@ errors, 429 and 5xx are retried with backoff; what still fails is one PipelineEr
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -37,6 +38,7 @@ REPO_URL = re.compile(
     r"^oci://(?P<host>[A-Za-z0-9.-]+(?::[0-9]{1,5})?|\[[0-9a-fA-F:]+\](?::[0-9]{1,5})?)"
     r"/(?P<name>[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*)\Z"
 )
+MAX_SMALL_BODY = 64 << 10  # what is read of a body only its message needs (an error, a PUT's)
 TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}\Z")
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}\Z")
 
@@ -135,12 +137,12 @@ class Registry:
                 if r.status_code == 401 and mine and self._authorize(r, doing):
                     r.close()
                     r = self._once(method, url, extra, stream, kw)
-            except lib().TransportError as exc:
+            except lib().RequestError as exc:
                 last = f"{exc.__class__.__name__}: {' '.join(str(exc).split())[:120]}"
                 continue
             if r.status_code != 429 and r.status_code < 500:
                 return r
-            r.read()
+            small_body(r)
             r.close()
             last = f"HTTP {r.status_code}{_error_detail(r)}"
         raise PipelineError(
@@ -152,21 +154,23 @@ class Registry:
         # a URL the registry named on another origin (an upload Location) gets no credentials
         headers = {**(self.header if same_origin(url, self.base) else {}), **extra}
         if self.plain is not None:
-            r = self.plain.send(method, url, headers, stream=stream, **kw)
+            r = self.plain.send(method, url, headers, stream=True, **kw)
         else:
             content = kw.get("content")
             if content is not None and not isinstance(content, bytes):  # buffers: httpx wants bytes
                 kw = {**kw, "content": b"".join(content)}
             request = self.client.build_request(method, url, headers=headers, **kw)
-            r = self.client.send(request, stream=stream)
-        if stream and r.status_code >= 400:
-            r.read()  # an error's body is small: read it for the message
+            r = self.client.send(request, stream=True)
+        if r.status_code >= 400 or not stream:
+            small_body(r)  # for the message: no more than MAX_SMALL_BODY is read
+        if not stream:
+            r.close()
         return r
 
     def _authorize(self, r: Any, doing: str) -> bool:
         """Answer a 401's challenge once per credential state; False when nothing changes."""
         challenge = Challenge.parse(r.headers.get("www-authenticate", ""))
-        header = auth_header(self.client, challenge, self.creds, self.ref, doing)
+        header = auth_header(self.client, challenge, self.creds, self.ref, doing, self.base)
         if header is None or header == self.header:
             return False
         self.header = header
@@ -191,7 +195,15 @@ class Registry:
         r = self.request(
             "HEAD", f"{self.base}/blobs/{digest}", f"checking blob {digest[:19]}", (200, 404)
         )
-        return int(r.headers.get("content-length", "0")) if r.status_code == 200 else None
+        if r.status_code != 200:
+            return None
+        length = r.headers.get("content-length", "")
+        if not length.isdigit() or len(length) > 19:
+            raise PipelineError(
+                f"registry {self.ref.host}: checking blob {digest[:19]}: it answered with "
+                f"Content-Length {' '.join(length.split())[:40]!r}, not a size; check the registry"
+            )
+        return int(length)
 
     def mount(self, digest: str, source: str) -> bool:
         """Cross-repository mount of a blob from `source` (a repository name on this registry)."""
@@ -225,7 +237,13 @@ class Registry:
         )
 
     def _location(self, r: Any) -> str:
-        return str(r.url.join(r.headers["location"]))
+        location = r.headers.get("location")
+        if not location:
+            raise PipelineError(
+                f"registry {self.ref.host}: it opened an upload (HTTP {r.status_code}) with no "
+                "Location to send it to; check that it is an OCI registry"
+            )
+        return str(r.url.join(location))
 
     def stream_blob(self, digest: str, size: int, sink: Callable[[bytes], None]) -> None:
         """GET a blob into sink, checking its size and sha256 as it streams (nothing is kept: each
@@ -249,7 +267,7 @@ class Registry:
                         sink(chunk)
                     n += len(chunk)
                 break
-            except lib().TransportError:
+            except lib().RequestError:
                 if attempt == RETRIES - 1:
                     raise PipelineError(
                         f"registry {self.ref.host}: {doing} failed after {RETRIES} tries (the "
@@ -264,16 +282,19 @@ class Registry:
                 "published"
             )
 
-    def _blob_chunks(self, digest: str, size: int, doing: str, start: int = 0) -> Iterator[Any]:
+    def _blob_chunks(
+        self, digest: str, size: int, doing: str, start: int = 0, answered: bool = False
+    ) -> Iterator[Any]:
         """The blob's bytes from `start` on (a Range request when start > 0), in pieces that
-        may be views of one buffer: each is valid until the next is asked for."""
+        may be views of one buffer: each is valid until the next is asked for. A 401 is answered
+        once, and only from the registry's own origin (not a store it redirected to)."""
         headers = {**self.header, "range": f"bytes={start}-"} if start else self.header
         with self._open_blob(f"{self.base}/blobs/{digest}", headers) as r:
-            if r.status_code == 401 and self._authorize(r, doing):
-                yield from self._blob_chunks(digest, size, doing, start)
+            mine = same_origin(str(r.url), self.base)
+            if r.status_code == 401 and mine and not answered and self._authorize(r, doing):
+                yield from self._blob_chunks(digest, size, doing, start, answered=True)
                 return
             if r.status_code == 404:
-                r.read()
                 raise PipelineError(
                     f"registry {self.ref.host}: blob {digest} of {self.ref.name} is missing "
                     f"(HTTP 404{_error_detail(r)}): the artifact lists it, the "
@@ -281,7 +302,6 @@ class Registry:
                     "the bundle again. Nothing was published"
                 )
             if r.status_code not in (200, 206):
-                r.read()
                 raise self.failed(doing, r)
             skip = start if r.status_code == 200 else 0  # the server ignored the Range
             if isinstance(r, PlainResponse):
@@ -308,6 +328,8 @@ class Registry:
                     yield r
                 return
         with self.client.stream("GET", url, headers=headers, follow_redirects=True) as r:
+            if r.status_code >= 400:
+                small_body(r)
             yield r
 
     def get_blob(self, digest: str, size: int) -> bytes:
@@ -379,7 +401,7 @@ class Registry:
                 n += len(chunk)
                 if n > cap:
                     return b"", True
-        except lib().TransportError as exc:
+        except lib().RequestError as exc:
             raise PipelineError(
                 f"registry {self.ref.host}: {doing} failed (the connection broke: "
                 f"{exc.__class__.__name__}); retry: nothing was published"
@@ -392,9 +414,27 @@ class Registry:
         return list_tags(self)
 
 
+def small_body(r: Any) -> bytes:
+    """A response's body as far as a message needs it: at most MAX_SMALL_BODY bytes (a longer
+    one is cut, and its connection dropped when the response closes); kept on the response."""
+    body = getattr(r, "small_body", None)
+    if body is None:
+        parts, n = [], 0
+        try:
+            for chunk in r.iter_bytes(1 << 14):
+                parts.append(bytes(chunk))
+                n += len(chunk)
+                if n > MAX_SMALL_BODY:
+                    break
+        except lib().RequestError:
+            pass  # what came is enough for a message
+        body = r.small_body = b"".join(parts)[:MAX_SMALL_BODY]
+    return body
+
+
 def _error_detail(r: Any) -> str:
     try:
-        errors = r.json().get("errors") or []
+        errors = json.loads(small_body(r)).get("errors") or []
         text = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors)
     except Exception:
         text = ""

@@ -20,12 +20,14 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from pipeline.distribute.untrusted import Unfit, parse_as
+from pipeline.distribute.untrusted import Unfit, may_carry_credentials, parse_as
 from pipeline.format.errors import PipelineError
 
 USER_ENV = "PREFIX_BUNDLES_REGISTRY_USER"
 PASSWORD_ENV = "PREFIX_BUNDLES_REGISTRY_PASSWORD"
 MAX_REPLY_BYTES = 1 << 20  # a config file, a helper's or a token service's answer
+HELPER_TIMEOUT_S = 30.0  # a credential helper waiting on a login or a keyring stops here
+TOKEN = re.compile(r"^[\x21-\x7e]+\Z")  # a bearer token: visible ASCII, sent as a header value
 
 
 @dataclass(frozen=True)
@@ -153,8 +155,16 @@ def _from_helper(helper: str, host: str) -> Creds | None:
     """Ask `docker-credential-<helper> get`; None when it has nothing for host."""
     program = f"docker-credential-{helper}"
     try:
-        out = subprocess.run([program, "get"], input=host.encode(), capture_output=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
+        out = subprocess.run(
+            [program, "get"], input=host.encode(), capture_output=True, timeout=HELPER_TIMEOUT_S
+        )
+    except subprocess.TimeoutExpired:
+        raise PipelineError(
+            f"the credential helper {program} (named by the Docker config for {host}) did not "
+            f"answer within {HELPER_TIMEOUT_S:g} s; check it (it may be waiting for a login or a keyring), or set "
+            f"{USER_ENV} and {PASSWORD_ENV}"
+        ) from None
+    except OSError:
         raise PipelineError(
             f"the Docker config names the credential helper {helper!r} for {host}, but "
             f"{program} cannot be run; install it or set {USER_ENV} and {PASSWORD_ENV}"
@@ -177,9 +187,10 @@ def basic(creds: Creds) -> str:
 
 
 def auth_header(
-    client: Any, challenge: Challenge, creds: Creds | None, ref: Any, doing: str
+    client: Any, challenge: Challenge, creds: Creds | None, ref: Any, doing: str, base: str
 ) -> dict[str, str] | None:
-    """The Authorization header answering a challenge, or None when it cannot be answered."""
+    """The Authorization header answering a challenge of the registry at `base`, or None when
+    it cannot be answered."""
     if challenge.scheme == "basic":
         return {"authorization": basic(creds)} if creds else None
     if challenge.scheme != "bearer" or "realm" not in challenge.params:
@@ -189,23 +200,45 @@ def auth_header(
     params = [("scope", s) for s in scopes]
     if "service" in challenge.params:
         params.insert(0, ("service", challenge.params["service"]))
-    headers = {"authorization": basic(creds)} if creds else {}
     realm = challenge.params["realm"]
+    where = f"registry {ref.host}: {doing}: the token service {' '.join(realm.split())[:120]}"
+    if creds and not may_carry_credentials(realm, base):
+        raise PipelineError(
+            f"{where} is plain HTTP on another origin: the credentials for {ref.host} are not "
+            "sent there in clear; have the registry name an https:// token service"
+        )
+    headers = {"authorization": basic(creds)} if creds else {}
     try:
-        r = client.get(realm, params=params, headers=headers)
+        with client.stream("GET", realm, params=params, headers=headers) as r:
+            if r.status_code != 200:
+                return None  # the caller reports the registry's 401
+            data = _capped(r.iter_bytes(1 << 16), MAX_REPLY_BYTES)
     except Exception as exc:
         raise PipelineError(
-            f"registry {ref.host}: {doing}: the token service {realm} did "
-            f"not answer ({exc.__class__.__name__}); check it and retry"
+            f"{where} did not answer ({exc.__class__.__name__}); check it and retry"
         ) from None
-    if r.status_code != 200:
-        return None  # the caller reports the registry's 401
     try:
-        reply = parse_as(TokenReply, r.content, MAX_REPLY_BYTES)
+        reply = parse_as(TokenReply, data, MAX_REPLY_BYTES)
     except Unfit as exc:
         raise PipelineError(
-            f"registry {ref.host}: {doing}: the token service {realm} answered with no token "
-            f"({exc}); check that it is the registry's token service, then retry"
+            f"{where} answered with no token ({exc}); check that it is the registry's token "
+            "service, then retry"
         ) from None
     token = reply.token or reply.access_token
+    if token and not TOKEN.match(token):
+        raise PipelineError(
+            f"{where} answered with a token that cannot be sent in a header (spaces or control "
+            "characters); check that it is the registry's token service, then retry"
+        )
     return {"authorization": f"Bearer {token}"} if token else None
+
+
+def _capped(chunks: Any, cap: int) -> bytes:
+    """The pieces joined, stopping one piece past cap (parse_as then refuses it as over)."""
+    parts, n = [], 0
+    for chunk in chunks:
+        parts.append(chunk)
+        n += len(chunk)
+        if n > cap:
+            break
+    return b"".join(parts)

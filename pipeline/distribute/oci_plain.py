@@ -25,6 +25,7 @@ from pipeline.distribute.oci_http import lib
 from pipeline.distribute.untrusted import same_origin
 
 CHUNK = 1 << 20
+MAX_READ = 1 << 20  # a body read whole here: a redirect's, an error's (blobs and documents stream)
 MAX_REDIRECTS = 5
 REDIRECTS = (301, 302, 303, 307, 308)
 PROXY_VARS = ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY")
@@ -78,9 +79,11 @@ class Response:
         self.headers = Headers(raw.getheaders())
         self._body: bytes | None = None
 
-    def read(self) -> bytes:
+    def read(self, cap: int = MAX_READ) -> bytes:
+        """The body, or its first `cap` bytes when it is longer (what a registry says in a
+        redirect or an error is small; the rest is dropped with the connection)."""
         if self._body is None:
-            self._body = _transport(self.raw.read)
+            self._body = _transport(self.raw.read, cap + 1)[:cap]
         return self._body
 
     def json(self) -> Any:
@@ -89,11 +92,21 @@ class Response:
     def iter_bytes(self, chunk_size: int = CHUNK) -> Iterator[bytes]:
         while data := _transport(self.raw.read, chunk_size):
             yield data
+        self._check_ended()
 
     def chunks(self, buffer: memoryview) -> Iterator[memoryview]:
         """The body in views of buffer, each valid until the next is asked for."""
         while n := _transport(self.raw.readinto, buffer):
             yield buffer[:n]
+        self._check_ended()
+
+    def _check_ended(self) -> None:
+        """A body that ended before its Content-Length: the connection closed early (http.client
+        returns what came, not an error), raised as a broken connection for the caller to retry."""
+        if self.raw.length:  # bytes it still owed
+            raise lib().ReadError(
+                f"the connection closed {self.raw.length:,} bytes before the body ended"
+            )
 
     def close(self) -> None:
         if self.conn is None:
@@ -153,7 +166,7 @@ class PlainHTTP:
             target = r.headers.get("location")
             if not (follow and r.status_code in REDIRECTS and target):
                 break
-            r.read()
+            r.read()  # capped: a longer body drops the connection
             r.close()
             target = urljoin(url, target)
             if not usable(target):
@@ -183,7 +196,8 @@ class PlainHTTP:
                 conn.close()
                 if not was_idle:
                     raise lib().ReadError(f"{e.__class__.__name__}: {e}") from None
-            except (OSError, http.client.HTTPException) as e:
+            except (OSError, http.client.HTTPException, ValueError) as e:
+                # ValueError: a URL or header value the registry named that cannot be sent
                 conn.close()
                 raise lib().ConnectError(f"{e.__class__.__name__}: {e}") from None
         raise AssertionError("unreachable")

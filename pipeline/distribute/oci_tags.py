@@ -19,6 +19,8 @@ from pipeline.format.errors import PipelineError
 
 MAX_PAGES = 1000  # of up to 1,000 tags each (`n=1000`)
 MAX_PAGE_BYTES = MAX_MANIFEST_BYTES
+# all pages together (~400,000 bundle tags): a page's tags take ~8x its bytes in memory
+MAX_LIST_BYTES = 16 << 20
 NEXT = re.compile(r'<([^>]+)>;\s*rel="next"')
 
 
@@ -32,7 +34,7 @@ class TagList(BaseModel):
 
 def list_tags(registry: Any) -> list[str]:
     """Every tag of the registry's repository, sorted; [] when the registry has no such repo."""
-    url, found, seen = f"{registry.base}/tags/list?n=1000", [], set()
+    url, found, seen, read = f"{registry.base}/tags/list?n=1000", set(), set(), 0
     where = f"registry {registry.ref.host}: the tag list of {registry.ref.name}"
     while url:
         if url in seen or len(seen) == MAX_PAGES:
@@ -44,8 +46,15 @@ def list_tags(registry: Any) -> list[str]:
         page = _page(registry, url, where)
         if page is None:
             return []
-        tags, link = page
-        found += tags
+        tags, link, size = page
+        read += size
+        if read > MAX_LIST_BYTES:
+            raise PipelineError(
+                f"{where} is over {MAX_LIST_BYTES:,} bytes across its first {len(seen):,} pages; "
+                "prune the repository's old tags (docs/deploy.md) or pull from a repository "
+                "of its own: nothing was published"
+            )
+        found.update(tags)  # a tag on two pages (added while paging) counts once
         nxt = NEXT.match(link)
         url = str(URL(url).join(nxt.group(1))) if nxt else ""
         if url and not same_origin(url, registry.base):
@@ -56,8 +65,9 @@ def list_tags(registry: Any) -> list[str]:
     return sorted(found)
 
 
-def _page(registry: Any, url: str, where: str) -> tuple[list[str], str] | None:
-    """(one page's tags, its Link header); None for a repository the registry lacks (404)."""
+def _page(registry: Any, url: str, where: str) -> tuple[list[str], str, int] | None:
+    """(one page's tags, its Link header, its size); None for a repository the registry lacks
+    (404)."""
     doing = "listing tags"
     r = registry._send("GET", url, doing, stream=True)
     try:
@@ -77,4 +87,4 @@ def _page(registry: Any, url: str, where: str) -> tuple[list[str], str] | None:
             f"{where} is not a tag list ({exc}); check that {registry.ref.host} is an OCI "
             "registry (not a login page or a proxy): nothing was published"
         ) from None
-    return tags or [], r.headers.get("link", "")
+    return tags or [], r.headers.get("link", ""), len(body)

@@ -3,7 +3,8 @@
 One way to read a document: its size capped before it is parsed, its JSON nested no deeper than
 pydantic's parser goes (Python's own json raises RecursionError at ~1,000 levels, a traceback),
 and its fields validated by a strict model. One rule for URLs a registry names (a redirect, a
-`Location`, a `Link`): credentials go only to the origin they were given for.
+`Location`, a `Link`): credentials go only to the origin they were given for, and to the token
+service a Bearer challenge names only as `may_carry_credentials` allows.
 """
 
 from __future__ import annotations
@@ -58,6 +59,25 @@ def origin(url: str) -> tuple[str, str, int | None]:
     except ValueError:  # a port that is not a number: matches nothing
         port = -1
     return scheme, (parts.hostname or "").lower(), port
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def may_carry_credentials(realm: str, base: str) -> bool:
+    """Whether the token service a registry's Bearer challenge names may get the credentials
+    given for the registry at `base`: on the registry's own origin; over https (Docker Hub's is
+    another host); or on loopback when the registry itself is plain HTTP on loopback (a local
+    rehearsal). Never in clear to another machine, and never downgraded from TLS."""
+    if same_origin(realm, base):
+        return True
+    scheme, host, _ = origin(realm)
+    if scheme == "https":
+        return True
+    base_scheme, base_host, _ = origin(base)
+    return (
+        scheme == base_scheme == "http" and host in LOOPBACK_HOSTS and base_host in LOOPBACK_HOSTS
+    )
 
 
 def same_origin(url: str, other: str) -> bool:

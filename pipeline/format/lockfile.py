@@ -22,12 +22,15 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pipeline.format.errors import PipelineError
+from pipeline.format.names import MODEL_FOLDER_RULE, NAME_RULE
 from pipeline.format.regular_files import FileProblem, read_regular
 
 LOCK_NAME = "prefixes.lock"
 LOCK_VERSION = 1  # the lockfile layout this code reads and writes
 Hex64 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
 Digest = Annotated[str, Field(pattern=r"^sha256:[0-9a-f]{64}$")]
+ModelFolder = Annotated[str, Field(pattern=MODEL_FOLDER_RULE)]  # <slug>-<fingerprint12>
+PrefixName = Annotated[str, Field(pattern=NAME_RULE)]
 
 
 class LockError(PipelineError):
@@ -44,16 +47,18 @@ class LockedPrefix(BaseModel):
     version: Annotated[int, Field(ge=1)]
     content_sha256: Hex64
     template_sha256: Hex64
-    models: dict[str, Hex64]  # model folder (slug-fingerprint prefix) -> full model fingerprint
+    models: dict[
+        ModelFolder, Hex64
+    ]  # model folder (slug-fingerprint prefix) -> full model fingerprint
     # model folder -> OCI artifact digest, recorded by `push --lockfile` (deploys pin by digest)
-    artifacts: dict[str, Digest] | None = None
+    artifacts: dict[ModelFolder, Digest] | None = None
 
 
 class Lockfile(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     lock_version: Annotated[int, Field(ge=LOCK_VERSION, le=LOCK_VERSION)] = LOCK_VERSION
-    prefixes: dict[str, LockedPrefix] = Field(default_factory=dict)
+    prefixes: dict[PrefixName, LockedPrefix] = Field(default_factory=dict)
 
 
 def lock_path(prefix_dir: Path) -> Path:
@@ -71,7 +76,7 @@ def read_lock(path: Path) -> Lockfile:
         raise LockError(f"{path}: {exc}") from None
     except ValidationError as exc:
         err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        where = repr(".".join(str(p) for p in err["loc"]))[1:-1] or "(top level)"
         if where == "lock_version":
             raise LockError(
                 f"{path}: lock_version {err.get('input')!r} is not supported (this version reads "

@@ -17,6 +17,7 @@ MAX_VERSION = 999_999_999
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,63}\Z")
 _VERSION = re.compile(r"^[1-9][0-9]{0,8}\Z")  # canonical: no sign, no leading zero, ASCII only
 _INDEX = re.compile(r"^(0|[1-9][0-9]{0,8})\Z")
+MODEL_FOLDER_RULE = r"^[a-z0-9][a-z0-9._-]*-[0-9a-f]{12}$"  # for pydantic fields, as NAME_RULE
 LAYOUT_FOLDER = re.compile(r"^[a-z0-9][a-z0-9._-]*-[0-9a-f]{12}\Z")  # <slug>-<fingerprint12>
 
 

@@ -1,0 +1,327 @@
+"""A hostile or broken registry, token service or network, at the HTTP level (found by an outside
+review): credentials never reach a token service in clear on another machine nor a store a blob
+is redirected to; no body is read without a bound (an error's, a redirect's, the tag list across
+pages); a challenge is answered once; a body cut short by a clean close is resumed, not called
+damaged; what the registry names that cannot be sent is one line, never a traceback."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from test_oci import no_docker_config  # noqa: F401 - an autouse fixture: no machine credentials
+from test_oci_fastpath import BLOB, DIGEST, Quiet, serving
+
+from pipeline.cli import main
+from pipeline.distribute import oci_auth, oci_tags
+from pipeline.distribute.oci import Registry, parse_repo
+from pipeline.distribute.oci_plain import PROXY_VARS
+from pipeline.distribute.untrusted import may_carry_credentials
+from pipeline.format.errors import PipelineError
+
+SECRET = oci_auth.basic(oci_auth.Creds("alice", "s3cret", "test"))
+
+
+@pytest.fixture(autouse=True)
+def alice(no_docker_config, monkeypatch):  # noqa: F811 - after it: these credentials stay
+    monkeypatch.setenv("PREFIX_BUNDLES_REGISTRY_USER", "alice")
+    monkeypatch.setenv("PREFIX_BUNDLES_REGISTRY_PASSWORD", "s3cret")
+    for var in PROXY_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+
+def client(host: str) -> Registry:
+    return Registry(parse_repo(f"oci://{host}/fleet/bundles"), plain_http=True)
+
+
+def reply(handler, status: int, body: bytes = b"", headers: tuple = ()) -> None:
+    handler.send_response(status)
+    for k, v in headers:
+        handler.send_header(k, v)
+    handler.send_header("content-length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
+def token_service(seen: list):
+    class Tokens(Quiet):
+        count = itertools.count()
+
+        def do_GET(self):
+            seen.append(self.headers.get("authorization"))
+            reply(self, 200, json.dumps({"token": f"t{next(self.count)}"}).encode())
+
+    return Tokens
+
+
+@pytest.mark.parametrize(
+    ("realm", "base", "may"),
+    [
+        ("https://auth.example/token", "https://registry.example/v2/x", True),  # Docker Hub's way
+        ("http://registry.example/token", "http://registry.example/v2/x", True),  # its own origin
+        ("http://127.0.0.1:9/token", "http://127.0.0.1:5000/v2/x", True),  # a local rehearsal
+        ("http://auth.example/token", "https://registry.example/v2/x", False),  # in clear
+        ("http://registry.example/token", "https://registry.example/v2/x", False),  # downgraded
+        ("http://127.0.0.1:9/token", "https://127.0.0.2:5000/v2/x", False),
+        ("http://127.0.0.1:9/token", "http://10.0.0.5:5000/v2/x", False),
+    ],
+)  # fmt: skip
+def test_which_token_service_may_get_the_registry_credentials(realm: str, base: str, may: bool):
+    assert may_carry_credentials(realm, base) is may
+
+
+def test_a_token_service_in_clear_on_another_machine_gets_no_credentials(tiny_model, capsys):
+    """A registry reached over plain HTTP at 127.0.0.2 (another machine, as far as the rule can
+    tell) names a plain-HTTP token service elsewhere: the password went there in clear."""
+    seen: list = []
+    with serving(token_service(seen)) as tokens:
+
+        class Front(Quiet):
+            def do_GET(self):
+                realm = f'Bearer realm="http://{tokens}/token",service="reg"'
+                reply(self, 401, b"{}", [("www-authenticate", realm)])
+
+        with serving(Front, host="127.0.0.2") as host:
+            argv = ["pull", "--repo", f"oci://{host}/fleet/bundles", "--model", str(tiny_model)]
+            assert main([*argv, "--plain-http"]) == 1
+    assert capsys.readouterr().err == (
+        f"error: registry {host}: listing tags: the token service http://{tokens}/token is plain "
+        f"HTTP on another origin: the credentials for {host} are not sent there in clear; have "
+        "the registry name an https:// token service\n"
+    )
+    assert seen == []
+
+
+def test_a_store_a_blob_is_redirected_to_gets_no_answer_to_its_challenge():
+    """A 401 from the store the registry redirected a blob to: not answered (the registry's
+    credentials went to the store's token service), and the blob fails as not authorized."""
+    seen: list = []
+    with serving(token_service(seen)) as tokens:
+
+        class Store(Quiet):
+            def do_GET(self):
+                realm = f'Bearer realm="http://{tokens}/token"'
+                reply(self, 401, b"{}", [("www-authenticate", realm)])
+
+        with serving(Store) as store:
+
+            class Front(Quiet):
+                def do_GET(self):
+                    reply(self, 307, b"", [("location", f"http://{store}/data")])
+
+            with serving(Front) as front:
+                registry = client(front)
+                registry.creds = oci_auth.Creds("alice", "s3cret", "test")
+                try:
+                    with pytest.raises(PipelineError, match=r"not authorized \(HTTP 401"):
+                        registry.get_blob(DIGEST, len(BLOB))
+                finally:
+                    registry.close()
+    assert seen == []
+
+
+def test_a_blob_challenge_is_answered_once_not_in_a_loop():
+    """A token service handing a new token each time and a blob that always answers 401: ~970
+    token requests and a RecursionError line before; now one answer, then not authorized."""
+    seen: list = []
+    with serving(token_service(seen)) as tokens:
+
+        class Front(Quiet):
+            def do_GET(self):
+                realm = f'Bearer realm="http://{tokens}/token"'
+                reply(self, 401, b"{}", [("www-authenticate", realm)])
+
+        with serving(Front) as front:
+            registry = client(front)
+            try:
+                with pytest.raises(PipelineError, match=r"not authorized \(HTTP 401, as 'alice'"):
+                    registry.get_blob(DIGEST, len(BLOB))
+            finally:
+                registry.close()
+    assert seen == [SECRET]
+
+
+def endless(handler, status: int, sent: list) -> None:
+    """An answer whose chunked body goes on (up to 256 MiB) until the client hangs up."""
+    handler.send_response(status)
+    handler.send_header("transfer-encoding", "chunked")
+    handler.end_headers()
+    piece = b"x" * (1 << 20)
+    try:
+        for _ in range(256):
+            handler.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+            sent.append(len(piece))
+        handler.wfile.write(b"0\r\n\r\n")
+    except OSError:
+        pass
+
+
+@pytest.mark.parametrize("status", [404, 500, 307])
+def test_an_error_or_redirect_body_is_read_no_further_than_its_message_needs(status: int):
+    """The body of an error (or a redirect) was read whole: an endless one filled memory."""
+    sent: list = []
+
+    class Front(Quiet):
+        def do_GET(self):
+            if status == 307:
+                self.send_response(307)
+                self.send_header("location", "/elsewhere")
+                self.send_header("transfer-encoding", "chunked")
+                self.end_headers()
+                return endless_body(self, sent)
+            endless(self, status, sent)
+
+    def endless_body(handler, sent):
+        piece = b"x" * (1 << 20)
+        try:
+            for _ in range(256):
+                handler.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                sent.append(len(piece))
+        except OSError:
+            pass
+
+    with serving(Front) as front:
+        registry = client(front)
+        registry.sleep = lambda s: None
+        try:
+            with pytest.raises(PipelineError):
+                registry.get_manifest("shop.V1.tiny-0123456789ab")
+        finally:
+            registry.close()
+    assert sum(sent) < 64 << 20  # what the sockets' buffers hold, not the 256 MiB on offer
+
+
+def test_the_tag_list_is_bounded_across_pages_and_a_tag_counts_once(monkeypatch):
+    """Pages of up to 4 MiB each, up to 1,000 of them: ~32 GB of memory before; now at most
+    MAX_LIST_BYTES across pages, and a tag listed on two pages (added while paging) is one."""
+    monkeypatch.setattr(oci_tags, "MAX_LIST_BYTES", 1 << 20)
+    pages = {0: ["shop.V1.tiny-0123456789ab", "a"], 1: ["a", "b"]}
+
+    class Front(Quiet):
+        def do_GET(self):
+            page = int(self.path.rpartition("last=")[2] or 0) if "last=" in self.path else 0
+            tags = pages.get(page, [f"t{page}-{i:06d}" for i in range(20_000)])
+            link = [("link", f'</v2/fleet/bundles/tags/list?n=1000&last={page + 1}>; rel="next"')]
+            reply(self, 200, json.dumps({"tags": tags}).encode(), link if page < 50 else [])
+
+    with serving(Front) as front:
+        registry = client(front)
+        try:
+            with pytest.raises(PipelineError, match=r"is over 1,048,576 bytes across its first"):
+                registry.tags()
+            pages.update({2: ["b"]})
+            monkeypatch.setattr(oci_tags, "MAX_LIST_BYTES", 16 << 20)
+            pages.update({n: [] for n in range(3, 51)})
+            assert registry.tags() == ["a", "b", "shop.V1.tiny-0123456789ab"]
+        finally:
+            registry.close()
+
+
+def test_a_blob_cut_short_by_a_clean_close_is_resumed_not_called_damaged():
+    """The store sends its Content-Length, half the body, then closes: http.client hands back
+    what came, and the blob was refused as 'damaged or altered' with no retry."""
+    ranges: list = []
+
+    class Store(Quiet):
+        def do_GET(self):
+            ranges.append(self.headers.get("range"))
+            if self.headers.get("range"):
+                start = int(self.headers["range"].split("=")[1].rstrip("-"))
+                self.send_response(206)
+                self.send_header("content-range", f"bytes {start}-{len(BLOB) - 1}/{len(BLOB)}")
+                self.send_header("content-length", str(len(BLOB) - start))
+                self.end_headers()
+                self.wfile.write(BLOB[start:])
+                return
+            self.send_response(200)
+            self.send_header("content-length", str(len(BLOB)))
+            self.send_header("connection", "close")
+            self.end_headers()
+            self.wfile.write(BLOB[: len(BLOB) // 2])
+            self.close_connection = True
+
+    with serving(Store) as store:
+        registry = client(store)
+        registry.sleep = lambda s: None
+        try:
+            assert registry.get_blob(DIGEST, len(BLOB)) == BLOB
+        finally:
+            registry.close()
+    assert ranges == [None, f"bytes={len(BLOB) // 2}-"]
+
+
+def test_what_a_registry_names_that_cannot_be_used_is_one_line():
+    """A HEAD's Content-Length that is not a number, an upload opened with no Location, a token
+    with a line break (an invalid header value), a redirect loop through httpx: each was a
+    traceback (ValueError, KeyError, ValueError, TooManyRedirects)."""
+    mode = {"now": ""}
+    seen: list = []
+
+    class Front(Quiet):
+        def do_HEAD(self):
+            self.send_response(200)
+            self.send_header("content-length", "abc")
+            self.end_headers()
+
+        def do_POST(self):
+            reply(self, 202)
+
+        def do_GET(self):
+            if self.path.startswith("/token"):
+                seen.append(self.path)
+                return reply(self, 200, json.dumps({"token": "a\nb"}).encode())
+            if mode["now"] == "token":
+                realm = f'Bearer realm="http://{self.headers["host"]}/token"'
+                return reply(self, 401, b"{}", [("www-authenticate", realm)])
+            reply(self, 302, b"", [("location", self.path)])
+
+    with serving(Front) as front:
+        registry = client(front)
+        registry.sleep = lambda s: None
+        try:
+            with pytest.raises(PipelineError, match="Content-Length 'abc', not a size"):
+                registry.has_blob(DIGEST)
+            with pytest.raises(
+                PipelineError, match=r"opened an upload \(HTTP 202\) with no Location"
+            ):
+                registry.upload(DIGEST, BLOB)
+            mode["now"] = "token"
+            with pytest.raises(PipelineError, match="a token that cannot be sent in a header"):
+                registry.get_blob(DIGEST, len(BLOB))
+            mode["now"] = ""
+            registry.plain = None  # as for a TLS registry or one behind a proxy: httpx
+            with pytest.raises(PipelineError, match="failed after 4 tries"):
+                registry.get_blob(DIGEST, len(BLOB))
+        finally:
+            registry.close()
+    assert seen
+
+
+def test_a_credential_helper_that_does_not_answer_is_named_as_such(tmp_path, monkeypatch):
+    helper = tmp_path / "bin" / "docker-credential-slow"
+    helper.parent.mkdir()
+    helper.write_text("#!/bin/sh\nsleep 30\n")
+    helper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{helper.parent}:/usr/bin:/bin")
+    monkeypatch.setattr(oci_auth, "HELPER_TIMEOUT_S", 0.5)
+    (tmp_path / "docker").mkdir()
+    (tmp_path / "docker" / "config.json").write_text('{"credsStore": "slow"}')
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "docker"))
+    monkeypatch.delenv("PREFIX_BUNDLES_REGISTRY_USER", raising=False)
+    with pytest.raises(
+        PipelineError, match=r"docker-credential-slow .* did not answer within 0.5 s"
+    ):
+        oci_auth.credentials("registry.example")
+
+
+def test_a_lockfile_pin_for_a_folder_that_is_not_a_model_folder_is_refused(tmp_path):
+    """A lockfile's model folder key with a '/' gave a traceback in pull (a tuple unpacking)."""
+    from pipeline.format.lockfile import LockError, read_lock
+
+    entry = {"version": 1, "content_sha256": "0" * 64, "template_sha256": "0" * 64}
+    entry["models"] = {"sub/tiny-0123456789ab": "1" * 64}
+    path = tmp_path / "prefixes.lock"
+    path.write_text(json.dumps({"lock_version": 1, "prefixes": {"shop": entry}}))
+    with pytest.raises(LockError, match=r"prefixes\.shop\.models\.sub/tiny-0123456789ab"):
+        read_lock(path)
