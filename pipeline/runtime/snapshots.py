@@ -164,6 +164,9 @@ class Snapshots:
         self._saving = threading.Lock()  # one save at a time: a periodic one, the stop's
         self._periodic: _Periodic | None = None
         self._stopped = False  # the stop's save has begun: no periodic save after it
+        # the newest set when none of them mounted here (another model's, another mlx-lm's): a
+        # save keeps it beside its own, so one start with the wrong model costs no good set
+        self.spare: Path | None = None
 
     def close(self) -> None:
         """Release the snapshot folder for another process (exiting does it too)."""
@@ -208,6 +211,7 @@ class Snapshots:
         for line in self.folder.strays():
             log.warning("snapshots: %s", line)
         current, mounted, refused = self._newest_that_mounts()
+        self.spare = current if current is not None and not mounted else None
         if current is None:
             log.info(
                 "snapshots: none in %s yet (they are written at a graceful stop)", self.folder.root
@@ -370,7 +374,10 @@ class Snapshots:
     ) -> None:
         start = time.perf_counter()
         chosen, report = self._choose(listed, covered)
-        path = self.folder.write_set(chosen, self.context, self.key)
+        if not chosen:  # an empty set would only remove the sets there
+            log.info("snapshots: nothing to save%s; the sets in %s stay", why, self.folder.root)
+            return
+        path = self.folder.write_set(chosen, self.context, self.key, spare=self.spare)
         skipped = ", ".join(f"{n} {reason}" for reason, n in sorted(report.skipped.items()))
         log.info(
             "snapshots: saved %d entr%s (%d tokens, %.1f MiB; budget %.1f MiB) to %s in %.1f ms%s%s",
