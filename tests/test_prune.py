@@ -124,6 +124,54 @@ def test_a_version_named_in_the_lockfile_is_never_deleted(project: Path, shop, c
     assert shop["old"].is_dir() and shop["orphan"].is_dir()
 
 
+def test_a_lockfile_that_is_a_link_to_nothing_stops_prune_and_is_written_through(
+    project: Path, shop, capsys, tmp_path: Path
+):
+    """prefixes.lock a link to the release repo's lockfile: moved away, it was read as empty and
+    prune would delete the versions it pins; a build replaced the link by a file of its own."""
+    release = tmp_path / "release"
+    release.mkdir()
+    locked = LockedPrefix(version=1, content_sha256=HEX, template_sha256=HEX, models={})
+    write_lock(release / "prefixes.lock", Lockfile(prefixes={"shop": locked}))
+    link = project / "prefixes" / "prefixes.lock"
+    link.symlink_to(release / "prefixes.lock")
+    write_lock(link, Lockfile(prefixes={"shop": locked, "gone": locked}))  # through the link
+    assert link.is_symlink() and "gone" in (release / "prefixes.lock").read_text()
+    release.rename(tmp_path / "moved")
+    assert cli(project, "prune", "--apply") == 1
+    assert capsys.readouterr().err == (
+        f"error: {link}: is a link to {release / 'prefixes.lock'}, which does not exist; restore "
+        "the lockfile it names, or remove the link\n"
+    )
+    assert shop["old"].is_dir() and shop["orphan"].is_dir()
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ('{"lock_version": 1, "prefixes": {}, "prefixes": {}}', "has the key 'prefixes' twice in one object"),
+        (None, "is a FIFO, not a regular file"),
+    ],
+    ids=["key-twice", "fifo"],
+)  # fmt: skip
+def test_a_lockfile_with_a_key_twice_or_not_a_file_is_one_line(
+    text, why: str, project: Path, shop, capsys, tiny_model: Path
+):
+    """A key twice: the last one won (shop@7 over shop@1), though parsers disagree; a FIFO given
+    to --lockfile was 'not found'."""
+    path = project / "prefixes" / "prefixes.lock"
+    if text is None:
+        os.mkfifo(path)
+    else:
+        path.write_text(text)
+    assert cli(project, "prune") == 1
+    assert capsys.readouterr().err.startswith(f"error: {path}: {why}")
+    messages = '[{"role": "user", "content": "hi"}]'
+    argv = ["match", "--model", str(tiny_model), "--lockfile", str(path), "--messages", messages]
+    assert main(argv) != 0
+    assert capsys.readouterr().err.startswith(f"error: {path}: {why}")
+
+
 def test_keep_two_keeps_both_versions(project: Path, shop, capsys):
     doc = prune_json(project, capsys, "--keep", "2")[1]
     assert {f.kind for f in doc.delete} == {"no-definition", "staging"}

@@ -161,9 +161,9 @@ def _run_oci(
     from pipeline.distribute.meter import Meter
 
     if args.lockfile:  # before anything moves: it must lock every version pushed
-        from pipeline.format.lockfile import locked_entry, read_lock
+        from pipeline.format.lockfile import given_lock, locked_entry
 
-        lock = read_lock(args.lockfile)
+        lock = given_lock(args.lockfile)
         for b in checked:
             locked_entry(args.lockfile, lock, b.name, b.version)
 

@@ -41,6 +41,7 @@ REPO_URL = re.compile(
 MAX_SMALL_BODY = 64 << 10  # what is read of a body only its message needs (an error, a PUT's)
 TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}\Z")
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}\Z")
+SIZE = re.compile(r"^[0-9]{1,19}\Z")  # a Content-Length: ASCII digits only
 
 
 @dataclass(frozen=True)
@@ -198,7 +199,7 @@ class Registry:
         if r.status_code != 200:
             return None
         length = r.headers.get("content-length", "")
-        if not length.isdigit() or len(length) > 19:
+        if not SIZE.match(length):
             raise PipelineError(
                 f"registry {self.ref.host}: checking blob {digest[:19]}: it answered with "
                 f"Content-Length {' '.join(length.split())[:40]!r}, not a size; check the registry"

@@ -132,13 +132,12 @@ def parse_wanted(prefixes: list[str] | None) -> dict[str, int | None] | None:
 def locked_selection(lockfile: Path, model_dir: Path) -> tuple[list[str], dict[str, str]]:
     """What a lockfile pins for this model: (["name@version", ...], {repo path: artifact digest}
     where `push --lockfile` recorded one)."""
-    from pipeline.format.lockfile import LockError, read_lock
+    from pipeline.format.lockfile import given_lock
 
-    if not Path(lockfile).is_file():
-        raise LockError(f"{lockfile}: lockfile not found; pass the prefixes.lock your build wrote")
+    lock = given_lock(Path(lockfile))
     fingerprint = identity_for(Path(model_dir)).model
     prefixes, pins = [], {}
-    for name, entry in sorted(read_lock(Path(lockfile)).prefixes.items()):
+    for name, entry in sorted(lock.prefixes.items()):
         for folder, fp in sorted(entry.models.items()):
             if fp == fingerprint:
                 prefixes.append(f"{name}@{entry.version}")

@@ -143,12 +143,12 @@ def parse_manifest(bundle: Path, data: bytes) -> Manifest:
         manifest = Manifest.model_validate_json(data)
     except ValidationError as exc:
         raise _manifest_error(bundle, exc, data) from None
-    if (problem := _repeated_key(data)) is not None:  # parsers disagree on which value counts
+    if (problem := repeated_key(data)) is not None:  # parsers disagree on which value counts
         raise refuse(bundle, f"{MANIFEST_FILE} {problem}; rebuild the bundle", MANIFEST_FILE)
     return manifest
 
 
-def _repeated_key(data: bytes) -> str | None:
+def repeated_key(data: bytes) -> str | None:
     """What is wrong when some object of a JSON document (parsed once already, so well formed)
     repeats a key, else None."""
     repeated: list[str] = []

@@ -21,6 +21,7 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from pipeline.format.bundle_folder import repeated_key
 from pipeline.format.errors import PipelineError
 from pipeline.format.names import MODEL_FOLDER_RULE, NAME_RULE
 from pipeline.format.regular_files import FileProblem, read_regular
@@ -66,12 +67,19 @@ def lock_path(prefix_dir: Path) -> Path:
 
 
 def read_lock(path: Path) -> Lockfile:
-    """The lockfile, or an empty one when it does not exist yet."""
+    """The lockfile, or an empty one when nothing is there yet (a link to nothing is refused:
+    read as empty, its pins would be dropped: prune would delete the bundles it keeps)."""
     path = Path(path)
-    if not path.exists():
+    if not os.path.lexists(path):
         return Lockfile()
+    if path.is_symlink() and not path.exists():
+        raise LockError(
+            f"{path}: is a link to {os.readlink(path)}, which does not exist; restore the "
+            "lockfile it names, or remove the link"
+        )
     try:
-        return Lockfile.model_validate_json(read_regular(path, 16 << 20))
+        data = read_regular(path, 16 << 20)
+        lock = Lockfile.model_validate_json(data)
     except FileProblem as exc:
         raise LockError(f"{path}: {exc}") from None
     except ValidationError as exc:
@@ -86,11 +94,29 @@ def read_lock(path: Path) -> Lockfile:
         raise LockError(
             f"{path}: {where}: {err['msg']}; restore it from version control or delete it and rebuild"
         ) from None
+    if (problem := repeated_key(data)) is not None:  # parsers disagree on which value counts
+        raise LockError(
+            f"{path}: {problem}; restore it from version control or delete it and rebuild"
+        )
+    return lock
+
+
+def given_lock(path: Path) -> Lockfile:
+    """A lockfile named on the command line: it must be there."""
+    if not os.path.lexists(path):
+        raise LockError(f"{path}: lockfile not found; pass the prefixes.lock your build wrote")
+    return read_lock(path)
+
+
+def _through_link(path: Path) -> Path:
+    """The file a lockfile path names: a link's target is read, locked and rewritten (replacing
+    the link by a file would leave the lockfile it names stale)."""
+    return Path(os.path.realpath(path)) if Path(path).is_symlink() else Path(path)
 
 
 def write_lock(path: Path, lock: Lockfile) -> None:
-    """Write the lockfile atomically (sorted keys, trailing newline)."""
-    path = Path(path)
+    """Write the lockfile atomically (sorted keys, trailing newline), through a link."""
+    path = _through_link(path)
     text = json.dumps(lock.model_dump(mode="json", exclude_none=True), sort_keys=True, indent=2)
     text += "\n"
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -107,7 +133,7 @@ def update_lock(path: Path, name: str, entry: LockedPrefix) -> Lockfile:
     LockError when another build locked that definition at a newer version or other content."""
     from filelock import FileLock
 
-    path = Path(path)
+    path = _through_link(path)
     try:
         with FileLock(str(path.with_name(f".{path.name}.lock"))):
             current = read_lock(path)
@@ -148,7 +174,7 @@ def record_artifacts(path: Path, name: str, version: int, digests: dict[str, str
     lock; LockError when the lockfile does not lock that version (push what it names)."""
     from filelock import FileLock
 
-    path = Path(path)
+    path = _through_link(path)
     with FileLock(str(path.with_name(f".{path.name}.lock"))):
         lock = read_lock(path)
         now = locked_entry(path, lock, name, version)
@@ -177,6 +203,4 @@ def locked_for_model(path: Path, fingerprint: str) -> dict[str, int]:
 
 def locked_versions(path: Path) -> dict[str, int]:
     """{prefix name: locked version}, for mounting exactly what the lockfile names."""
-    if not Path(path).is_file():
-        raise LockError(f"{path}: lockfile not found; pass the prefixes.lock your build wrote")
-    return {name: entry.version for name, entry in read_lock(path).prefixes.items()}
+    return {name: entry.version for name, entry in given_lock(path).prefixes.items()}
