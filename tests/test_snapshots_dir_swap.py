@@ -168,7 +168,13 @@ def test_the_budget_is_checked_on_its_own():
     assert snapshot_budget(SimpleNamespace(snapshots=Path("s"), snapshot_budget="512MiB")) == (
         512 << 20
     )
-    assert snapshot_budget(SimpleNamespace(snapshots=None, snapshot_budget="2 lots")) is None
+    # given without --snapshots it was ignored, and an empty one taken as the default
+    with pytest.raises(PipelineError, match=r"^--snapshot-budget needs --snapshots DIR"):
+        snapshot_budget(SimpleNamespace(snapshots=None, snapshot_budget="1GiB"))
+    with pytest.raises(PipelineError, match=r"^--snapshot-budget '' is not a size"):
+        snapshot_budget(SimpleNamespace(snapshots=Path("s"), snapshot_budget=""))
+    assert snapshot_budget(SimpleNamespace(snapshots=None, snapshot_budget=None)) is None
+    assert snapshot_budget(SimpleNamespace(snapshots=Path("s"), snapshot_budget=None)) == 2 << 30
 
 
 def test_a_bad_budget_is_refused_before_the_mount(

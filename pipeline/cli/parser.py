@@ -1,7 +1,7 @@
 """The one argparse class every parser of the CLI is made from: no abbreviations, each option once.
 
-An abbreviation that silently matches another option, or a second value that silently replaces
-the first (`--sign-key a.key --sign-key b.key` signing with b only), is how wrong things happen:
+An abbreviation that silently matches another option, an empty path (the current folder), or a
+second value that silently replaces the first (`--sign-key a.key --sign-key b.key` signing with b only), is how wrong things happen:
 both are usage errors here, for every command, the ones added later included. Options meant to
 repeat (action append, count, extend) are left alone; a list of names that must differ takes
 action="distinct". What a parse was given is kept (`given_options`), for a command to refuse an
@@ -88,13 +88,24 @@ class _Subcommands(argparse._SubParsersAction):
         setattr(namespace, GIVEN, {**before, **after})
 
 
+def _path(text: str) -> Path:
+    """type=Path, refusing an empty value: Path("") is the current folder (an unset variable in
+    `--snapshots "$DIR"` wrote snapshots there)."""
+    if not text:
+        raise argparse.ArgumentTypeError(
+            "an empty path (it would mean the current folder); give one"
+        )
+    return Path(text)
+
+
 class CliParser(argparse.ArgumentParser):
     """An ArgumentParser whose subcommand parsers are CliParsers too (argparse makes them of the
-    parent's class): abbreviations off, single-valued options at most once."""
+    parent's class): abbreviations off, single-valued options at most once, no empty path."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **{**kwargs, "allow_abbrev": False})
         for name, action in SINGLE_VALUED.items():
             self.register("action", name, action)
         self.register("action", "distinct", _Distinct)
+        self.register("type", Path, _path)  # every type=Path, in groups too
         self.register("action", "parsers", _Subcommands)

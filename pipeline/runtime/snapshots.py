@@ -61,11 +61,16 @@ def parse_size(text: str) -> int:
 
 
 def snapshot_budget(options: Any) -> int | None:
-    """--snapshot-budget in bytes, checked before anything is loaded (serve calls it first, so
-    a typo costs no mount); None without --snapshots, where nothing is saved."""
+    """--snapshot-budget in bytes (DEFAULT_BUDGET when not given), checked before anything is
+    loaded (serve calls it first, so a typo costs no mount); None without --snapshots, where
+    nothing is saved (a budget given then is refused, not ignored)."""
     if options.snapshots is None:
+        if options.snapshot_budget is not None:
+            raise PipelineError("--snapshot-budget needs --snapshots DIR (the folder it saves to)")
         return None
-    return parse_size(options.snapshot_budget)
+    return (
+        DEFAULT_BUDGET if options.snapshot_budget is None else parse_size(options.snapshot_budget)
+    )
 
 
 def every_seconds(options: Any, hook: Any) -> float | None:

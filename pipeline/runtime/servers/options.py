@@ -31,7 +31,7 @@ class ServeOptions:
     admin_port: int | None = None
     admin_token_file: Path | None = None
     snapshots: Path | None = None
-    snapshot_budget: str = "2GiB"
+    snapshot_budget: str | None = None  # as given (snapshots.snapshot_budget: 2 GiB if none)
     snapshot_every: str | None = None  # minutes, as given (checked by snapshots.every_seconds)
 
     @classmethod
@@ -58,7 +58,7 @@ class ServeOptions:
             admin_port=given("admin_port"),
             admin_token_file=given("admin_token_file"),
             snapshots=given("snapshots"),
-            snapshot_budget=given("snapshot_budget") or "2GiB",
+            snapshot_budget=given("snapshot_budget"),
             snapshot_every=given("snapshot_every"),
         )
 
