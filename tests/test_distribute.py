@@ -205,6 +205,43 @@ def test_pull_refuses_a_bundle_altered_on_the_hub_and_publishes_nothing(
     assert [p.name for p in (bundles / ".staging").iterdir()] == ["locks"]  # download removed
 
 
+def test_a_stray_file_in_a_hub_bundle_is_refused_before_any_download(
+    fake_hub: FakeHub, shop_bundle: Path, model: Path, capsys, monkeypatch
+):
+    """Every file under the bundle's folder was downloaded (any size) before the validator
+    refused the stray one; now the listing is read first and nothing is fetched."""
+    assert main(["push", str(shop_bundle), "--repo", REPO]) == 0
+    (fake_hub.tree() / "shop" / "1" / shop_bundle.name / "big.bin").write_bytes(b"x" * 4096)
+    capsys.readouterr()
+    monkeypatch.setattr(fake_hub, "snapshot_download", lambda *a, **k: pytest.fail("downloaded"))
+    assert main(["pull", "--repo", REPO, "--model", str(model)]) == 1
+    assert capsys.readouterr().err == (
+        f"error: hub repo {REPO}: shop/1/{shop_bundle.name} holds 'big.bin', not a bundle file (a "
+        "bundle holds SHA256SUMS, build-report.json, cache.safetensors, manifest.json, "
+        "manifest.json.minisig); remove it from the repo or push the bundle again: nothing was "
+        "published\n"
+    )
+
+
+def test_a_full_disk_during_a_hub_pull_names_the_folder_not_the_network(
+    fake_hub: FakeHub, shop_bundle: Path, model: Path, capsys, monkeypatch
+):
+    import errno
+
+    assert main(["push", str(shop_bundle), "--repo", REPO]) == 0
+    capsys.readouterr()
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fake_hub, "snapshot_download", full)
+    assert main(["pull", "--repo", REPO, "--model", str(model)]) == 1
+    assert capsys.readouterr().err == (
+        f"error: cannot write under {model / 'prefix-bundles'} (No space left on device): free "
+        "space there (or make it writable) and pull again; nothing was published\n"
+    )
+
+
 def test_pull_json_lists_the_refusal_and_the_valid_bundle_it_held_back(
     fake_hub: FakeHub, shop_bundle: Path, model: Path, tmp_path: Path, capsys
 ):
@@ -416,6 +453,7 @@ def test_pull_publishes_nothing_when_one_target_is_locked_and_json_says_so(
     totals = doc.totals
     assert (totals.pulled, totals.skipped, totals.refused, totals.failed) == (0, 1, 0, 1)
     assert out.err == f"error: bundle shop/1/{shop_bundle.name}: {busy} (nothing was published)\n"
+    assert out.err.count("nothing was published") == 1  # said once, not twice
     assert sorted(p.name for p in bundles.iterdir()) == [".staging"]
     assert sorted(p.name for p in (bundles / ".staging").iterdir()) == ["locks"]
     # once the other build is done, the same pull publishes both

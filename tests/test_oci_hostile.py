@@ -8,8 +8,12 @@ from __future__ import annotations
 
 import itertools
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+from registry_env import registry
 from test_oci import no_docker_config  # noqa: F401 - an autouse fixture: no machine credentials
 from test_oci_fastpath import BLOB, DIGEST, Quiet, serving
 
@@ -325,3 +329,32 @@ def test_a_lockfile_pin_for_a_folder_that_is_not_a_model_folder_is_refused(tmp_p
     path.write_text(json.dumps({"lock_version": 1, "prefixes": {"shop": entry}}))
     with pytest.raises(LockError, match=r"prefixes\.shop\.models\.sub/tiny-0123456789ab"):
         read_lock(path)
+
+
+FULL_DISK = """
+import resource, signal, sys
+from pipeline.cli import main
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails as on a full disk
+resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_full_disk_during_an_oci_pull_names_the_folder(shop_bundle, tiny_model, tmp_path):
+    """A write that fails under the bundles folder was 'error: I/O: No space left on device'
+    (no path, no bundle): now the folder, what to do, and where the blocks that came are kept."""
+    root = Path(__file__).resolve().parents[1]
+    bundles = tmp_path / "bundles"
+    with registry(tmp_path / "registry") as reg:
+        assert main(["push", str(shop_bundle), "--repo", reg.repo()]) == 0
+        argv = ["pull", "--repo", reg.repo(), "--model", str(tiny_model), "--bundles", str(bundles)]
+        out = subprocess.run(
+            [sys.executable, "-c", FULL_DISK, *argv], cwd=root, capture_output=True, text=True
+        )
+    assert out.returncode == 1
+    assert out.stderr == (
+        f"error: cannot write under {bundles} (File too large): free space there (or make it "
+        f"writable) and pull again (what arrived is kept in {bundles / '.staging' / 'resume'} for "
+        "that pull); nothing was published\n"
+    )
+    assert sorted(p.name for p in bundles.iterdir()) == [".staging"]

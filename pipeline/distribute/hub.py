@@ -71,8 +71,11 @@ def connect(repo: str, doing: str, fix: str) -> Any:
 
 
 @contextmanager
-def hub_errors(repo: str, revision: str | None, doing: str) -> Iterator[None]:
-    """Whatever the hub raises becomes one PipelineError naming the repo and what to do."""
+def hub_errors(
+    repo: str, revision: str | None, doing: str, disk_error: Any = lambda exc: None
+) -> Iterator[None]:
+    """Whatever the hub raises becomes one PipelineError naming the repo and what to do
+    (`disk_error`: the line for a local write that failed, a full disk, else None)."""
     from huggingface_hub.errors import (
         HfHubHTTPError,
         RepositoryNotFoundError,
@@ -104,6 +107,8 @@ def hub_errors(repo: str, revision: str | None, doing: str) -> Iterator[None]:
         detail = exc.server_message or str(exc).splitlines()[0]
         raise PipelineError(f"{where}: HTTP {status} ({detail[:160]}); retry later") from None
     except Exception as exc:  # transport errors and the rest: one line, never a traceback
+        if isinstance(exc, OSError) and (local := disk_error(exc)) is not None:
+            raise local from None
         detail = " ".join(str(exc).split())[:160]
         raise PipelineError(
             f"{where} failed ({exc.__class__.__name__}: {detail}); check the network and "

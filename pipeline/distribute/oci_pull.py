@@ -36,6 +36,7 @@ from pipeline.distribute.oci_push import Transfer
 from pipeline.distribute.pull import (
     PullResult,
     check_found,
+    disk_error,
     near_model,
     parse_wanted,
     publish_staged,
@@ -112,6 +113,11 @@ def pull_oci(
                 # it checks each rebuilt cache file against the BLAKE3 manifest.json pins,
                 # in its own read of the staged file (trust_memo: no second, sha256 pass)
                 publish_staged(result, chosen, staging, identity, tuple(trusted_keys), True)
+        except OSError as exc:  # a full disk, a read-only mount: name the folder, not "I/O"
+            kept = f" (what arrived is kept in {resume.folder} for that pull)"
+            if (local_error := disk_error(root, exc, kept)) is None:
+                raise
+            raise local_error from None
         finally:
             local.close()
             discard(root, staging)

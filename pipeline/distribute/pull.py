@@ -11,6 +11,7 @@ folder and follows no link (pipeline.builder.bundles_tree).
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from pipeline.builder.writer import (
     unplace,
 )
 from pipeline.distribute.hub import REPO_TYPE, RemoteBundle, connect, hub_errors, remote_bundles
-from pipeline.format.bundle_folder import FINGERPRINT_CHARS
+from pipeline.format.bundle_folder import ALLOWED_FILES, FINGERPRINT_CHARS
 from pipeline.format.errors import BundleError, PipelineError
 from pipeline.format.names import NAME_HINT, parse_ref
 from pipeline.format.served_identity import identity_for
@@ -73,7 +74,7 @@ HELD_BACK = "valid, but not published: another bundle was refused (a pull publis
 HELD_BACK_FAILED = (
     "valid, but not published: another bundle could not be published (a pull publishes all or none)"
 )
-BUSY = "another build or pull is writing {} right now; nothing was published: pull again later"
+BUSY = "another build or pull is writing {} right now; pull again later"
 
 
 @dataclass(frozen=True)
@@ -209,21 +210,44 @@ def pull(
     result = PullResult(repo, revision or "main", commit, url, model_dir, root)
     chosen, result.skipped = select(remote_bundles(files), identity.model, wanted)
     check_found(result, chosen, wanted, identity.model[:FINGERPRINT_CHARS])
+    for b in chosen:  # before any download: a stray file (of any size) is not fetched to refuse
+        stray = sorted(f[len(b.path) + 1 :] for f in files if f.startswith(f"{b.path}/"))
+        stray = [name for name in stray if name not in ALLOWED_FILES]
+        if stray:
+            raise PipelineError(
+                f"hub repo {repo}: {b.path} holds {stray[0]!r}, not a bundle file (a bundle "
+                f"holds {', '.join(sorted(ALLOWED_FILES))}); remove it from the repo or push the "
+                "bundle again: nothing was published"
+            )
     clean_staging(root)
     staging = new_staging_folder(root)
     try:
-        with hub_errors(repo, revision, "pull from"):
+        with hub_errors(repo, revision, "pull from", disk_error=lambda e: disk_error(root, e)):
             api.snapshot_download(
                 repo,
                 repo_type=REPO_TYPE,
                 revision=commit,
-                allow_patterns=[f"{b.path}/*" for b in chosen],
+                allow_patterns=[f"{b.path}/{name}" for b in chosen for name in ALLOWED_FILES],
                 local_dir=str(staging),
             )
         publish_staged(result, chosen, staging, identity, tuple(trusted_keys))
     finally:
         discard(root, staging)
     return result
+
+
+DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EFBIG, errno.EACCES, errno.EPERM}
+
+
+def disk_error(root: Path, exc: OSError, kept: str = "") -> PipelineError | None:
+    """A write under the bundles folder that failed (a full disk, a read-only mount, a quota):
+    one line naming the folder and what to do; None for any other OSError (a network error)."""
+    if exc.errno not in DISK_ERRORS:
+        return None
+    return PipelineError(
+        f"cannot write under {root} ({exc.strerror}): free space there (or make it writable) "
+        f"and pull again{kept}; nothing was published"
+    )
 
 
 def publish_staged(
