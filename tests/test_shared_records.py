@@ -87,12 +87,13 @@ def test_the_same_version_with_other_content_is_one_refusal(tmp_path: Path, tiny
     from pipeline.format.lockfile import LockedPrefix, merge_entry
 
     h = "0" * 64
-    now = LockedPrefix(version=3, content_sha256="1" * 64, template_sha256=h, models={"a": h})
-    built = LockedPrefix(version=3, content_sha256="2" * 64, template_sha256=h, models={"b": h})
+    a, b = "a-0123456789ab", "b-0123456789ab"  # model folders
+    now = LockedPrefix(version=3, content_sha256="1" * 64, template_sha256=h, models={a: h})
+    built = LockedPrefix(version=3, content_sha256="2" * 64, template_sha256=h, models={b: h})
     with pytest.raises(LockError, match=r"x@3 was locked by another build with other content"):
         merge_entry(tmp_path / "prefixes.lock", "x", now, built)
     same = built.model_copy(update={"content_sha256": "1" * 64})
-    assert merge_entry(tmp_path, "x", now, same).models == {"a": h, "b": h}  # models merge
+    assert merge_entry(tmp_path, "x", now, same).models == {a: h, b: h}  # models merge
 
 
 def test_the_lockfile_update_waits_for_a_lock_another_process_holds(tmp_path: Path):

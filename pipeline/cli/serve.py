@@ -89,7 +89,6 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> argparse.Argum
     p.add_argument(
         "--snapshot-budget",
         metavar="SIZE",
-        default="2GiB",
         help="the most KV bytes --snapshots writes at a stop, hottest entries first (e.g. 512MiB; "
         "default: 2GiB)",
     )
