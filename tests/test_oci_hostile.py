@@ -10,6 +10,7 @@ import itertools
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -358,3 +359,49 @@ def test_a_full_disk_during_an_oci_pull_names_the_folder(shop_bundle, tiny_model
         "that pull); nothing was published\n"
     )
     assert sorted(p.name for p in bundles.iterdir()) == [".staging"]
+
+
+def dripping(sent: list):
+    """A registry front that answers every GET with a body it drips, a byte every 0.1 s."""
+
+    class Front(Quiet):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("content-length", str(len(BLOB)))
+            self.end_headers()
+            try:
+                for _ in range(600):
+                    self.wfile.write(b"x")
+                    self.wfile.flush()
+                    sent.append(1)
+                    time.sleep(0.1)
+            except OSError:
+                pass
+
+    return Front
+
+
+@pytest.mark.parametrize("transport", ["plain", "httpx"])
+def test_a_body_that_drips_ends_in_one_line_not_a_hang(transport: str, monkeypatch):
+    """A byte every few seconds stays under any socket timeout: the pull hung (hours for a tag
+    list, days for a block). Past 60 s plus 1 s per 256 KiB the connection is shut (a blob is
+    then resumed, up to its tries); here the allowance is cut to 0.5 s for any size."""
+    from pipeline.distribute import oci_plain
+
+    monkeypatch.setattr(oci_plain, "SLOWEST_START_S", 0.5)
+    monkeypatch.setattr(oci_plain, "SLOWEST_RATE", 1 << 40)
+    sent: list = []
+    with serving(dripping(sent)) as front:
+        registry = client(front)
+        registry.sleep = lambda s: None
+        if transport == "httpx":
+            registry.plain = None  # as for a TLS registry or one behind a proxy
+        try:
+            start = time.monotonic()
+            with pytest.raises(PipelineError, match="failed after 4 tries"):
+                registry.get_blob(DIGEST, len(BLOB))
+            with pytest.raises(PipelineError, match=r"listing tags failed \(the connection broke"):
+                registry.tags()
+            assert time.monotonic() - start < 20
+        finally:
+            registry.close()

@@ -23,7 +23,7 @@ from pipeline.distribute.artifact import MAX_MANIFEST_BYTES
 from pipeline.distribute.meter import Meter
 from pipeline.distribute.oci_auth import Challenge, auth_header, credentials
 from pipeline.distribute.oci_http import lib
-from pipeline.distribute.oci_plain import CHUNK, Body, PlainHTTP, Unserved, usable
+from pipeline.distribute.oci_plain import CHUNK, Body, PlainHTTP, Unserved, paced, usable
 from pipeline.distribute.oci_plain import Response as PlainResponse
 from pipeline.distribute.oci_tags import list_tags
 from pipeline.distribute.untrusted import same_origin
@@ -308,7 +308,7 @@ class Registry:
             if isinstance(r, PlainResponse):
                 pieces = r.chunks(memoryview(bytearray(CHUNK)))
             else:
-                pieces = r.iter_bytes(CHUNK)
+                pieces = paced(r.iter_bytes(), declared_length(r))
             for chunk in pieces:
                 if skip:
                     cut, skip = min(skip, len(chunk)), skip - min(skip, len(chunk))
@@ -397,7 +397,7 @@ class Registry:
         """(the body, whether it goes past cap): reading stops one chunk past the cap."""
         parts, n = [], 0
         try:
-            for chunk in r.iter_bytes(1 << 16):
+            for chunk in paced(r.iter_bytes(), declared_length(r)):
                 parts.append(chunk)
                 n += len(chunk)
                 if n > cap:
@@ -415,6 +415,12 @@ class Registry:
         return list_tags(self)
 
 
+def declared_length(r: Any) -> int | None:
+    """The Content-Length a response declares, when it is a number."""
+    length = r.headers.get("content-length", "")
+    return int(length) if SIZE.match(length) else None
+
+
 def small_body(r: Any) -> bytes:
     """A response's body as far as a message needs it: at most MAX_SMALL_BODY bytes (a longer
     one is cut, and its connection dropped when the response closes); kept on the response."""
@@ -422,7 +428,7 @@ def small_body(r: Any) -> bytes:
     if body is None:
         parts, n = [], 0
         try:
-            for chunk in r.iter_bytes(1 << 14):
+            for chunk in paced(r.iter_bytes(), declared_length(r)):
                 parts.append(bytes(chunk))
                 n += len(chunk)
                 if n > MAX_SMALL_BODY:

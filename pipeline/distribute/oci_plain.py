@@ -16,8 +16,11 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import socket
 import threading
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlencode, urljoin, urlsplit
 
@@ -26,6 +29,10 @@ from pipeline.distribute.untrusted import same_origin
 
 CHUNK = 1 << 20
 MAX_READ = 1 << 20  # a body read whole here: a redirect's, an error's (blobs and documents stream)
+# the slowest body taken: 60 s plus 1 s per 256 KiB (a socket timeout bounds one wait, not a body
+# that drips a byte every few seconds); past it the connection is shut, and a blob resumes
+SLOWEST_START_S, SLOWEST_RATE = 60.0, 256 << 10
+UNKNOWN_LENGTH = 16 << 20  # a body with no Content-Length is paced as if it were this long
 MAX_REDIRECTS = 5
 REDIRECTS = (301, 302, 303, 307, 308)
 PROXY_VARS = ("http_proxy", "HTTP_PROXY", "all_proxy", "ALL_PROXY")
@@ -78,31 +85,45 @@ class Response:
         self.status_code = raw.status
         self.headers = Headers(raw.getheaders())
         self._body: bytes | None = None
+        self.too_slow = False  # set by the watchdog when it shut the connection
 
     def read(self, cap: int = MAX_READ) -> bytes:
         """The body, or its first `cap` bytes when it is longer (what a registry says in a
         redirect or an error is small; the rest is dropped with the connection)."""
         if self._body is None:
-            self._body = _transport(self.raw.read, cap + 1)[:cap]
+            with self.owner.watching(self):
+                self._body = _transport(self.raw.read, cap + 1)[:cap]
+            self._check_ended()
         return self._body
 
     def json(self) -> Any:
         return json.loads(self.read())
 
     def iter_bytes(self, chunk_size: int = CHUNK) -> Iterator[bytes]:
-        while data := _transport(self.raw.read, chunk_size):
-            yield data
+        with self.owner.watching(self):
+            while data := _transport(self.raw.read, chunk_size):
+                yield data
         self._check_ended()
 
     def chunks(self, buffer: memoryview) -> Iterator[memoryview]:
         """The body in views of buffer, each valid until the next is asked for."""
-        while n := _transport(self.raw.readinto, buffer):
-            yield buffer[:n]
+        with self.owner.watching(self):
+            while n := _transport(self.raw.readinto, buffer):
+                yield buffer[:n]
         self._check_ended()
+
+    def seconds_allowed(self) -> float:
+        return allowed_seconds(self.raw.length)
 
     def _check_ended(self) -> None:
         """A body that ended before its Content-Length: the connection closed early (http.client
-        returns what came, not an error), raised as a broken connection for the caller to retry."""
+        returns what came, not an error), or the watchdog shut it (too slow); raised as a broken
+        connection for the caller to retry."""
+        if self.too_slow:
+            raise lib().ReadTimeout(
+                f"the body came slower than {SLOWEST_RATE >> 10} KiB/s (after "
+                f"{SLOWEST_START_S:g} s): its connection was shut"
+            )
         if self.raw.length:  # bytes it still owed
             raise lib().ReadError(
                 f"the connection closed {self.raw.length:,} bytes before the body ended"
@@ -132,13 +153,48 @@ class PlainHTTP:
         self.timeout = timeout
         self.idle: dict[str, list[http.client.HTTPConnection]] = {}
         self.lock = threading.Lock()
+        self.watched: dict[int, tuple[float, Response]] = {}  # bodies being read, by deadline
+        self.watchdog: threading.Thread | None = None
+        self.closed = threading.Event()
 
     def close(self) -> None:
+        self.closed.set()
         with self.lock:
             for conns in self.idle.values():
                 for c in conns:
                     c.close()
             self.idle.clear()
+
+    @contextmanager
+    def watching(self, r: Response) -> Iterator[None]:
+        """While r's body is read: past its allowed time, its connection is shut (the read then
+        ends short, and _check_ended says why)."""
+        with self.lock:
+            self.watched[id(r)] = (time.monotonic() + r.seconds_allowed(), r)
+            if self.watchdog is None:
+                self.watchdog = threading.Thread(target=self._watch, daemon=True)
+                self.watchdog.start()
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.watched.pop(id(r), None)
+
+    def _watch(self) -> None:
+        while not self.closed.wait(0.25):
+            now = time.monotonic()
+            with self.lock:
+                late = [r for deadline, r in self.watched.values() if deadline < now]
+                for r in late:
+                    self.watched.pop(id(r), None)
+            for r in late:
+                r.too_slow = True
+                sock = getattr(r.conn, "sock", None)
+                if sock is not None:
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
 
     def send(
         self,
@@ -214,6 +270,24 @@ class PlainHTTP:
     def give(self, conn: http.client.HTTPConnection) -> None:
         with self.lock:
             self.idle.setdefault(conn.pool_key, []).append(conn)  # type: ignore[attr-defined]
+
+
+def allowed_seconds(length: int | None) -> float:
+    """How long a body of `length` bytes (None: not said) may take to arrive."""
+    return SLOWEST_START_S + (UNKNOWN_LENGTH if length is None else length) / SLOWEST_RATE
+
+
+def paced(chunks: Iterable[Any], length: int | None) -> Iterator[Any]:
+    """chunks, refused once they take past allowed_seconds(length) (httpx's reads return what
+    has come, so a check between them bounds a body that drips)."""
+    deadline = time.monotonic() + allowed_seconds(length)
+    for chunk in chunks:
+        if time.monotonic() > deadline:
+            raise lib().ReadTimeout(
+                f"the body came slower than {SLOWEST_RATE >> 10} KiB/s (after "
+                f"{SLOWEST_START_S:g} s)"
+            )
+        yield chunk
 
 
 def _transport(fn: Any, *args: Any) -> Any:
