@@ -133,7 +133,7 @@ class Response:
         if self.conn is None:
             return
         conn, self.conn = self.conn, None
-        if self.raw.isclosed() and not self.raw.will_close:  # read to its end: reusable
+        if self.raw.isclosed() and not self.raw.will_close and not self.too_slow:  # reusable
             self.owner.give(conn)
         else:
             conn.close()
@@ -183,18 +183,17 @@ class PlainHTTP:
     def _watch(self) -> None:
         while not self.closed.wait(0.25):
             now = time.monotonic()
-            with self.lock:
-                late = [r for deadline, r in self.watched.values() if deadline < now]
-                for r in late:
-                    self.watched.pop(id(r), None)
-            for r in late:
-                r.too_slow = True
-                sock = getattr(r.conn, "sock", None)
-                if sock is not None:
-                    try:
-                        sock.shutdown(socket.SHUT_RDWR)
-                    except OSError:
-                        pass
+            with self.lock:  # under the lock: a response still watched has not closed yet
+                for deadline, r in list(self.watched.values()):
+                    if deadline < now:
+                        del self.watched[id(r)]
+                        r.too_slow = True  # its connection is never handed back (close)
+                        sock = getattr(r.conn, "sock", None)
+                        if sock is not None:
+                            try:
+                                sock.shutdown(socket.SHUT_RDWR)
+                            except OSError:
+                                pass
 
     def send(
         self,
