@@ -101,6 +101,7 @@ def test_every_single_valued_option_given_twice_is_a_usage_error(capsys):
         (["serve", "--model", "m", "--snapshots", ""], "argument --snapshots: an empty path (it would mean the current folder); give one"),
         (["prune", "--snapshots", "", "--apply"], "argument --snapshots: an empty path (it would mean the current folder); give one"),
         (["build", "--parent", ""], "argument --parent: an empty path (it would mean the current folder); give one"),
+        (["serve", "--model", ""], "argument --model: an empty path (it would mean the current folder); give one"),
         (["build", "a", "--full", "--parent", "DIR"], "argument --parent: not allowed with argument --full"),
         (["build", "a", "--full", "--parent-check", "sample"], "--parent-check does not apply with --full; leave it out"),
         (["build", "--forc"], "unrecognized arguments: --forc"),

@@ -226,7 +226,7 @@ def test_a_set_of_another_host_does_not_cost_the_good_set(
 
 
 def test_one_start_with_another_model_costs_no_good_set(
-    tmp_path: Path, tiny_model: Path, tiny_model_other_weights: Path, caplog
+    tmp_path: Path, tiny_model: Path, tiny_model_other_weights: Path, caplog, monkeypatch
 ):
     """A serve started once with the wrong model (or an mlx-lm later rolled back) refused every
     snapshot, rightly, then at its stop saved its own set and removed the good one: the next
@@ -234,16 +234,20 @@ def test_one_start_with_another_model_costs_no_good_set(
     stop with nothing to save writes nothing and removes nothing."""
     root = tmp_path / "snaps"
     good = set_two(root, tiny_model)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "other-host"))
+    save_one(tmp_path / "other", tiny_model)  # and a newer set copied in from another host
+    shutil.copytree(tmp_path / "other" / "set-1", root / "set-9")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
     other = tiny_model_other_weights
     snaps = restore(root, other, caplog)
-    assert f"restored 0 of 1 from {good}" in caplog.text
+    assert f"restored 0 of 1 from {root / 'set-9'}" in caplog.text
     with caplog.at_level(logging.INFO, logger="prefix-bundles"):
         snaps.save([], lambda ids: 0)
     assert f"snapshots: nothing to save; the sets in {root} stay" in caplog.text
-    assert names(root) == [".lock", "set-2"]
+    assert names(root) == [".lock", "set-2", "set-9"]
     snaps.save([(1, Entry(TOKENS, prefilled(other, TOKENS), "test", False))], lambda ids: 0)
     snaps.close()
-    assert names(root) == [".lock", "set-2", "set-3"]  # the other model's set beside the good one
+    assert names(root) == [".lock", "set-10", "set-2", "set-9"]  # the good set stays
     restore(root, tiny_model, caplog).close()
     assert f"restored 1 of 1 from {good} " in caplog.text
 

@@ -88,14 +88,19 @@ class _Subcommands(argparse._SubParsersAction):
         setattr(namespace, GIVEN, {**before, **after})
 
 
-def _path(text: str) -> Path:
-    """type=Path, refusing an empty value: Path("") is the current folder (an unset variable in
-    `--snapshots "$DIR"` wrote snapshots there)."""
+def nonempty(text: str) -> str:
+    """A value that names something (a model folder or hub repo kept as text): not empty."""
     if not text:
         raise argparse.ArgumentTypeError(
             "an empty path (it would mean the current folder); give one"
         )
-    return Path(text)
+    return text
+
+
+def _path(text: str) -> Path:
+    """type=Path, refusing an empty value: Path("") is the current folder (an unset variable in
+    `--snapshots "$DIR"` wrote snapshots there)."""
+    return Path(nonempty(text))
 
 
 class CliParser(argparse.ArgumentParser):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from pipeline.cli.common import err
 from pipeline.cli.keys import add_trusted_key_option
+from pipeline.cli.parser import nonempty
 from pipeline.format.errors import PipelineError
 from pipeline.runtime.hugepages import CHOICES, DEFAULT_HUGE_PAGES
 from pipeline.runtime.servers import SERVE_NAMES
@@ -24,7 +25,12 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> argparse.Argum
         "its prompt cache at startup. Options not listed here are passed to that server unchanged.",
         allow_abbrev=False,  # a server option must never be taken for an abbreviation of ours
     )
-    p.add_argument("--model", required=True, help="the MLX model folder the bundles were built for")
+    p.add_argument(
+        "--model",
+        type=nonempty,
+        required=True,
+        help="the MLX model folder the bundles were built for",
+    )
     p.add_argument(
         "--server",
         choices=SERVE_NAMES,

@@ -23,7 +23,16 @@ from pipeline.distribute.artifact import MAX_MANIFEST_BYTES
 from pipeline.distribute.meter import Meter
 from pipeline.distribute.oci_auth import Challenge, auth_header, credentials
 from pipeline.distribute.oci_http import lib
-from pipeline.distribute.oci_plain import CHUNK, Body, PlainHTTP, Unserved, paced, usable
+from pipeline.distribute.oci_plain import (
+    CHUNK,
+    MAX_REDIRECTS,
+    REDIRECTS,
+    Body,
+    PlainHTTP,
+    Unserved,
+    paced,
+    usable,
+)
 from pipeline.distribute.oci_plain import Response as PlainResponse
 from pipeline.distribute.oci_tags import list_tags
 from pipeline.distribute.untrusted import same_origin
@@ -198,7 +207,7 @@ class Registry:
         )
         if r.status_code != 200:
             return None
-        length = r.headers.get("content-length", "")
+        length = r.headers.get("content-length", "0")  # none given: there, size unsaid
         if not SIZE.match(length):
             raise PipelineError(
                 f"registry {self.ref.host}: checking blob {digest[:19]}: it answered with "
@@ -305,10 +314,10 @@ class Registry:
             if r.status_code not in (200, 206):
                 raise self.failed(doing, r)
             skip = start if r.status_code == 200 else 0  # the server ignored the Range
-            if isinstance(r, PlainResponse):
-                pieces = r.chunks(memoryview(bytearray(CHUNK)))
+            if isinstance(r, PlainResponse):  # paced by what is expected, not what is claimed
+                pieces = r.chunks(memoryview(bytearray(CHUNK)), size)
             else:
-                pieces = paced(r.iter_bytes(), declared_length(r))
+                pieces = paced(r.iter_bytes(), size)
             for chunk in pieces:
                 if skip:
                     cut, skip = min(skip, len(chunk)), skip - min(skip, len(chunk))
@@ -328,10 +337,21 @@ class Registry:
                 with r:
                     yield r
                 return
-        with self.client.stream("GET", url, headers=headers, follow_redirects=True) as r:
-            if r.status_code >= 400:
-                small_body(r)
-            yield r
+        for _ in range(MAX_REDIRECTS + 1):  # followed here: httpx reads each redirect's body whole
+            with self.client.stream("GET", url, headers=headers) as r:
+                target = r.headers.get("location")
+                if r.status_code in REDIRECTS and target:
+                    small_body(r)
+                    target = str(r.url.join(target))
+                    if not same_origin(target, url):
+                        headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
+                    url = target
+                    continue
+                if r.status_code >= 400:
+                    small_body(r)
+                yield r
+                return
+        raise lib().TooManyRedirects(f"more than {MAX_REDIRECTS} redirects")
 
     def get_blob(self, digest: str, size: int) -> bytes:
         parts: list[bytes] = []
@@ -397,7 +417,7 @@ class Registry:
         """(the body, whether it goes past cap): reading stops one chunk past the cap."""
         parts, n = [], 0
         try:
-            for chunk in paced(r.iter_bytes(), declared_length(r)):
+            for chunk in pieces(r, cap + 1):
                 parts.append(chunk)
                 n += len(chunk)
                 if n > cap:
@@ -415,10 +435,12 @@ class Registry:
         return list_tags(self)
 
 
-def declared_length(r: Any) -> int | None:
-    """The Content-Length a response declares, when it is a number."""
-    length = r.headers.get("content-length", "")
-    return int(length) if SIZE.match(length) else None
+def pieces(r: Any, expected: int) -> Iterator[Any]:
+    """A response's body as it comes, of which at most `expected` bytes will be taken: paced
+    by that (a body that drips ends), not by the length the server claims."""
+    if isinstance(r, PlainResponse):
+        return r.iter_bytes(expected=expected)
+    return paced(r.iter_bytes(), expected)
 
 
 def small_body(r: Any) -> bytes:
@@ -428,7 +450,7 @@ def small_body(r: Any) -> bytes:
     if body is None:
         parts, n = [], 0
         try:
-            for chunk in paced(r.iter_bytes(), declared_length(r)):
+            for chunk in pieces(r, MAX_SMALL_BODY + 1):
                 parts.append(bytes(chunk))
                 n += len(chunk)
                 if n > MAX_SMALL_BODY:

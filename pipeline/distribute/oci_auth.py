@@ -213,7 +213,7 @@ def auth_header(
         with client.stream("GET", realm, params=params, headers=headers) as r:
             if r.status_code != 200:
                 return None  # the caller reports the registry's 401
-            data = _capped(paced(r.iter_bytes(), None), MAX_REPLY_BYTES)
+            data = _capped(paced(r.iter_bytes(), MAX_REPLY_BYTES), MAX_REPLY_BYTES)
     except Exception as exc:
         raise PipelineError(
             f"{where} did not answer ({exc.__class__.__name__}); check it and retry"

@@ -91,29 +91,32 @@ class Response:
         """The body, or its first `cap` bytes when it is longer (what a registry says in a
         redirect or an error is small; the rest is dropped with the connection)."""
         if self._body is None:
-            with self.owner.watching(self):
-                self._body = _transport(self.raw.read, cap + 1)[:cap]
-            self._check_ended()
+            with self.owner.watching(self, cap):
+                data = _transport(self.raw.read, cap + 1)
+            if len(data) <= cap:  # read to its end (a longer one is cut: nothing more is owed)
+                self._check_ended()
+            self._body = data[:cap]
         return self._body
 
     def json(self) -> Any:
         return json.loads(self.read())
 
-    def iter_bytes(self, chunk_size: int = CHUNK) -> Iterator[bytes]:
-        with self.owner.watching(self):
+    def iter_bytes(
+        self, chunk_size: int = CHUNK, expected: int = UNKNOWN_LENGTH
+    ) -> Iterator[bytes]:
+        """The body in pieces; `expected`: the most the caller will take (paces the read: a
+        Content-Length the server claims does not)."""
+        with self.owner.watching(self, expected):
             while data := _transport(self.raw.read, chunk_size):
                 yield data
         self._check_ended()
 
-    def chunks(self, buffer: memoryview) -> Iterator[memoryview]:
+    def chunks(self, buffer: memoryview, expected: int = UNKNOWN_LENGTH) -> Iterator[memoryview]:
         """The body in views of buffer, each valid until the next is asked for."""
-        with self.owner.watching(self):
+        with self.owner.watching(self, expected):
             while n := _transport(self.raw.readinto, buffer):
                 yield buffer[:n]
         self._check_ended()
-
-    def seconds_allowed(self) -> float:
-        return allowed_seconds(self.raw.length)
 
     def _check_ended(self) -> None:
         """A body that ended before its Content-Length: the connection closed early (http.client
@@ -133,7 +136,8 @@ class Response:
         if self.conn is None:
             return
         conn, self.conn = self.conn, None
-        if self.raw.isclosed() and not self.raw.will_close and not self.too_slow:  # reusable
+        ended = self.raw.isclosed() and not self.raw.length  # read to its end, nothing owed
+        if ended and not self.raw.will_close and not self.too_slow:  # reusable
             self.owner.give(conn)
         else:
             conn.close()
@@ -166,11 +170,11 @@ class PlainHTTP:
             self.idle.clear()
 
     @contextmanager
-    def watching(self, r: Response) -> Iterator[None]:
-        """While r's body is read: past its allowed time, its connection is shut (the read then
-        ends short, and _check_ended says why)."""
+    def watching(self, r: Response, expected: int) -> Iterator[None]:
+        """While r's body (at most `expected` bytes taken) is read: past its allowed time, its
+        connection is shut (the read then ends short, and _check_ended says why)."""
         with self.lock:
-            self.watched[id(r)] = (time.monotonic() + r.seconds_allowed(), r)
+            self.watched[id(r)] = (time.monotonic() + allowed_seconds(expected), r)
             if self.watchdog is None:
                 self.watchdog = threading.Thread(target=self._watch, daemon=True)
                 self.watchdog.start()
@@ -185,7 +189,7 @@ class PlainHTTP:
             now = time.monotonic()
             with self.lock:  # under the lock: a response still watched has not closed yet
                 for deadline, r in list(self.watched.values()):
-                    if deadline < now:
+                    if deadline < now and r.raw.length != 0:  # bytes still owed
                         del self.watched[id(r)]
                         r.too_slow = True  # its connection is never handed back (close)
                         sock = getattr(r.conn, "sock", None)
@@ -271,15 +275,15 @@ class PlainHTTP:
             self.idle.setdefault(conn.pool_key, []).append(conn)  # type: ignore[attr-defined]
 
 
-def allowed_seconds(length: int | None) -> float:
-    """How long a body of `length` bytes (None: not said) may take to arrive."""
-    return SLOWEST_START_S + (UNKNOWN_LENGTH if length is None else length) / SLOWEST_RATE
+def allowed_seconds(expected: int) -> float:
+    """How long a body the caller takes at most `expected` bytes of may take to arrive."""
+    return SLOWEST_START_S + expected / SLOWEST_RATE
 
 
-def paced(chunks: Iterable[Any], length: int | None) -> Iterator[Any]:
-    """chunks, refused once they take past allowed_seconds(length) (httpx's reads return what
+def paced(chunks: Iterable[Any], expected: int) -> Iterator[Any]:
+    """chunks, refused once they take past allowed_seconds(expected) (httpx's reads return what
     has come, so a check between them bounds a body that drips)."""
-    deadline = time.monotonic() + allowed_seconds(length)
+    deadline = time.monotonic() + allowed_seconds(expected)
     for chunk in chunks:
         if time.monotonic() > deadline:
             raise lib().ReadTimeout(

@@ -171,11 +171,11 @@ class SnapshotFolder:
         for path in self.scan()[1]:
             _remove_tree(path.name, self._fd, ignore_errors=True)
 
-    def drop_sets(self, keep: Path, older_only: bool = False, spare: Path | None = None) -> None:
+    def drop_sets(self, keep: Path, older_only: bool = False, spare: tuple[Path, ...] = ()) -> None:
         """Remove every set but `keep` and `spare` (`older_only`: those numbered below keep)."""
         number = int(SET_NAME.match(keep.name)[1])
         for n, path in self.sets():
-            if path not in (keep, spare) and (n < number or not older_only):
+            if path != keep and path not in spare and (n < number or not older_only):
                 _remove_tree(path.name, self._fd, ignore_errors=True)
 
     def wipe(self) -> list[Path]:
@@ -188,11 +188,11 @@ class SnapshotFolder:
         return gone
 
     def write_set(
-        self, entries: Sequence[Entry], context: Context, key: Any, spare: Path | None = None
+        self, entries: Sequence[Entry], context: Context, key: Any, spare: tuple[Path, ...] = ()
     ) -> Path:
         """Write `entries` (hottest first) as the new set, signed with `key`; the previous set
-        stays until the new one is complete, then every other set but `spare` is removed (a set
-        none of whose snapshots mounted at this start: another model's). A failed write
+        stays until the new one is complete, then every other set but `spare` is removed (the sets
+        found when none mounted at this start: another model's). A failed write
         (a full disk) is a PipelineError and leaves the folder as it was; so is a DIR that is no
         longer the folder opened at the start (`check`): nothing is written then."""
         self.check()

@@ -169,9 +169,10 @@ class Snapshots:
         self._saving = threading.Lock()  # one save at a time: a periodic one, the stop's
         self._periodic: _Periodic | None = None
         self._stopped = False  # the stop's save has begun: no periodic save after it
-        # the newest set when none of them mounted here (another model's, another mlx-lm's): a
-        # save keeps it beside its own, so one start with the wrong model costs no good set
-        self.spare: Path | None = None
+        # every set there when none of them mounted here (another model's, another mlx-lm's,
+        # another host's): a save keeps them beside its own, so one start with the wrong model
+        # costs no good set (the next start that mounts one removes the others at its save)
+        self.spare: tuple[Path, ...] = ()
 
     def close(self) -> None:
         """Release the snapshot folder for another process (exiting does it too)."""
@@ -216,7 +217,7 @@ class Snapshots:
         for line in self.folder.strays():
             log.warning("snapshots: %s", line)
         current, mounted, refused = self._newest_that_mounts()
-        self.spare = current if current is not None and not mounted else None
+        self.spare = () if mounted else tuple(path for _, path in self.folder.sets())
         if current is None:
             log.info(
                 "snapshots: none in %s yet (they are written at a graceful stop)", self.folder.root
