@@ -152,11 +152,12 @@ def endless(handler, status: int, sent: list) -> None:
     handler.send_response(status)
     handler.send_header("transfer-encoding", "chunked")
     handler.end_headers()
-    piece = b"x" * (1 << 20)
+    piece, n = b"x" * (1 << 20), [0]
+    sent.append(n)  # what this answer got out, as it goes
     try:
         for _ in range(256):
             handler.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-            sent.append(len(piece))
+            n[0] += len(piece)
         handler.wfile.write(b"0\r\n\r\n")
     except OSError:
         pass
@@ -182,11 +183,12 @@ def test_an_error_or_redirect_body_is_read_no_further_than_its_message_needs(
             endless(self, status, sent)
 
     def endless_body(handler, sent):
-        piece = b"x" * (1 << 20)
+        piece, n = b"x" * (1 << 20), [0]
+        sent.append(n)
         try:
             for _ in range(256):
                 handler.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
-                sent.append(len(piece))
+                n[0] += len(piece)
         except OSError:
             pass
 
@@ -202,7 +204,7 @@ def test_an_error_or_redirect_body_is_read_no_further_than_its_message_needs(
                 registry.get_blob(DIGEST, len(BLOB))
         finally:
             registry.close()
-    assert sum(sent) < 64 << 20  # what the sockets' buffers hold, not the 256 MiB on offer
+    assert sent and max(n for (n,) in sent) < 32 << 20  # per answer: socket buffers, not 256 MiB
 
 
 def test_the_tag_list_is_bounded_across_pages_and_a_tag_counts_once(monkeypatch):
