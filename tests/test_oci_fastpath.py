@@ -109,6 +109,16 @@ BLOB = bytes(range(256)) * 4096  # 1 MiB
 DIGEST = "sha256:" + hashlib.sha256(BLOB).hexdigest()
 
 
+def reply(handler, status: int, body: bytes = b"", headers=()) -> None:
+    """A whole answer from a loopback handler: status, headers, its length and body."""
+    handler.send_response(status)
+    for k, v in headers:
+        handler.send_header(k, v)
+    handler.send_header("content-length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
+
+
 @contextmanager
 def serving(handler: type, host: str = "127.0.0.1") -> Iterator[str]:
     server = http.server.ThreadingHTTPServer((host, 0), handler)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from registry_env import registry
 from test_oci import no_docker_config  # noqa: F401 - an autouse fixture: no machine credentials
-from test_oci_fastpath import BLOB, DIGEST, Quiet, serving
+from test_oci_fastpath import BLOB, DIGEST, Quiet, reply, serving
 
 from pipeline.cli import main
 from pipeline.distribute import oci_auth, oci_tags
@@ -38,15 +38,6 @@ def alice(no_docker_config, monkeypatch):  # noqa: F811 - after it: these creden
 
 def client(host: str) -> Registry:
     return Registry(parse_repo(f"oci://{host}/fleet/bundles"), plain_http=True)
-
-
-def reply(handler, status: int, body: bytes = b"", headers: tuple = ()) -> None:
-    handler.send_response(status)
-    for k, v in headers:
-        handler.send_header(k, v)
-    handler.send_header("content-length", str(len(body)))
-    handler.end_headers()
-    handler.wfile.write(body)
 
 
 def token_service(seen: list):

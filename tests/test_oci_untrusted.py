@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from registry_env import Registry, corrupt, registry
 from test_oci import no_docker_config  # noqa: F401 - an autouse fixture: no machine credentials
-from test_oci_fastpath import Quiet, serving
+from test_oci_fastpath import Quiet, reply, serving
 
 from pipeline.cli import main
 from pipeline.distribute import oci_auth, oci_push
@@ -217,7 +217,7 @@ def tag_server(mode: str, seen: list, other: str = ""):
         def do_GET(self):
             seen.append((self.path, self.headers.get("authorization")))
             if not self.headers.get("authorization"):
-                return self.reply(401, b"{}", [("www-authenticate", 'Basic realm="r"')])
+                return reply(self, 401, b"{}", [("www-authenticate", 'Basic realm="r"')])
             bodies = {"html": b"<html>Login required</html>", "ints": b'{"tags": [1, 2]}'}
             body = bodies.get(mode, b'["a"]' if mode == "list" else b'{"tags": ["x"]}')
             link = {
@@ -225,15 +225,7 @@ def tag_server(mode: str, seen: list, other: str = ""):
                 "other": f"<http://{other}/v2/fleet/bundles/tags/list?last=x>",
                 "scheme": f"<https://{self.headers['host']}/v2/fleet/bundles/tags/list?last=x>",
             }.get(mode)
-            self.reply(200, body, [("link", f'{link}; rel="next"')] if link else [])
-
-        def reply(self, status: int, body: bytes, headers: list) -> None:
-            self.send_response(status)
-            for k, v in headers:
-                self.send_header(k, v)
-            self.send_header("content-length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+            reply(self, 200, body, [("link", f'{link}; rel="next"')] if link else [])
 
     return Front
 
