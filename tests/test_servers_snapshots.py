@@ -61,7 +61,9 @@ def restart(name: str, model: Path, tmp_path: Path, env: dict) -> dict:
     bundles.mkdir(exist_ok=True)
     work.mkdir(exist_ok=True)
     logs = {k: work / f"{name.replace(' ', '_')}-{k}.log" for k in ("ref", "one", "two")}
-    ports = {k: free_port() for k in logs}
+    # each port taken right before its server starts: one picked ~40 s ahead was taken meanwhile
+    # by a client connection's ephemeral port (six servers restart side by side)
+    ports = {k: free_port() for k in ("ref", "one")}
     # mlx-openai-server stops through the admin endpoint, which runs in its model process: that
     # process asks serve's for the graceful stop (the others: SIGTERM)
     admin_port = free_port() if name == "mlx-openai-server" else None
@@ -79,6 +81,7 @@ def restart(name: str, model: Path, tmp_path: Path, env: dict) -> dict:
             assert turn(ports["ref"], model=model)["choices"][0]["message"]["content"] == answer
             out["reference"] = turn(ports["ref"], answer, model)
             out["exit"] = stop(one, admin_port)
+    ports["two"] = free_port()
     args = serve(name, model, bundles, ports["two"], "--snapshots", str(snaps))
     with running(args, ports["two"], logs["two"], env) as two:
         out["second"] = turn(ports["two"], answer, model)
