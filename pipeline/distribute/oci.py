@@ -35,7 +35,7 @@ from pipeline.distribute.oci_plain import (
 )
 from pipeline.distribute.oci_plain import Response as PlainResponse
 from pipeline.distribute.oci_tags import list_tags
-from pipeline.distribute.untrusted import same_origin
+from pipeline.distribute.untrusted import read_capped, same_origin
 from pipeline.format.errors import PipelineError
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -415,19 +415,14 @@ class Registry:
 
     def _capped(self, r: Any, cap: int, doing: str) -> tuple[bytes, bool]:
         """(the body, whether it goes past cap): reading stops one chunk past the cap."""
-        parts, n = [], 0
         try:
-            for chunk in pieces(r, cap + 1):
-                parts.append(chunk)
-                n += len(chunk)
-                if n > cap:
-                    return b"", True
+            body = read_capped(pieces(r, cap + 1), cap)
         except lib().RequestError as exc:
             raise PipelineError(
                 f"registry {self.ref.host}: {doing} failed (the connection broke: "
                 f"{exc.__class__.__name__}); retry: nothing was published"
             ) from None
-        return b"".join(parts), False
+        return (b"", True) if len(body) > cap else (body, False)
 
     def tags(self) -> list[str]:
         """Every tag of the repository (oci_tags: Link pages on this origin, each once); [] for
@@ -448,16 +443,11 @@ def small_body(r: Any) -> bytes:
     one is cut, and its connection dropped when the response closes); kept on the response."""
     body = getattr(r, "small_body", None)
     if body is None:
-        parts, n = [], 0
         try:
-            for chunk in pieces(r, MAX_SMALL_BODY + 1):
-                parts.append(bytes(chunk))
-                n += len(chunk)
-                if n > MAX_SMALL_BODY:
-                    break
+            body = read_capped(pieces(r, MAX_SMALL_BODY + 1), MAX_SMALL_BODY)[:MAX_SMALL_BODY]
         except lib().RequestError:
-            pass  # what came is enough for a message
-        body = r.small_body = b"".join(parts)[:MAX_SMALL_BODY]
+            body = b""  # a broken answer: its message is its status
+        r.small_body = body
     return body
 
 

@@ -21,7 +21,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from pipeline.distribute.oci_plain import paced
-from pipeline.distribute.untrusted import Unfit, may_carry_credentials, parse_as
+from pipeline.distribute.untrusted import Unfit, may_carry_credentials, parse_as, read_capped
 from pipeline.format.errors import PipelineError
 
 USER_ENV = "PREFIX_BUNDLES_REGISTRY_USER"
@@ -213,7 +213,7 @@ def auth_header(
         with client.stream("GET", realm, params=params, headers=headers) as r:
             if r.status_code != 200:
                 return None  # the caller reports the registry's 401
-            data = _capped(paced(r.iter_bytes(), MAX_REPLY_BYTES), MAX_REPLY_BYTES)
+            data = read_capped(paced(r.iter_bytes(), MAX_REPLY_BYTES), MAX_REPLY_BYTES)
     except Exception as exc:
         raise PipelineError(
             f"{where} did not answer ({exc.__class__.__name__}); check it and retry"
@@ -232,14 +232,3 @@ def auth_header(
             "characters); check that it is the registry's token service, then retry"
         )
     return {"authorization": f"Bearer {token}"} if token else None
-
-
-def _capped(chunks: Any, cap: int) -> bytes:
-    """The pieces joined, stopping one piece past cap (parse_as then refuses it as over)."""
-    parts, n = [], 0
-    for chunk in chunks:
-        parts.append(chunk)
-        n += len(chunk)
-        if n > cap:
-            break
-    return b"".join(parts)

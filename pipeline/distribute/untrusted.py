@@ -9,6 +9,7 @@ service a Bearer challenge names only as `may_carry_credentials` allows.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
@@ -25,6 +26,18 @@ class Unfit(ValueError):
     def __init__(self, why: str, errors: list[dict[str, Any]] | None = None) -> None:
         super().__init__(why)
         self.errors = errors or []
+
+
+def read_capped(chunks: Iterable[Any], cap: int) -> bytes:
+    """The pieces joined, stopping one piece past cap (over cap: the caller refuses or cuts it;
+    the rest is never read)."""
+    parts, n = [], 0
+    for chunk in chunks:
+        parts.append(bytes(chunk))
+        n += len(chunk)
+        if n > cap:
+            break
+    return b"".join(parts)
 
 
 def parse_as(kind: type[T] | TypeAdapter[T], data: bytes, cap: int) -> T:
