@@ -89,18 +89,23 @@ def test_a_token_service_in_clear_on_another_machine_gets_no_credentials(tiny_mo
     assert seen == []
 
 
+def challenging(tokens: str):
+    """A front answering every GET 401 with a Bearer challenge naming the token service."""
+
+    class Front(Quiet):
+        def do_GET(self):
+            realm = f'Bearer realm="http://{tokens}/token"'
+            reply(self, 401, b"{}", [("www-authenticate", realm)])
+
+    return Front
+
+
 def test_a_store_a_blob_is_redirected_to_gets_no_answer_to_its_challenge():
     """A 401 from the store the registry redirected a blob to: not answered (the registry's
     credentials went to the store's token service), and the blob fails as not authorized."""
     seen: list = []
     with serving(token_service(seen)) as tokens:
-
-        class Store(Quiet):
-            def do_GET(self):
-                realm = f'Bearer realm="http://{tokens}/token"'
-                reply(self, 401, b"{}", [("www-authenticate", realm)])
-
-        with serving(Store) as store:
+        with serving(challenging(tokens)) as store:
 
             class Front(Quiet):
                 def do_GET(self):
@@ -122,13 +127,7 @@ def test_a_blob_challenge_is_answered_once_not_in_a_loop():
     token requests and a RecursionError line before; now one answer, then not authorized."""
     seen: list = []
     with serving(token_service(seen)) as tokens:
-
-        class Front(Quiet):
-            def do_GET(self):
-                realm = f'Bearer realm="http://{tokens}/token"'
-                reply(self, 401, b"{}", [("www-authenticate", realm)])
-
-        with serving(Front) as front:
+        with serving(challenging(tokens)) as front:
             registry = client(front)
             try:
                 with pytest.raises(PipelineError, match=r"not authorized \(HTTP 401, as 'alice'"):
