@@ -259,7 +259,7 @@ def test_build_locked_builds_what_is_locked_and_never_writes_the_lockfile(
     rc = cli(tmp_path, "build", "--locked", "--no-check", "--model", str(tiny_model_other_weights))
     line = one_error(capsys, rc)
     assert line.startswith(f"error: {path}: models differs from prefixes.lock (")
-    assert line.endswith("run 'python build.py build' and commit prefixes.lock")
+    assert line.endswith("run 'prefix-bundles build' and commit prefixes.lock")
 
     # a new version of the definition: refused before its bundle is built
     edit(path, "Be brief", "Be very brief")
@@ -267,7 +267,7 @@ def test_build_locked_builds_what_is_locked_and_never_writes_the_lockfile(
     line = one_error(capsys, cli(tmp_path, "build", "--locked", "--no-check"))
     assert line == (
         f"error: {path}: version differs from prefixes.lock (1 locked, 2 now); "
-        "run 'python build.py build' and commit prefixes.lock"
+        "run 'prefix-bundles build' and commit prefixes.lock"
     )
     assert snapshot(tmp_path / "bundles") == built
     assert lock_file.read_bytes() == lock_bytes and lock_file.stat().st_mtime_ns == lock_mtime

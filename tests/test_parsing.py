@@ -425,7 +425,7 @@ def test_build_names_a_missing_model_folder(tmp_path: Path, tiny_model: Path, ca
     path.write_text(path.read_text().replace(f'path = "{tiny_model}"', f'path = "{missing}"'))
     assert one_error(capsys, main(argv)) == (
         f"error: model {missing}: folder {missing} does not exist; generate the demo model with "
-        "'python build.py demo-model', fix models.path or pass --model"
+        "'prefix-bundles demo-model', fix models.path or pass --model"
     )
 
 

@@ -150,7 +150,7 @@ def test_a_bad_public_key_file_is_one_error_naming_it(tmp_path: Path):
         read_public_key(path)
     assert str(info.value) == (
         f"public key {path} is not a minisign public key (the public key line is not base64); "
-        "pass the .pub file that 'python build.py keygen' or 'minisign -G' wrote"
+        "pass the .pub file that 'prefix-bundles keygen' or 'minisign -G' wrote"
     )
 
 
@@ -218,7 +218,7 @@ def test_minisigns_default_trusted_comment_is_refused_naming_the_one_to_use(
     assert info.value.reason == (
         f"the trusted comment of {SIGNATURE_FILE} (key id {key.public_key().id}) is "
         f"{written!r}, not {want!r}: the signature was made for something else; sign this "
-        f"bundle ('python build.py sign', or minisign -S -t '{want}')"
+        f"bundle ('prefix-bundles sign', or minisign -S -t '{want}')"
     )
     assert (info.value.check, info.value.field) == ("manifest", SIGNATURE_FILE)
 
@@ -253,7 +253,7 @@ def test_unsigned_and_foreign_signatures_are_refused_naming_the_key_ids(
         verify(bundle, tiny_model, trusted_keys=[trusted])
     assert str(info.value) == (
         f"bundle {bundle}: {SIGNATURE_FILE} is missing: every bundle must be signed by a trusted "
-        f"key (trusted key id {trusted.id}); sign it ('python build.py sign {bundle} --key KEY') "
+        f"key (trusted key id {trusted.id}); sign it ('prefix-bundles sign {bundle} --key KEY') "
         "or re-copy it with its signature"
     )
     assert (info.value.check, info.value.field) == ("signature", SIGNATURE_FILE)

@@ -225,8 +225,9 @@ def _write_definition(
         raise TemplateError(
             f'model {model_dir}: ships no chat template; write a definition with template.source = "file"'
         )
-    repo_root = prefix_dir.resolve().parent
-    try:
+    try:  # a new project's definitions folder is made, as build makes its bundles folder
+        prefix_dir.mkdir(parents=True, exist_ok=True)
+        repo_root = prefix_dir.resolve().parent
         stage = Path(tempfile.mkdtemp(prefix=f".new-{name}-", dir=prefix_dir))
     except OSError as exc:
         raise DefinitionError(f"cannot write in {prefix_dir}: {exc.strerror}") from None

@@ -1,6 +1,6 @@
 """Build every target of a set of definitions: shards, prefixes.lock, staging left by dead builds.
 
-`python build.py build` parses its options, calls `build_all` and prints each outcome.
+`prefix-bundles build` parses its options, calls `build_all` and prints each outcome.
 """
 
 from __future__ import annotations

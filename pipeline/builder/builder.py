@@ -306,7 +306,7 @@ def _prove_and_sign(job: Job, bundles_root: Path, current: Manifest) -> BuildRes
             said = str(exc).removesuffix(PARENT_ADVICE)
             raise BuildError(
                 f"{job.dest}: --sign-key: it is signed only once rebuilt as it was made {how}, "
-                f"and that failed ({said}); rebuild it with 'python build.py build --force "
+                f"and that failed ({said}); rebuild it with 'prefix-bundles build --force "
                 "--sign-key KEY'"
             ) from None
         _refuse_to_vouch(job.dest, rebuilt)
@@ -315,7 +315,7 @@ def _prove_and_sign(job: Job, bundles_root: Path, current: Manifest) -> BuildRes
             raise BuildError(
                 f"{job.dest}: {different} differs from what this build produces {how}, "
                 "so the bundle was altered after it was built (or its parent was) and is not "
-                "signed; rebuild it with 'python build.py build --force --sign-key KEY'"
+                "signed; rebuild it with 'prefix-bundles build --force --sign-key KEY'"
             )
         v = validate(job.dest, job.identity)  # SHA256SUMS, every byte as the manifest pins them
         signature = sign_manifest(job.dest, job.sign_key, v.manifest_sha256)
@@ -346,7 +346,7 @@ def _recorded_parent(bundles_root: Path, current: Manifest) -> Path | bool:
     if not folder.is_dir():
         raise BuildError(
             f"{folder}: the parent this bundle continued is gone, so its bytes cannot be "
-            "reproduced to sign them; rebuild it with 'python build.py build --force --sign-key KEY'"
+            "reproduced to sign them; rebuild it with 'prefix-bundles build --force --sign-key KEY'"
         )
     return folder
 

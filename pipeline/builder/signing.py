@@ -163,7 +163,7 @@ def _existing_signature(bundle: Path, key: SecretKey, replace: bool) -> str | No
             raise BundleError(
                 str(bundle),
                 f"its {SIGNATURE_FILE} by this key (id {sig.key}) does not verify: the bundle "
-                "changed after it was signed; rebuild it with 'python build.py build --force "
+                "changed after it was signed; rebuild it with 'prefix-bundles build --force "
                 "--sign-key KEY' instead of signing what is there",
                 SIGNATURE_FILE,
             )

@@ -39,12 +39,12 @@ def resolve_model(spec: ModelSpec, root: Path) -> Path:
         if not path.is_dir():
             raise ModelError(
                 f"model {spec.path}: folder {path} does not exist; generate the demo model with "
-                "'python build.py demo-model', fix models.path or pass --model"
+                "'prefix-bundles demo-model', fix models.path or pass --model"
             )
         if not (path / "config.json").is_file():
             raise ModelError(
                 f"model {spec.path}: no config.json in {path}; generate the demo model with "
-                "'python build.py demo-model' or fix models.path"
+                "'prefix-bundles demo-model' or fix models.path"
             )
         return path
     return hub_snapshot(spec.repo, spec.revision)

@@ -33,7 +33,7 @@ def check_destination(dest: Path) -> None:
     if not (dest / MANIFEST_FILE).is_file():
         return
     try:
-        manifest = read_manifest(dest, None)
+        manifest = read_manifest(dest, None, kind=None)  # a snapshot here is refused below
     except BundleError:
         return  # a broken bundle is rebuilt in its place
     if manifest.prefix is None:
@@ -71,7 +71,7 @@ def check_version(d: LoadedDefinition, bundles_root: Path, lock: Lockfile) -> No
 def check_locked(d: LoadedDefinition, lock: Lockfile, models: dict[str, str]) -> None:
     """For `build --locked`: the definition and its models are exactly as the lockfile says."""
     entry = lock.prefixes.get(d.name)
-    fix = "run 'python build.py build' and commit prefixes.lock"
+    fix = "run 'prefix-bundles build' and commit prefixes.lock"
     if entry is None:
         raise LockError(f"{d.path}: not in prefixes.lock; {fix}")
     now = LockedPrefix(

@@ -6,6 +6,7 @@ One module per command, each with `add_parser(sub, parents)` and `run(args) -> i
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
 import importlib
 import signal
@@ -16,7 +17,7 @@ from pipeline import __version__
 from pipeline.blas import ensure_fast_blas
 from pipeline.cli.common import err
 from pipeline.cli.parser import CliParser, given_options
-from pipeline.format.errors import PipelineError
+from pipeline.format.errors import PipelineError, UsageError
 from pipeline.format.manifest import FORMAT_VERSION, READ_VERSIONS
 
 READ_TEXT = ", ".join(map(str, READ_VERSIONS))
@@ -86,6 +87,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         parents=[global_options(suppress=False)],
     )
     p.add_argument(
+        "-V",
         "--version",
         action="version",
         version=f"%(prog)s {__version__} (bundle format {FORMAT_VERSION}; reads {READ_TEXT})",
@@ -109,9 +111,26 @@ def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.Argume
     return sub.choices[command]
 
 
+def _spelled_out(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`help [COMMAND]` and `version` as the options they mean; an unknown command is a usage
+    error with the nearest command named (`biuld`: did you mean 'build'?)."""
+    word = _command_of(argv)
+    if word is None or word in USES_GLOBALS:
+        return argv
+    at = argv.index(word)
+    if word == "help":
+        return [*argv[at + 1 : at + 2], "--help"]
+    if word == "version":
+        return ["--version"]
+    close = difflib.get_close_matches(word, list(USES_GLOBALS), n=1)
+    guess = f"; did you mean '{close[0]}'?" if close else ""
+    parser.error(f"unknown command {word!r}{guess} (commands: {', '.join(USES_GLOBALS)})")
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     """Parse argv; only a command that passes options through (serve) may leave some unparsed."""
     parser = _parser(sys.argv[0])
+    argv = _spelled_out(parser, argv)
     args, rest = parser.parse_known_args(argv)
     if rest and not getattr(args, "passes_through", False):
         command = _subparser(parser, args.command)
@@ -174,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     args.own_process = own_process
     try:
         return args.func(args)
+    except UsageError as exc:  # one place decides: a usage error exits 2, whoever found it
+        err(str(exc))
+        return 2
     except PipelineError as exc:
         err(str(exc))
         return 1

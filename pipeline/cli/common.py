@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import sys
 import time
 from collections.abc import Callable
@@ -32,26 +34,49 @@ def one_line(message: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in message)
 
 
+def program() -> str:
+    """The command as the user typed it: `python build.py` in a checkout, else the installed
+    `prefix-bundles` (what every library message names)."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    return f"python {argv0}" if os.path.basename(argv0) == "build.py" else "prefix-bundles"
+
+
+def invoked_as(message: str) -> str:
+    """Every hint's `prefix-bundles COMMAND` as this process was invoked (one name per run)."""
+    from pipeline.cli import USES_GLOBALS
+
+    name = program()
+    if name == "prefix-bundles":
+        return message
+    words = "|".join(sorted(map(re.escape, USES_GLOBALS), key=len, reverse=True))
+    return re.sub(rf"(?<![\w/.-])prefix-bundles(?= (?:{words})\b)", name, message)
+
+
+def shown(message: str) -> str:
+    """A message as printed: one line (one_line), hints naming the command as invoked."""
+    return invoked_as(one_line(message))
+
+
 def say(line: str = "", file: TextIO | None = None, flush: bool = False) -> None:
     """One line of text output (stdout unless `file`): a path, a name or a manifest field in it
     is shown escaped (one_line), so one item stays one line, no terminal escape reaches the
     terminal, and a strict UTF-8 stdout never fails on a non-UTF-8 file name."""
-    print(one_line(line), file=file, flush=flush)
+    print(shown(line), file=file, flush=flush)
 
 
 def err(message: str) -> None:
     """The one-line error every failure becomes."""
-    print(f"error: {one_line(message)}", file=sys.stderr)
+    print(f"error: {shown(message)}", file=sys.stderr)
 
 
 def note(message: str) -> None:
     """A one-line note on stderr: something the command did that the user should know."""
-    print(f"note: {one_line(message)}", file=sys.stderr)
+    print(f"note: {shown(message)}", file=sys.stderr)
 
 
 def warn(message: str) -> None:
     """A one-line warning on stderr (the command goes on)."""
-    print(f"warning: {one_line(message)}", file=sys.stderr)
+    print(f"warning: {shown(message)}", file=sys.stderr)
 
 
 def error_text(exc: Exception) -> str:
@@ -198,7 +223,7 @@ def integrity_identity(bundle: Path):
     from pipeline.format.validate import recorded_identity
 
     try:
-        return recorded_identity(read_manifest(bundle, None))
+        return recorded_identity(read_manifest(bundle, None, kind=None))  # either kind
     except BundleError:
         return ModelIdentity("", "", None, ModelShape(0, None, None, None, None, None))
 

@@ -72,5 +72,5 @@ def load_secret_key(path: Path | None, option: str = "--key"):
     except ValueError as exc:
         raise PipelineError(
             f"{source} is not a usable minisign secret key ({exc}); pass the .key file that "
-            "'python build.py keygen' or 'minisign -G' wrote"
+            "'prefix-bundles keygen' or 'minisign -G' wrote"
         ) from None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pipeline.cli.common import add_json_option, emit_json, err, request_code_server, say
 from pipeline.cli.keys import add_trusted_key_option, trusted_keys
-from pipeline.format.errors import PipelineError
+from pipeline.format.errors import PipelineError, UsageError
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
@@ -63,7 +63,8 @@ def _body(args: argparse.Namespace) -> tuple[dict, str]:
         raise PipelineError(f"{where}: {exc}") from None
     except (ValueError, RecursionError) as exc:
         hint = "" if args.prompt_file else "; to pass a request body from a file use --prompt-file"
-        raise PipelineError(f"{where}: not valid JSON ({exc}){hint}") from None
+        error = PipelineError if args.prompt_file else UsageError  # a file's content: not usage
+        raise error(f"{where}: not valid JSON ({exc}){hint}") from None
     if isinstance(body, dict) and is_anthropic(body):
         return body, "anthropic"
     messages, tools = parse_request(body, where)

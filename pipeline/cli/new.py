@@ -115,7 +115,10 @@ def run(args: argparse.Namespace) -> int:
             )
         )  # fmt: skip
     else:
-        then = f"; build it with 'python build.py build {args.name}'" if why_not is None else ""
+        where = "" if args.prefixes == Path("prefixes") else f" --prefixes {args.prefixes}"
+        then = (
+            f"; build it with 'prefix-bundles build {args.name}{where}'" if why_not is None else ""
+        )
         say(
             f"wrote {path} ({len(tokens):,} tokens for {args.model} as the pinned template "
             f"renders it{how}){then}"

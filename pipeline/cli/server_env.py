@@ -24,7 +24,7 @@ from pathlib import Path
 
 from pipeline import __version__
 from pipeline.cli.common import add_json_option, emit_json, note, say
-from pipeline.format.errors import PipelineError
+from pipeline.format.errors import PipelineError, UsageError
 
 MLX_LM = "mlx-lm>=0.31.3,<0.32"
 # what vllm-mlx's serve path, omni's chat path and mlx-openai-server's handler import
@@ -177,13 +177,13 @@ def checked_servers(names: list[str]) -> list[str]:
             close = difflib.get_close_matches(name, list(RECIPES), n=1)
             guess = f"; did you mean '{close[0]}'?" if close else ""
             mlx_lm = "; mlx-lm needs none: it runs in this environment" if name == "mlx-lm" else ""
-            raise PipelineError(
+            raise UsageError(
                 f"server-env: unknown server {name!r}; choose from {', '.join(RECIPES)}"
                 f"{mlx_lm or guess}"
             )
     for pair in APART:
         if pair <= set(names):
-            raise PipelineError(
+            raise UsageError(
                 "server-env: vllm-mlx and rapid-mlx cannot share a virtual environment (both ship "
                 "a package named vllm_mlx); make one for each"
             )

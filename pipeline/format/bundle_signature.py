@@ -49,7 +49,7 @@ def read_signature(bundle: Path, keys: Sequence[PublicKey] = ()) -> Signature:
         raise refuse(
             bundle,
             f"{SIGNATURE_FILE} is missing: every bundle must be signed by a trusted key{trusted}; "
-            f"sign it ('python build.py sign {bundle} --key KEY') or re-copy it with its signature",
+            f"sign it ('prefix-bundles sign {bundle} --key KEY') or re-copy it with its signature",
             SIGNATURE_FILE,
         )
     try:
@@ -98,7 +98,7 @@ def check_binding(bundle: Path, sig: Signature, manifest: Manifest) -> None:
             bundle,
             f"the trusted comment of {SIGNATURE_FILE} (key id {sig.key}) is "
             f"{sig.trusted_comment[:120]!r}, not {want!r}: the signature was made for something "
-            f"else; sign this bundle ('python build.py sign', or minisign -S -t '{want}')",
+            f"else; sign this bundle ('prefix-bundles sign', or minisign -S -t '{want}')",
             SIGNATURE_FILE,
         )
 

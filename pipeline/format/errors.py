@@ -8,6 +8,11 @@ class PipelineError(Exception):
     """Base of every error the pipeline raises on purpose; the message says what to do."""
 
 
+class UsageError(PipelineError):
+    """The command line or a call's arguments are wrong (a typo, a value out of range, an option
+    without the one it needs): the CLI exits 2, never 1 as for a refused bundle."""
+
+
 class DefinitionError(PipelineError):
     """A prefix definition file is invalid."""
 

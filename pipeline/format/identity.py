@@ -36,7 +36,7 @@ def identity_checks(manifest: Manifest, identity: ModelIdentity) -> list[Identit
     """The comparisons that decide whether a bundle fits the served model, in refusal order."""
     m = manifest.model
     rebuild = (
-        f"rebuild it with 'python build.py build {manifest.prefix.name} --model <this model>'"
+        f"rebuild it with 'prefix-bundles build {manifest.prefix.name} --model <this model>'"
         if manifest.prefix is not None
         else "a snapshot is used only by the model that wrote it (serve writes a new one at its next stop)"
     )

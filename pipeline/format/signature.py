@@ -100,7 +100,7 @@ def read_public_key(path: Path) -> PublicKey:
         detail = "it is not ASCII text" if isinstance(exc, UnicodeDecodeError) else str(exc)
         raise SignatureError(
             f"public key {path} is not a minisign public key ({detail}); pass the .pub file "
-            "that 'python build.py keygen' or 'minisign -G' wrote"
+            "that 'prefix-bundles keygen' or 'minisign -G' wrote"
         ) from None
 
 

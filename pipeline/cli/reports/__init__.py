@@ -2,7 +2,7 @@
 
 Every document is one JSON object on stdout whose `schema` field names the command and a version
 ("verify/1"). A version only grows by adding fields; removing or retyping one makes it "/2".
-`python build.py schema [COMMAND]` prints the JSON Schema of each (committed in docs/schemas/).
+`prefix-bundles schema [COMMAND]` prints the JSON Schema of each (committed in docs/schemas/).
 Every model is here, in one package: base.py (the strict base, Refusal), local.py, fleet.py (push, pull),
 authoring.py (new, match), tools.py (keygen, sign, demo, server-env).
 """

@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pipeline.format.errors import PipelineError
+from pipeline.format.errors import PipelineError, UsageError
 
 
 @dataclass(frozen=True)
@@ -115,13 +115,13 @@ def refuse_options(rest: list[str], server: str, options: dict[str, str]) -> Non
             continue
         meant = sorted(n for n in names if n.startswith(flag) and len(flag) > 2)
         if meant:
-            raise PipelineError(
+            raise UsageError(
                 f"serve --server {server}: {flag} abbreviates {' or '.join(meant)}, which serve "
                 "reads to check the bundles against the server's options; spell it out"
             )
     for option, why in options.items():
         if any(a == option or a.startswith(option + "=") for a in rest):
-            raise PipelineError(f"serve --server {server}: {option} is not supported: {why}")
+            raise UsageError(f"serve --server {server}: {option} is not supported: {why}")
 
 
 def install_hint(server: str) -> str:
@@ -151,7 +151,7 @@ def port_number(option: str, text: object) -> int:
     except ValueError:
         port = -1
     if not 1 <= port <= 65535:
-        raise PipelineError(
+        raise UsageError(
             f"{option} {str(text)[:40]!r} is not a port number; pass {option} N with N in "
             "1-65535 (nothing was loaded or mounted)"
         )
@@ -165,7 +165,7 @@ def check_admin(options: ServeOptions) -> None:
 
     if options.admin_token_file is not None:
         if options.admin_port is None:
-            raise PipelineError("--admin-token-file needs --admin-port N (the endpoint it guards)")
+            raise UsageError("--admin-token-file needs --admin-port N (the endpoint it guards)")
         read_token(options.admin_token_file)
     if options.admin_port is None:
         return
@@ -174,7 +174,7 @@ def check_admin(options: ServeOptions) -> None:
     port = port_number("--admin-port", options.admin_port)
     taken, by = server_port(options)
     if port == taken:
-        raise PipelineError(
+        raise UsageError(
             f"--admin-port {port} is also the server's port ({by}); the two cannot share it: "
             "pass another --admin-port or --port (nothing was loaded or mounted)"
         )

@@ -1,0 +1,107 @@
+"""The everyday path after the quick start (issue 50): usage errors exit 2 whoever finds them, a
+mistyped command is named with the nearest one, `new` starts a project in an empty folder, and
+every hint names the command as it was invoked."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from pipeline.cli import main
+
+
+@pytest.mark.parametrize(
+    ("extra", "said"),
+    [
+        (["serve", "--port", "abc"], "--port 'abc' is not a port number"),
+        (["serve", "--port", "99999"], "--port '99999' is not a port number"),
+        (["serve", "--admin-token-file", "t"], "--admin-token-file needs --admin-port N"),
+        (["serve", "--kv-bit", "4"], "--kv-bit abbreviates --kv-bits"),
+        (["match", "--messages", "notjson"], "--messages: not valid JSON"),
+    ],
+)
+def test_usage_errors_exit_2(tiny_model: Path, capsys, extra, said) -> None:
+    command, *rest = extra
+    assert main([command, "--model", str(tiny_model), *rest]) == 2
+    assert said in capsys.readouterr().err
+
+
+def test_unknown_server_for_server_env_exits_2(tmp_path: Path, capsys) -> None:
+    assert main(["server-env", "vlm-mlx", str(tmp_path / "venv")]) == 2
+    assert "did you mean 'vllm-mlx'?" in capsys.readouterr().err
+
+
+def test_a_request_file_that_is_not_json_is_bad_input_not_usage(tiny_model, tmp_path, capsys):
+    body = tmp_path / "request.json"
+    body.write_text("{", encoding="utf-8")
+    assert main(["match", "--model", str(tiny_model), "--prompt-file", str(body)]) == 1
+    assert f"--prompt-file {body}: not valid JSON" in capsys.readouterr().err
+
+
+def test_a_mistyped_command_names_the_nearest(capsys) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(["biuld"])
+    assert stop.value.code == 2
+    assert "unknown command 'biuld'; did you mean 'build'?" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["version"], ["-V"], ["--version"]])
+def test_version_spelled_any_way(argv, capsys) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 0
+    assert "(bundle format" in capsys.readouterr().out
+
+
+def test_help_word_prints_help(capsys) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(["help", "build"])
+    assert stop.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_new_starts_a_project_in_an_empty_folder(tmp_path: Path, tiny_model: Path, capsys):
+    prefixes = tmp_path / "fresh" / "prefixes"
+    argv = ["--prefixes", str(prefixes), "new", "first", "--model", str(tiny_model)]
+    assert main(argv) == 0
+    assert (prefixes / "first.toml").is_file()
+    out = capsys.readouterr().out
+    assert f"build it with 'prefix-bundles build first --prefixes {prefixes}'" in out
+
+
+def test_new_under_a_file_is_one_line(tmp_path: Path, tiny_model: Path, capsys) -> None:
+    (tmp_path / "afile").write_text("x")
+    where = tmp_path / "afile" / "prefixes"
+    assert main(["--prefixes", str(where), "new", "first", "--model", str(tiny_model)]) == 1
+    assert capsys.readouterr().err == f"error: cannot write in {where}: Not a directory\n"
+
+
+@pytest.mark.parametrize(
+    ("argv0", "hint"),
+    [
+        ("build.py", "python build.py build first"),
+        ("/src/checkout/build.py", "python /src/checkout/build.py build first"),
+        ("/usr/local/bin/prefix-bundles", "prefix-bundles build first"),
+    ],
+)
+def test_hints_name_the_command_as_invoked(tmp_path, tiny_model, capsys, monkeypatch, argv0, hint):
+    monkeypatch.setattr(sys, "argv", [argv0])
+    prefixes = tmp_path / "prefixes"
+    assert main(["--prefixes", str(prefixes), "new", "first", "--model", str(tiny_model)]) == 0
+    out = capsys.readouterr().out
+    assert f"build it with '{hint} --prefixes {prefixes}'" in out
+    # a folder named prefix-bundles (next to a model) is never rewritten as the command
+    assert "python" not in out.split("build it with")[0]
+
+
+def test_only_the_command_is_renamed(monkeypatch) -> None:
+    from pipeline.cli.common import invoked_as
+
+    monkeypatch.setattr(sys, "argv", ["build.py"])
+    said = (
+        "sign it ('prefix-bundles sign b --key K', or minisign -S -t 'prefix-bundles shop@2 "
+        "tiny-c01d20cbb3fb'); bundles go to /m/prefix-bundles serve reads them"
+    )
+    assert invoked_as(said) == said.replace("'prefix-bundles sign", "'python build.py sign")
