@@ -183,7 +183,7 @@ def test_a_newer_format_names_the_release_to_upgrade_to(
     bundle = shutil.copytree(shop_bundle, tmp_path / "b")
 
     def newer(raw: dict) -> None:
-        raw["format_version"] = 4
+        raw["format_version"] = 5  # 4 is a snapshot's (SNAPSHOT_FORMAT)
         raw["builder"]["pipeline"] = "0.9.0"
 
     rewrite(bundle, newer)
@@ -191,7 +191,7 @@ def test_a_newer_format_names_the_release_to_upgrade_to(
         mount(tiny_model, bundle)
     assert info.value.field == "format_version"
     assert info.value.reason == (
-        "format_version 4 is newer than this runtime reads (2, 3); upgrade the runtime to "
+        "format_version 5 is newer than this runtime reads (2, 3, 4); upgrade the runtime to "
         "mlx-prefix-bundles 0.9.0 or later"
     )
 

@@ -209,5 +209,5 @@ def test_a_bundle_of_the_previous_format_is_refused_with_the_fix(
         mount(tiny_model, bundle)
     assert info.value.field == "format_version"
     assert info.value.reason == (
-        "format_version 1 is not supported (this runtime reads 2, 3); rebuild it with this version"
+        "format_version 1 is not supported (this runtime reads 2, 3, 4); rebuild it with this version"
     )

@@ -16,6 +16,10 @@ Format 3 (this release) adds what tells two builders apart and what a parent was
 - rapid-mlx among the servers a request's ids follow, and the `developer` role.
 A format 2 manifest is still read and served; it is never continued as a parent (nothing in it says
 which kernels made it).
+
+Format 4 (snapshots only; a prefix bundle's manifest is unchanged, still format 3) adds
+`snapshot.depends_on`: the bundles (NAME@VERSION and manifest sha256) whose K/V the snapshot may
+continue. A format 3 snapshot lacks it, so it cannot prove its source: it is read, never restored.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from pipeline.format.names import NAME_RULE
 # 2: cache file digest and size in the manifest, fingerprinted model folders; 3: builder kernels,
 # the parent's manifest digest, kind. READ_VERSIONS: what this runtime reads and can still prove.
 FORMAT_VERSION = 3
-READ_VERSIONS = (2, 3)
+SNAPSHOT_FORMAT = 4  # format 3 and snapshot.depends_on (a prefix bundle stays format 3)
+READ_VERSIONS = (2, 3, 4)
 MAX_MANIFEST_BYTES = 1 << 20
 
 Hex64 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -244,6 +249,14 @@ class RequestInfo(Record):
 ManifestKind = Literal["prefix", "snapshot"]
 
 
+class SourceInfo(Record):
+    """A bundle a snapshot may continue: its K/V is served only while this very manifest is
+    mounted and trusted."""
+
+    bundle: Short  # NAME@VERSION
+    manifest_sha256: Hex64  # of the bundle's manifest.json bytes (pins every other fact of it)
+
+
 class SnapshotInfo(Record):
     """What a runtime snapshot was (kind "snapshot"): a server's own prompt-cache entry, written
     by `serve --snapshots` at a graceful stop and signed with that host's key."""
@@ -255,12 +268,14 @@ class SnapshotInfo(Record):
     lossy: bool
     continued_from: Short | None = None  # NAME@VERSION of a mounted bundle covering its opening
     rank: Annotated[int, Field(ge=0, le=1 << 20)]  # 0: the hottest entry of its set
+    # format 4: every bundle it may continue (empty: the server computed it from token 0)
+    depends_on: Annotated[list[SourceInfo], Field(max_length=4096)] | None = None
 
 
 class Manifest(Record):
     """Everything a bundle's validity depends on; deterministic for identical inputs."""
 
-    format_version: Literal[2, 3]
+    format_version: Literal[2, 3, 4]
     kind: ManifestKind | None = None  # format 3: "prefix" or "snapshot"
     prefix: PrefixInfo | None = None  # a prefix bundle's (required there); a snapshot has none
     text: TextInfo | None = None  # a prefix bundle's rendered text (required there)
@@ -277,7 +292,7 @@ class Manifest(Record):
     @model_validator(mode="after")
     def _fields_of_its_format(self) -> Manifest:
         """Format 3 has kind, builder kernels and a pinned parent; format 2 has none of them."""
-        v3 = self.format_version == 3
+        v3 = self.format_version >= 3
         parent = self.parent
         facts = {
             "kind": self.kind is not None,
@@ -313,6 +328,10 @@ class Manifest(Record):
                 raise ValueError(
                     f"a snapshot manifest has a snapshot record and no {', '.join(extra) or 'prefix'}"
                 )
+            if (self.format_version == SNAPSHOT_FORMAT) != (self.snapshot.depends_on is not None):
+                raise ValueError(
+                    f"snapshot.depends_on is required in format {SNAPSHOT_FORMAT} and only there"
+                )
             if self.cache.kv_bits is not None and not self.snapshot.lossy:
                 raise ValueError(
                     f"snapshot.lossy is false for {self.cache.kv_bits}-bit KV (cache.kv_bits): "
@@ -320,6 +339,8 @@ class Manifest(Record):
                 )
             return self
         missing = [k for k in ("prefix", "text") if getattr(self, k) is None]
+        if self.format_version == SNAPSHOT_FORMAT:
+            raise ValueError(f"format_version {SNAPSHOT_FORMAT} is a snapshot's (kind snapshot)")
         if missing or self.snapshot is not None:
             raise ValueError(
                 f"a prefix manifest requires {' and '.join(missing)}"
@@ -341,6 +362,8 @@ def manifest_bytes(manifest: Manifest) -> bytes:
     for name in ("prefix", "text", "snapshot"):  # a prefix bundle has no snapshot, and back
         if getattr(manifest, name) is None:
             exclude[name] = True
+    if manifest.snapshot is not None and manifest.snapshot.depends_on is None:
+        exclude["snapshot"] = {"depends_on"}  # format 3 snapshots, as they were written
     if manifest.format_version == 2:  # absent fields of format 2, as its builders wrote them
         exclude["kind"] = True
         exclude["builder"] = {"kernels"}

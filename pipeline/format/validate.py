@@ -74,6 +74,7 @@ def validate(
     trust_memo: bool = False,
     trusted_keys: Sequence[PublicKey] = (),
     kind: str = "prefix",
+    manifest_only: bool = False,
 ) -> Validated:
     """Check everything about a bundle for a model; load its cache when asked. BundleError if not.
 
@@ -81,12 +82,14 @@ def validate(
     re-hash (mount's restart path); verify passes False and always hashes in full. With
     trusted_keys (pipeline.format.signature.read_trusted_keys), the bundle must carry a valid
     signature by one of them. `kind`: "prefix" (a bundle) or "snapshot" (serve --snapshots); a
-    manifest of the other kind is refused.
+    manifest of the other kind is refused. `manifest_only`: stop before the cache file (no tensor
+    read; `tokens` empty): a caller choosing what to load reads every manifest first.
     """
     bundle = Path(bundle)
     stage = ["files"]
+    keys = tuple(trusted_keys)
     try:
-        return _validate(bundle, identity, load, trust_memo, stage, tuple(trusted_keys), kind)
+        return _validate(bundle, identity, load, trust_memo, stage, keys, kind, manifest_only)
     except BundleError as exc:
         exc.check = stage[0]
         raise
@@ -116,6 +119,7 @@ def _validate(
     stage: list[str],
     trusted_keys: tuple[PublicKey, ...] = (),
     kind: str = "prefix",
+    manifest_only: bool = False,
 ) -> Validated:
     check_folder(bundle)
     stage[0] = "checksums"
@@ -138,6 +142,8 @@ def _validate(
     check_runtime(bundle, manifest)
     stage[0] = "identity"
     check_identity(bundle, manifest, identity)
+    if manifest_only:
+        return Validated(bundle, manifest, [], None, sums[MANIFEST_FILE])
     stage[0] = "cache file"
     with _open_cache(bundle) as cache_file:  # one open file: its stat, header, load and hash
         _check_cache_record(bundle, manifest, sums[CACHE_FILE], cache_file)

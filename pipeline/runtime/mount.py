@@ -39,6 +39,7 @@ class MountedBundle:
     tokens: list[int]
     cache: list[Any]
     seconds: float
+    manifest_sha256: str = ""  # of the manifest bytes validated: what snapshots depend on
 
     @property
     def name(self) -> str:
@@ -119,7 +120,8 @@ def mount_one(
     v = validate(
         Path(bundle), identity, load=True, trust_memo=not verify_full, trusted_keys=trusted_keys
     )
-    return MountedBundle(v.path, v.manifest, v.tokens, v.cache or [], time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    return MountedBundle(v.path, v.manifest, v.tokens, v.cache or [], seconds, v.manifest_sha256)
 
 
 def mount(

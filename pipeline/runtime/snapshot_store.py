@@ -49,13 +49,14 @@ from pipeline.format.fingerprint import (
     sha256_bytes,
 )
 from pipeline.format.manifest import (
-    FORMAT_VERSION,
+    SNAPSHOT_FORMAT,
     BuilderInfo,
     CacheInfo,
     FidelityInfo,
     Manifest,
     ModelInfo,
     SnapshotInfo,
+    SourceInfo,
     TokenInfo,
     manifest_bytes,
 )
@@ -79,6 +80,8 @@ class Entry:
     source: str  # how it was produced, e.g. "mlx_lm.server prompt cache (assistant)"
     lossy: bool  # continues quantized KV (recorded on the snapshot, never recomputed)
     continued_from: str | None = None  # NAME@VERSION of a bundle covering its opening
+    # the bundles its K/V may continue (None: Snapshots works them out when it saves)
+    depends_on: tuple[SourceInfo, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -463,7 +466,7 @@ def snapshot_manifest(
     ident, kv = context.identity, cache_facts(entry.cache)
     count = len(entry.tokens)
     return Manifest(
-        format_version=FORMAT_VERSION,
+        format_version=SNAPSHOT_FORMAT,
         kind="snapshot",
         tokens=TokenInfo(
             count=count,
@@ -507,6 +510,7 @@ def snapshot_manifest(
             lossy=entry.lossy or kv["bits"] is not None,  # quantized KV is lossy, always
             continued_from=entry.continued_from,
             rank=rank,
+            depends_on=list(entry.depends_on or ()),
         ),
     )
 
@@ -539,11 +543,11 @@ def cache_facts(cache: Sequence[Any]) -> dict[str, Any]:
     }
 
 
-def read_set(
+def read_heads(
     folder: Path, identity: ModelIdentity, public_key: Any
 ) -> tuple[list[Validated], list[BundleError]]:
-    """Every snapshot of a set through the one validator, signed by the host key only; the
-    refused ones with their reasons."""
+    """Every snapshot of a set through the one validator up to its manifest (signed by the host
+    key only, of this model and mlx-lm; no tensor read); the refused ones with their reasons."""
     mounted, refused = [], []
     try:
         paths = sorted(p for p in folder.iterdir() if p.name != SET_MARK)
@@ -554,12 +558,23 @@ def read_set(
             refused.append(BundleError(str(path), "a symbolic link (never followed)"))
             continue
         try:
+            keys = (public_key,)
             mounted.append(
-                validate(path, identity, load=True, trusted_keys=(public_key,), kind="snapshot")
+                validate(path, identity, trusted_keys=keys, kind="snapshot", manifest_only=True)
             )
         except BundleError as exc:
             refused.append(exc)
     return mounted, refused
+
+
+def load_head(head: Validated, identity: ModelIdentity, public_key: Any) -> Validated:
+    """A snapshot `read_heads` read, validated in full and loaded; BundleError if it changed
+    since (its manifest is not the one read) or fails any check."""
+    keys = (public_key,)
+    full = validate(head.path, identity, load=True, trusted_keys=keys, kind="snapshot")
+    if full.manifest_sha256 != head.manifest_sha256:
+        raise BundleError(str(head.path), "its manifest.json changed while serve read it")
+    return full
 
 
 def _fsync(path: Path) -> None:
@@ -575,7 +590,8 @@ __all__ = [
     "Entry",
     "SnapshotFolder",
     "cache_facts",
-    "read_set",
+    "load_head",
+    "read_heads",
     "shown",
     "write_snapshot",
 ]

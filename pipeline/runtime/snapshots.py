@@ -18,13 +18,14 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from pipeline.format.errors import PipelineError
+from pipeline.format.manifest import SourceInfo
 from pipeline.format.names import is_name
 from pipeline.runtime.mount import identity_for
 from pipeline.runtime.prompt_cache import (
@@ -34,12 +35,13 @@ from pipeline.runtime.prompt_cache import (
     reusable_tokens,
 )
 from pipeline.runtime.snapshot_key import host_key
+from pipeline.runtime.snapshot_restore import UNTRUSTED, choose_and_load
 from pipeline.runtime.snapshot_store import (
     Context,
     Entry,
     SnapshotFolder,
     cache_facts,
-    read_set,
+    read_heads,
     shown,
 )
 
@@ -131,7 +133,9 @@ class _Shelved:
     lossy: bool  # as the snapshot recorded it
     nbytes: int
     stamp: int
+    depends_on: tuple[SourceInfo, ...] = ()  # the bundles it may continue, as it recorded them
     taken: bool = False  # handed to a request: the server's entries may descend from it since
+    untrusted: bool = False  # one it continues is not mounted now: never served or saved again
 
 
 @dataclass
@@ -169,6 +173,10 @@ class Snapshots:
         self._saving = threading.Lock()  # one save at a time: a periodic one, the stop's
         self._periodic: _Periodic | None = None
         self._stopped = False  # the stop's save has begun: no periodic save after it
+        # the bundles mounted now (`trust`), and every one mounted at any time in this process
+        # (digest: (name, tokens)): an entry sharing its opening with one may continue it
+        self._bundles: Callable[[], Sequence[Any]] = lambda: ()
+        self._seen: dict[str, tuple[str, np.ndarray]] = {}
         # every set there when none of them mounted here (another model's, another mlx-lm's,
         # another host's): a save keeps them beside its own, so one start with the wrong model
         # costs no good set (the next start that mounts one removes the others at its save)
@@ -203,85 +211,108 @@ class Snapshots:
         self._periodic = _Periodic(seconds, listing, covered, time.monotonic())
 
     # --- startup -------------------------------------------------------------------------
+    def trust(self, bundles: Callable[[], Sequence[Any]]) -> None:
+        """`bundles()`: the bundles mounted and trusted now (a remount changes them); a learned
+        entry continuing one is served and saved only while it is among them."""
+        self._bundles = bundles
+        self.trusted()
+
+    def trusted(self) -> set[str]:
+        """The manifest digests of the bundles mounted now (each one is remembered as seen)."""
+        now = list(self._bundles())
+        with self._lock:
+            for b in now:
+                self._seen.setdefault(b.manifest_sha256, (b.name, np.asarray(b.tokens)))
+        return {b.manifest_sha256 for b in now}
+
+    def sources(self, tokens: Sequence[int]) -> tuple[SourceInfo, ...]:
+        """Every bundle an entry of `tokens` may continue: one mounted at any time in this
+        process that shares its opening (a request may have taken any part of it), and those a
+        restored snapshot sharing its opening continues (a chain)."""
+        ids = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        self.trusted()
+        with self._lock:
+            seen, shelf = list(self._seen.items()), list(self._shelf)
+        found = {d: n for d, (n, t) in seen if len(ids) and len(t) and t[0] == ids[0]}
+        for s in shelf:
+            if s.taken and len(ids) and s.tokens[0] == ids[0]:
+                found.update((d.manifest_sha256, d.bundle) for d in s.depends_on)
+        return tuple(SourceInfo(bundle=n, manifest_sha256=d) for d, n in sorted(found.items()))
+
+    # --- startup -------------------------------------------------------------------------
     def restore(
         self,
         bundle_tokens: Sequence[Sequence[int]],
         unusable: Callable[[Any], str | None] = lambda snapshot: None,
     ) -> None:
         """Mount the newest set through the validator (host key trusted, nothing else), hottest
-        first within the byte budget. Left out: a snapshot a mounted bundle or a hotter restored
-        one holds whole (it adds nothing), one the server's options could not use (`unusable`,
-        the hook's rule for bundles: a refusal line), and what no longer fits the budget."""
+        first within the byte budget, reading each manifest before any tensor
+        (snapshot_restore). Left out: a snapshot a mounted bundle or a hotter restored one holds
+        whole, a copy, one the server's options could not use (`unusable`, the hook's rule for
+        bundles: a refusal line), one continuing a bundle not mounted now, and what no longer
+        fits the budget."""
         start = time.perf_counter()
         self.folder.tidy()
         for line in self.folder.strays():
             log.warning("snapshots: %s", line)
-        current, mounted, refused = self._newest_that_mounts()
-        self.spare = () if mounted else tuple(path for _, path in self.folder.sets())
+        held = [np.asarray(t, dtype=np.int64) for t in bundle_tokens]
+        current, chosen, found = self._newest_that_mounts(held, unusable)
         if current is None:
             log.info(
                 "snapshots: none in %s yet (they are written at a graceful stop)", self.folder.root
             )
             return
-        held = [np.asarray(t, dtype=np.int64) for t in bundle_tokens]
-        kept, left, total, found, refusals = [], {}, 0, len(mounted) + len(refused), len(refused)
-        for v in sorted(mounted, key=lambda v: v.manifest.snapshot.rank):  # hottest first
-            ids = np.asarray(v.tokens, dtype=np.int64)
-            why = unusable(v)
-            if why is not None:
-                log.warning("refused snapshot %s: %s", shown(v.path), why)
-                refusals += 1
-                continue
-            if any(len(ids) <= len(h) and np.array_equal(h[: len(ids)], ids) for h in held):
-                why = "held by a bundle or a hotter snapshot"
-            elif total + v.manifest.cache.nbytes > self.budget:
-                why = "over the budget"
-            if why is not None:
-                left[why] = left.get(why, 0) + 1
-                continue
-            held.append(ids)
-            total += v.manifest.cache.nbytes
-            kept.append((v, ids))
-        for v, ids in reversed(kept):  # coldest first: the hottest gets the newest stamp
+        for v, ids in reversed(chosen.kept):  # coldest first: the hottest gets the newest stamp
             self._shelve(v, ids)
-        left_out = ", ".join(f"{n} {why}" for why, n in sorted(left.items()))
+        left_out = ", ".join(f"{n} {why}" for why, n in sorted(chosen.left.items()))
         log.info(
             "snapshots: restored %d of %d from %s (%d tokens, %.1f MiB; budget %.1f MiB), "
             "%d refused%s, in %.1f ms",
-            len(kept), found, current, sum(len(ids) for _, ids in kept), total / 2**20,
-            self.budget / 2**20, refusals,
+            len(chosen.kept), found, current, sum(len(ids) for _, ids in chosen.kept),
+            chosen.nbytes / 2**20, self.budget / 2**20, chosen.refused,
             f", left out: {left_out}" if left_out else "", (time.perf_counter() - start) * 1000,
         )  # fmt: skip
 
-    def _newest_that_mounts(self) -> tuple[Path | None, list, list]:
-        """The newest set a snapshot of which mounts (the older sets are removed), else the
-        newest set, else None; with its mounted and refused snapshots. A newer set that mounts
-        nothing (empty, another host's) is skipped with a warning, and removed only once a new
-        set is saved."""
+    def _newest_that_mounts(self, held: list, unusable: Callable[[Any], str | None]) -> tuple:
+        """(set, what it restores, how many snapshots it holds): the newest set not every
+        snapshot of which is refused (the older sets are removed), else the newest set, else
+        None. A newer set whose snapshots are all refused (empty, another host's) is skipped with
+        a warning, and removed only once a new set is saved."""
         sets, first = self.folder.sets(), None
+        identity, public = self.context.identity, self.key.public_key()
         for i, (_, path) in enumerate(sets):
-            mounted, refused = read_set(path, self.context.identity, self.key.public_key())
+            heads, refused = read_heads(path, identity, public)
             for exc in refused:
                 log.warning("refused snapshot %s: %s", shown(exc.bundle), shown(exc.reason))
-            if mounted:
+            trusted = self.trusted()
+            chosen = choose_and_load(
+                heads, self.budget, list(held), unusable, trusted, (identity, public)
+            )
+            chosen.refused += len(refused)
+            found = len(heads) + len(refused)
+            if chosen.refused < found:
+                self.spare = ()
                 self.folder.drop_sets(path, older_only=True)
-                return path, mounted, refused
-            first = first or (path, mounted, refused)
+                return path, chosen, found
+            first = first or (path, chosen, found)
             if i + 1 < len(sets):
-                what = "snapshot" if len(refused) == 1 else "snapshots"
+                what = "snapshot" if found == 1 else "snapshots"
                 log.warning(
                     "snapshots: %s; skipped, the older sets are tried",
-                    f"none of the {len(refused)} {what} in {path} mounts"
-                    if refused
+                    f"none of the {found} {what} in {path} mounts"
+                    if found
                     else f"{path} holds no snapshot",
                 )
-        return first or (None, [], [])
+        # no set mounted here (another model's, mlx-lm's, host's): a save keeps them all
+        self.spare = tuple(path for _, path in sets)
+        return first or (None, None, 0)
 
     def _shelve(self, v: Any, ids: np.ndarray) -> _Shelved:
         cache = v.cache or []
         entry = _Shelved(
             v.path.name, ids, cache, all(layer.is_trimmable() for layer in cache),
             v.manifest.snapshot.lossy, v.manifest.cache.nbytes, self._next(),
+            tuple(v.manifest.snapshot.depends_on or ()),
         )  # fmt: skip
         with self._lock:
             self._shelf.append(entry)
@@ -293,8 +324,7 @@ class Snapshots:
         only when it covers more than `better_than` tokens (what the bundles or the server's own
         entries already cover); (None, 0, "") otherwise."""
         request = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        with self._lock:
-            shelf = list(self._shelf)
+        shelf = self._served()
         best, rank = None, (0, False, 0)
         for s in shelf:
             keep = reusable_tokens(s.tokens, request, s.trimmable, s.lossy)
@@ -309,11 +339,27 @@ class Snapshots:
     def covered(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of a request the best restored snapshot can serve (no copy)."""
         request = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        with self._lock:
-            shelf = list(self._shelf)
+        shelf = self._served()
         return max(
             (reusable_tokens(s.tokens, request, s.trimmable, s.lossy) for s in shelf), default=0
         )
+
+    def _served(self) -> list[_Shelved]:
+        """The restored snapshots that may serve now: one continuing a bundle a remount removed
+        or replaced since is never served again (one line; its lossy rule still holds)."""
+        trusted = self.trusted()
+        with self._lock:
+            shelf = [s for s in self._shelf if not s.untrusted]
+            lost = [s for s in shelf if any(d.manifest_sha256 not in trusted for d in s.depends_on)]
+            for s in lost:
+                s.untrusted = True
+        for s in lost:
+            gone = next(d for d in s.depends_on if d.manifest_sha256 not in trusted)
+            log.warning(
+                "snapshots: snapshot %s is no longer served: it continues bundle %s, which is "
+                "not mounted now", s.name, gone.bundle,
+            )  # fmt: skip
+        return [s for s in shelf if not s.untrusted]
 
     def __len__(self) -> int:
         """How many restored snapshots are held."""
@@ -397,14 +443,17 @@ class Snapshots:
     ) -> tuple[list[Entry], SaveReport]:
         """Hottest first: skip what a chosen entry or a bundle already holds, what cannot be
         saved, and what no longer fits the budget."""
-        with self._lock:
-            shelf = [
-                (s.stamp, Entry(s.tokens.tolist(), s.cache, f"snapshot {s.name}", s.lossy))
-                for s in self._shelf
-            ]
-        report, chosen, total = SaveReport(), [], 0
+        shelf = [
+            (s.stamp, Entry(s.tokens.tolist(), s.cache, f"snapshot {s.name}", s.lossy, None, s.depends_on))
+            for s in self._served()
+        ]  # fmt: skip
+        report, chosen, total, trusted = SaveReport(), [], 0, self.trusted()
         for _, entry in sorted([*listed, *shelf], key=lambda p: -p[0]):
+            if entry.depends_on is None:  # the server's own: what it may continue, now
+                entry = replace(entry, depends_on=self.sources(entry.tokens))
             why, size = self._skip(entry, chosen, covered)
+            if why is None and any(d.manifest_sha256 not in trusted for d in entry.depends_on):
+                why = UNTRUSTED
             if why is None and total + size > self.budget:
                 why = "over the budget"
             if why is not None:
@@ -443,6 +492,7 @@ def open_snapshots(options: Any, mounted: Any, hook: Any) -> Snapshots:
     template = options.passed("--chat-template")
     snapshots = Snapshots(options.snapshots, budget, options.model, template, hook.name)
     unusable = lambda snapshot: hook.unusable(snapshot, options)  # noqa: E731
+    snapshots.trust(lambda: mounted.result.bundles)
     snapshots.restore([b.tokens for b in mounted.result.bundles], unusable)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _interrupt)
