@@ -6,7 +6,7 @@ A hook's subclass of its server's prompt cache reaches it through `Mounted.answe
 (pipeline.runtime.servers.startup: restored snapshots first, then this rule); what differs per
 server is only how its own cache is asked. mlx-omni-server's pool is the exception: omni checks
 an entry out by its own scan, so its hook applies the same rule's parts where omni decides
-(`lru_cache.entry_usable`, the bundle's `manager.fetch`, `log_request`).
+(`mlx_omni.usable_tokens`, the bundle's `manager.fetch`, `log_request`).
 """
 
 from __future__ import annotations

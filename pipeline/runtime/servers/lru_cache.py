@@ -2,8 +2,8 @@
 prefix trie) and mlx-openai-server's disk-backed copy of it (app.utils.prompt_cache) as snapshots
 see them: a recency stamp per stored entry, and at a graceful stop their entries for the served
 model, cut to what each cache holds. Shared by the hooks whose server keeps one; owned by none.
-`server_entry` and `held_entry` record any server's entry (memory_cache.py and omni's pool too);
-`entry_usable` is the one rule for an entry a server checks out by its own scan (omni's pool)."""
+`server_entry` and `held_entry` record any server's entry (memory_cache.py and omni's pool too),
+`held_offset` says how many tokens an entry's KV holds."""
 
 from __future__ import annotations
 
@@ -165,27 +165,20 @@ def held_entry(
     """(recency, Entry) of a server's entry, its tokens cut to the KV its cache holds (a last
     sampled token was never fed to it), or a copy of its KV cut to its tokens (omni feeds the
     finishing token, which it does not record); None when the layers disagree or hold nothing."""
-    offsets = {getattr(layer, "offset", None) for layer in cache or []}
-    held = offsets.pop() if len(offsets) == 1 else None
-    if isinstance(held, int) and held > len(tokens) and all(c.is_trimmable() for c in cache):
+    held = held_offset(cache)
+    if held is not None and held > len(tokens) and all(c.is_trimmable() for c in cache):
         cache, held = fork_cache(cache, held - len(tokens)), len(tokens)
-    if not isinstance(held, int) or held > len(tokens) or held < 1:
+    if held is None or held > len(tokens):
         return None
     return recency, server_entry(list(tokens[:held]), cache, source, mounted, snapshots)
 
 
-def entry_usable(mounted: Any, entry: Any, prompt: Any, snapshots: Any = None) -> bool:
-    """The one rule for a server's own `entry` (`.tokens`, `.cache`) checked out by its own scan
-    for `prompt`: one holding lossy KV, or sharing its opening with a lossy bundle or restored
-    snapshot, only for its share (omni hands any entry out trimmed, even to 0 tokens, and
-    prefills the prompt into its quantized layers)."""
-    from pipeline.runtime.servers.mounted import BUNDLE_KEY
-
-    held, layers = entry.tokens, entry.cache if isinstance(entry.cache, list) else []
-    n = min(len(held), len(prompt))
-    covered = next((i for i in range(n) if held[i] != prompt[i]), n)
-    floor = mounted.manager.lossy_floor(BUNDLE_KEY, prompt, layers, len(held))
-    return covered >= max(floor, snapshots.lossy_floor(prompt) if snapshots is not None else 0)
+def held_offset(cache: Any) -> int | None:
+    """The number of tokens every layer of `cache` holds KV for; None when they disagree or hold
+    none."""
+    offsets = {getattr(layer, "offset", None) for layer in cache or []}
+    held = offsets.pop() if len(offsets) == 1 else None
+    return held if isinstance(held, int) and held > 0 else None
 
 
 def server_entry(ids: list[int], cache: Any, source: str, mounted: Any, snapshots: Any) -> Entry:
@@ -210,9 +203,9 @@ def continued_from(ids: list[int], bundles: list[Any]) -> str | None:
 
 __all__ = [
     "disk_lru_entries",
-    "entry_usable",
     "evaluate",
     "held_entry",
+    "held_offset",
     "lru_entries",
     "pinned_lru_class",
     "saving_lru_class",

@@ -3,7 +3,10 @@
 Each of omni's ChatGenerators creates a `PromptCachePool` lazily (8 entries, longest-common-prefix
 scan, 300 s idle eviction) and checks out a copy per request. The hook's subclass also considers
 the pinned bundles and restored snapshots, kept outside the pool's entry list (its TTL and size
-eviction never see them), and lists its own entries at a graceful stop. Omni loads a model on the
+eviction never see them), and lists its own entries at a graceful stop. omni's own entries hold
+KV one token ahead of their tokens (it feeds the finishing token and does not record it), and it
+re-feeds the last token of an exact hit: every checkout is cut here to the tokens the rule lets
+the request keep, which omni then continues. Omni loads a model on the
 first request naming it; a request reaches the bundles when its `model` names their folder (a
 path, relative or absolute, or a hub id whose local snapshot is that folder)."""
 
@@ -15,9 +18,10 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from pipeline.runtime.prompt_cache import fork_cache
 from pipeline.runtime.servers import usage, warm_up
 from pipeline.runtime.servers.hook import ServerHook
-from pipeline.runtime.servers.lru_cache import entry_usable, evaluate, held_entry
+from pipeline.runtime.servers.lru_cache import evaluate, held_entry, held_offset
 from pipeline.runtime.servers.mounted import BUNDLE_KEY, Mounted
 from pipeline.runtime.servers.options import ServeOptions
 from pipeline.runtime.servers.startup import hub_cache_or_none, log_request
@@ -106,7 +110,7 @@ def model_folder(model_id: str) -> Path | None:
 def pinned_pool_class(mounted: Mounted, snapshots: Any = None) -> type:
     """omni's PromptCachePool, answering from the pinned bundles (and restored `snapshots`) when
     they cover more than its own entries the one rule allows."""
-    from mlx_omni_server.chat.mlx.prompt_cache import PromptCache, common_prefix_len
+    from mlx_omni_server.chat.mlx.prompt_cache import PromptCache
     from mlx_omni_server.chat.mlx.prompt_cache_pool import PromptCachePool
 
     folder = mounted.model.resolve()
@@ -121,9 +125,8 @@ def pinned_pool_class(mounted: Mounted, snapshots: Any = None) -> type:
             fine = mounted.loaded_as_fingerprinted()  # else no bundle or snapshot answers
             shelf = snapshots if fine else None
             ours = [e.cache for e in self._entries if e.cache.model_key == model_key]
-            held = {id(c) for c in ours if not entry_usable(mounted, c, prompt_tokens, shelf)}
-            usable = [c.tokens for c in ours if id(c) not in held]
-            own = max((common_prefix_len(t, prompt_tokens) for t in usable), default=0)
+            keeps = {id(c): usable_tokens(mounted, c, prompt_tokens, shelf) for c in ours}
+            own = max(keeps.values(), default=0)
             hit = mounted.manager.fetch(BUNDLE_KEY, prompt_tokens if fine else [])
             better = max(own, hit.cache_hit_tokens)  # a snapshot answers only where it covers more
             found, keep, _ = snapshot_answer(shelf, prompt_tokens, better, SERVER)
@@ -131,12 +134,16 @@ def pinned_pool_class(mounted: Mounted, snapshots: Any = None) -> type:
                 found, keep = hit.cache, hit.cache_hit_tokens
             if found is not None:  # a checkout omni extends by the rest of the prompt, then returns
                 return PromptCache(list(prompt_tokens[:keep]), found, model_key)
+            held = {i for i, n in keeps.items() if n == 0}
             kept = self._entries  # omni's own checkout over the entries the rule allows
             self._entries = [e for e in kept if id(e.cache) not in held]
             try:
-                return super().get_cache(prompt_tokens, model_key)
+                out = super().get_cache(prompt_tokens, model_key)
             finally:
                 self._entries += [e for e in kept if id(e.cache) in held]
+            if any(e.cache is out for e in self._entries):  # a new empty entry, not a copy
+                return out
+            return cut_to(out, usable_tokens(mounted, out, prompt_tokens, shelf))
 
         def put_cache(self, cache: Any) -> None:
             if warm_up.WARMING.is_set():  # the warm-up request leaves no entry
@@ -148,3 +155,38 @@ def pinned_pool_class(mounted: Mounted, snapshots: Any = None) -> type:
             PinnedPromptCachePool.instances[id(self)] = self
 
     return PinnedPromptCachePool
+
+
+def usable_tokens(mounted: Mounted, entry: Any, prompt: list[int], snapshots: Any = None) -> int:
+    """How many leading tokens of `prompt` omni's `entry` (`.tokens`, `.cache`) may serve (0:
+    none): those its KV holds for them, at least one token left, cut only where every layer
+    trims; a lossy entry, or one sharing its opening with a lossy bundle or restored snapshot,
+    only for its share (omni would hand a refused one out trimmed to 0 and prefill into it)."""
+    held = held_offset(entry.cache)
+    if held is None:
+        return 0
+    tokens = entry.tokens[:held]
+    n = min(len(tokens), len(prompt) - 1)
+    n = next((i for i in range(n) if tokens[i] != prompt[i]), n)
+    if n < held and not all(layer.is_trimmable() for layer in entry.cache):
+        return 0
+    floor = mounted.manager.lossy_floor(BUNDLE_KEY, prompt, entry.cache, len(tokens))
+    floor = max(floor, snapshots.lossy_floor(prompt) if snapshots is not None else 0)
+    return n if n >= max(1, floor) else 0
+
+
+def entry_usable(mounted: Mounted, entry: Any, prompt: list[int], snapshots: Any = None) -> bool:
+    """True when the one rule lets `prompt` take any of omni's `entry`."""
+    return usable_tokens(mounted, entry, prompt, snapshots) > 0
+
+
+def cut_to(checkout: Any, n: int) -> Any:
+    """omni's checked-out copy holding KV for exactly its first `n` tokens (n >= 1: omni then
+    continues the rest of the prompt from there), or a new empty one for n == 0."""
+    from mlx_omni_server.chat.mlx.prompt_cache import PromptCache
+
+    if n == 0:
+        return PromptCache()
+    held = held_offset(checkout.cache)
+    cache = fork_cache(checkout.cache, held - n) if held != n else checkout.cache
+    return PromptCache(list(checkout.tokens[:n]), cache, checkout.model_key)
