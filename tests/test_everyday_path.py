@@ -105,3 +105,20 @@ def test_only_the_command_is_renamed(monkeypatch) -> None:
         "tiny-c01d20cbb3fb'); bundles go to /m/prefix-bundles serve reads them"
     )
     assert invoked_as(said) == said.replace("'prefix-bundles sign", "'python build.py sign")
+
+
+def test_a_quantized_build_says_each_phase_and_the_whole_time(
+    tmp_path: Path, tiny_model: Path, capsys
+) -> None:
+    from conftest import write_definition
+
+    write_definition(tmp_path, tiny_model, kv_bits=8, kv_group_size=32)
+    root = ["--prefixes", str(tmp_path / "prefixes"), "--bundles", str(tmp_path / "bundles")]
+    assert main([*root, "build", "shop"]) == 0
+    captured = capsys.readouterr()
+    steps = [line.split(": ", 1)[1].split(" ")[0] for line in captured.err.splitlines()]
+    # the prefill's lines, then the fidelity check and the self-check as each starts
+    assert steps[-2:] == ["fidelity", "self-check"], captured.err
+    assert "fidelity check (warm vs cold, 8 tokens), " in captured.err
+    result = captured.out.splitlines()[0]
+    assert ", built in " in result and "(prefill " in result and "fidelity check " in result

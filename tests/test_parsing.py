@@ -497,7 +497,8 @@ def test_the_progress_bar_shows_reused_tokens_and_the_prefill_rate():
     from pipeline.cli.common import _bar
 
     out = io.StringIO()
-    report = _bar("shop@2 -> tiny", Console(file=out, force_terminal=True, width=200))
+    stage = {"what": "prefill", "eta": None}
+    report = _bar("shop@2 -> tiny", stage, Console(file=out, force_terminal=True, width=200))
     report(10240, 11078, 0.0, 10240)
     report(10256, 11078, 0.01, 10240)
     report(11078, 11078, 0.5, 10240)

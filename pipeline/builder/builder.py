@@ -407,7 +407,7 @@ def _carry_hash(key: str | None, published: Path, manifest: Manifest) -> None:
 def _produce(job: Job, bundles_root: Path, tmp: Path) -> tuple[Manifest, dict[str, Any]]:
     """Prefill and write the bundle into the staging folder `tmp`, validated."""
     d = job.target.definition
-    began = time.perf_counter()
+    started = began = time.perf_counter()
     loaded = load_model(job.target.model_dir, d.spec.cache.compute_dtype)
     load_seconds = time.perf_counter() - began
     cut = _stable_cut(job, loaded.tokenizer)
@@ -440,14 +440,24 @@ def _produce(job: Job, bundles_root: Path, tmp: Path) -> tuple[Manifest, dict[st
     # as read back from disk by write_cache (the memo keys that read by the file's stat), so the
     # self-check does not read and hash ~1 GB a second time
     began = time.perf_counter()
+    announce(job.progress, "self-check (the one validator)")
     validate(tmp, job.identity, trust_memo=True)
     report["self_check_seconds"] = round(time.perf_counter() - began, 4)  # not in the file
+    report["build_seconds"] = round(time.perf_counter() - started, 4)  # every phase, as waited
     if folder_state(job.target.model_dir) != job.state:  # a load read other bytes than hashed
         raise ModelError(
             f"{changed_message(job.target.model_dir, 'during the build')}: nothing was written; "
             "build again once the folder is settled"
         )
     return manifest, report
+
+
+def announce(progress: Progress | None, phase: str) -> None:
+    """Tell the progress display a long phase after the prefill has begun (a quantized bundle's
+    fidelity check can take longer than its prefill: silence there read as a hang)."""
+    phase_of = getattr(progress, "phase", None)  # progress displays may have none (library use)
+    if phase_of is not None:
+        phase_of(phase)
 
 
 def _stable_cut(job: Job, tokenizer: Any) -> StableCut:
@@ -520,10 +530,13 @@ def _write(
         fidelity = FidelityInfo(checked=False)
         began = time.perf_counter()
         if job.check:
+            announce(
+                job.progress, f"fidelity check (warm vs cold, {d.spec.check.greedy_tokens} tokens)"
+            )
             fidelity = run_checks(
                 loaded, job.target.model_dir, held, tmp / CACHE_FILE, cut.tokens,
                 cut.probe_tokens, d.spec, continued=parent is not None,
-                read_back_equal=exact,
+                read_back_equal=exact, progress=job.progress,
             )  # fmt: skip
             if parent is not None:  # its reference run started from the parent too: say so
                 fidelity = continued_reference(fidelity, parent, inherited)

@@ -53,6 +53,7 @@ def _row(bundle: Path, manifest: Manifest, mount_seconds: float, status: str) ->
         "tokens": manifest.tokens.count,
         "bytes": sum(p.stat().st_size for p in bundle.iterdir() if p.is_file()),
         "prefill_s": report.get("prefill_seconds", float("nan")),
+        "build_s": report.get("build_seconds", float("nan")),
         "mount_ms": mount_seconds * 1000,
         "status": status,
     }

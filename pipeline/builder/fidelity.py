@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ import mlx.core as mx
 from mlx_lm.models.cache import load_prompt_cache, make_prompt_cache
 
 from pipeline.builder.definition import PrefixDefinition
-from pipeline.builder.prefill import LoadedModel, dtype_name, load_model
+from pipeline.builder.prefill import LoadedModel, Progress, dtype_name, load_model
 from pipeline.format.errors import BuildError
 from pipeline.format.manifest import FidelityInfo, ReuseCheck, ServingCheck
 from pipeline.runtime import fork_cache, lossy_min_tokens
@@ -27,11 +28,23 @@ def threshold_for(spec: PrefixDefinition) -> float:
 
 
 def continue_from(
-    loaded: LoadedModel, cache: list[Any], probe: list[int], steps: int
+    loaded: LoadedModel,
+    cache: list[Any],
+    probe: list[int],
+    steps: int,
+    progress: Progress | None = None,
 ) -> tuple[mx.array, list[int]]:
     """Next-token logits after `probe`, and `steps` greedy tokens, from a copy of `cache`."""
     cache = fork_cache(cache)  # the caller's caches stay untouched; one copy, at the first write
-    logits = loaded.model(mx.array(probe)[None], cache=cache)[0, -1].astype(mx.float32)
+    # chunked as a server prefills a request (a shortest-reuse tail is thousands of tokens: one
+    # call over a quantized cache took ~25 s on CPU, and nothing could show its progress)
+    began, last = time.perf_counter(), len(probe) - 1
+    for start in range(0, last, SERVER_CHUNK):
+        loaded.model(mx.array(probe[start : min(start + SERVER_CHUNK, last)])[None], cache=cache)
+        mx.eval([c.state for c in cache])
+        if progress is not None:
+            progress(min(start + SERVER_CHUNK, last), last, time.perf_counter() - began, 0)
+    logits = loaded.model(mx.array(probe[-1:])[None], cache=cache)[0, -1].astype(mx.float32)
     first = logits
     tokens = []
     for _ in range(steps):
@@ -51,6 +64,7 @@ def run_checks(
     spec: PrefixDefinition,
     continued: bool = False,
     read_back_equal: bool = False,
+    progress: Progress | None = None,
 ) -> FidelityInfo:
     """The fidelity record: the bundle as written against the builder's in-memory cache (raises
     beyond the bound), and against the serving path (recorded, never a refusal).
@@ -70,12 +84,14 @@ def run_checks(
     if not probe:
         raise BuildError("fidelity check needs at least one probe token after the prefix")
     if read_back_equal:
-        return exact_checks(loaded, model_dir, held, tokens, probe, spec, continued)
+        return exact_checks(loaded, model_dir, held, tokens, probe, spec, continued, progress)
     steps = spec.check.greedy_tokens
     reference = held.pop()
     ref = continue_from(loaded, reference, probe, steps)
     short = shortest_reuse(reference, tokens, probe, spec)
-    short_ref = continue_from(loaded, short.cut(reference), short.tail, steps) if short else None
+    short_ref = (
+        continue_from(loaded, short.cut(reference), short.tail, steps, progress) if short else None
+    )
     plan = serving_plan(loaded, spec, continued)
     # where the serving path is the builder's path, the reference is that cold prefill already
     cold = ref if plan.runs and plan.same_path else None
@@ -84,7 +100,7 @@ def run_checks(
     got = continue_from(loaded, written, probe, steps)
     info = fidelity_info(loaded, spec, probe, ref, got, continued)
     if short is not None:
-        short_got = continue_from(loaded, short.cut(written), short.tail, steps)
+        short_got = continue_from(loaded, short.cut(written), short.tail, steps, progress)
         info = info.model_copy(update={"shortest_reuse": short.record(short_ref, short_got)})
     if not plan.runs:
         return info.model_copy(update={"serving_skipped": plan.skipped})
@@ -93,7 +109,8 @@ def run_checks(
         warm = got if plan.same_dtype else continue_from(serving, written, probe, steps)
         del written
         if cold is None:
-            cold = continue_from(serving, _server_prefill(serving.model, tokens), probe, steps)
+            cold_cache = _server_prefill(serving.model, tokens, progress)
+            cold = continue_from(serving, cold_cache, probe, steps)
     except (RuntimeError, ValueError) as exc:  # e.g. MLX's CPU gather_mm is float32-only (MoE)
         return serving_failed(info, exc)
     return info.model_copy(update={"serving": serving_check(loaded, plan, cold, warm)})
@@ -108,6 +125,7 @@ BYTE_PROOF = (
 def exact_checks(
     loaded: LoadedModel, model_dir: Path, held: list[list[Any]], tokens: list[int],
     probe: list[int], spec: PrefixDefinition, continued: bool = False,
+    progress: Progress | None = None,
 ) -> FidelityInfo:  # fmt: skip
     """The record of a bundle whose bytes are the builder's cache: difference 0 by that proof;
     the serving comparison, where it runs, warm from those bytes (the probe's logits only when
@@ -128,7 +146,9 @@ def exact_checks(
             return _same_path(loaded, plan, info, first_logits(serving, reference, probe))
         warm = continue_from(serving, reference, probe, steps)
         del reference
-        cold = continue_from(serving, _server_prefill(serving.model, tokens), probe, steps)
+        cold = continue_from(
+            serving, _server_prefill(serving.model, tokens, progress), probe, steps
+        )
     except (RuntimeError, ValueError) as exc:  # e.g. MLX's CPU gather_mm is float32-only (MoE)
         return serving_failed(info, exc)
     return info.model_copy(update={"serving": serving_check(loaded, plan, cold, warm)})
@@ -298,12 +318,16 @@ def serving_check(loaded: LoadedModel, plan: ServingPlan, cold: Run, warm: Run) 
     )
 
 
-def _server_prefill(model: Any, tokens: list[int]) -> list[Any]:
-    """A cold prefill chunked as mlx_lm.server chunks a prompt."""
-    cache = make_prompt_cache(model)
+def _server_prefill(model: Any, tokens: list[int], progress: Progress | None) -> list[Any]:
+    """A cold prefill chunked as mlx_lm.server chunks a prompt (the check's longest step: shown
+    on the build's progress display, as the builder's prefill is)."""
+    cache, began = make_prompt_cache(model), time.perf_counter()
     for start in range(0, len(tokens), SERVER_CHUNK):
         model(mx.array(tokens[start : start + SERVER_CHUNK])[None], cache=cache)
         mx.eval([c.state for c in cache])
+        if progress is not None:
+            done = min(start + SERVER_CHUNK, len(tokens))
+            progress(done, len(tokens), time.perf_counter() - began, 0)
     return cache
 
 

@@ -269,8 +269,26 @@ def _print_built(label: str, result, out) -> None:
     )
     say(
         f"{label}: {m.tokens.count} tokens (stable {m.tokens.stable_tokens}/{m.tokens.rendered_tokens}), "
-        f"{r['prefill_seconds']:.2f}s ({r['tokens_per_second']:,.0f} tok/s), "
+        f"{build_time(r)}, {r['tokens_per_second']:,.0f} tok/s, "
         f"peak {r['peak_memory_bytes'] / 2**20:,.0f} MiB{check} -> {result.bundle}",
         file=out,
     )
     say(f"  {r['reuse']}", file=out)
+
+
+def build_time(report: dict) -> str:
+    """'built in 61.2s (prefill 6.1s, fidelity check 53.0s, write 0.4s)': the whole wait and
+    the phases that make it (an old report without the total: the prefill alone)."""
+    total = report.get("build_seconds")
+    if total is None:
+        return f"prefill {report['prefill_seconds']:.2f}s"
+    phases = [("prefill", report["prefill_seconds"])]
+    for name, key in (("fidelity check", "check_seconds"), ("write", "write_seconds")):
+        if report.get(key, 0.0) >= 0.005:  # a phase that ran (no check: 0.0)
+            phases.append((name, report[key]))
+    said = ", ".join(f"{name} {_seconds(value)}" for name, value in phases)
+    return f"built in {_seconds(total)} ({said})"
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.2f}s" if value < 10 else f"{value:.1f}s"

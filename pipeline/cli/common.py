@@ -120,12 +120,23 @@ def progress(label: str, crossover: float | None = None):
     Plain lines: the size first, an ETA after the first chunk, then at most one every 0.5 s.
     Tokens reused from a parent are shown as reused; the rate counts prefilled tokens only. The
     ETA counts attention's growth with position (pipeline.cli.eta; `crossover`: its prior, from
-    the model's config).
+    the model's config). A later phase (the fidelity check and its cold prefill, the self-check)
+    is said as it starts, with the time so far (`report.phase`, called by the builder's
+    announce), and its own prefill shows under its name with an ETA of its own.
     """
     from pipeline.cli.eta import DEFAULT_CROSSOVER, PrefillEta
 
-    eta = PrefillEta(crossover or DEFAULT_CROSSOVER)
-    return _bar(label, eta=eta) if sys.stderr.isatty() else _lines(label, eta)
+    stage = {"what": "prefill", "eta": PrefillEta(crossover or DEFAULT_CROSSOVER)}
+    report = _bar(label, stage) if sys.stderr.isatty() else _lines(label, stage)
+    started = time.perf_counter()
+
+    def phase(name: str) -> None:
+        stage.update(what=name.split(" (")[0], eta=PrefillEta(crossover or DEFAULT_CROSSOVER))
+        said = f"{label}: {name}, {time.perf_counter() - started:.1f}s so far"
+        say(said, file=sys.stderr, flush=True)
+
+    report.phase = phase
+    return report
 
 
 def progress_text(
@@ -153,38 +164,41 @@ def _text(eta: Any, done: int, total: int, elapsed: float, reused: int) -> str:
     return progress_text(done, total, elapsed, reused, eta.remaining(total))
 
 
-def _bar(label: str, console: Any = None, eta: Any = None):
+def _bar(label: str, stage: dict, console: Any = None):
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn
 
     columns = (TextColumn("{task.description}"), BarColumn(), TextColumn("{task.fields[text]}"))
     # no refresh thread: a failed prefill cannot leave a live display behind
     bar = Progress(*columns, console=console or Console(stderr=True), auto_refresh=False)
-    task: list = []
+    task: list = []  # (the stage it shows, its task id)
 
     def report(done: int, total: int, elapsed: float, reused: int = 0) -> None:
-        text = _text(eta, done, total, elapsed, reused)
-        if not task:  # starts at the reused tokens: they are not progress of this prefill
-            task.append(bar.add_task(f"{label}: prefill", total=total, completed=done, text=text))
+        text = _text(stage["eta"], done, total, elapsed, reused)
+        if not task or task[0][0] != stage["what"]:  # a new stage starts a bar of its own
+            what = stage["what"]  # it starts at the reused tokens: not progress of this stage
+            task[:] = [
+                (what, bar.add_task(f"{label}: {what}", total=total, completed=done, text=text))
+            ]
             bar.start()
-        bar.update(task[0], completed=done, total=total, text=text, refresh=True)
+        bar.update(task[0][1], completed=done, total=total, text=text, refresh=True)
         if done >= total:
             bar.stop()
 
     return report
 
 
-def _lines(label: str, eta: Any = None):
+def _lines(label: str, stage: dict):
     last: list[float | None] = [None]  # when the last rate line was printed
 
     def report(done: int, total: int, elapsed: float, reused: int = 0) -> None:
         now = time.perf_counter()
         first = done <= reused
-        text = _text(eta, done, total, elapsed, reused)  # every chunk counts, printed or not
+        text = _text(stage["eta"], done, total, elapsed, reused)  # every chunk counts
         if not first and done < total and last[0] is not None and now - last[0] < 0.5:
             return
         last[0] = None if first else now
-        say(f"{label}: prefill {text}", file=sys.stderr, flush=True)
+        say(f"{label}: {stage['what']} {text}", file=sys.stderr, flush=True)
 
     return report
 

@@ -54,6 +54,7 @@ def _report(args: argparse.Namespace, rows: list[dict]):
         DemoBundle(
             prefix=r["prefix"], status=r["status"], tokens=r["tokens"], bytes=r["bytes"],
             prefill_seconds=None if math.isnan(r["prefill_s"]) else r["prefill_s"],
+            build_seconds=None if math.isnan(r["build_s"]) else r["build_s"],
             mount_ms=r["mount_ms"],
         )
         for r in rows
@@ -62,12 +63,16 @@ def _report(args: argparse.Namespace, rows: list[dict]):
 
 
 def _print(report) -> None:
-    header = f"{'prefix':<22}{'tokens':>8}{'bytes':>13}{'prefill s':>11}{'mount ms':>10}  status"
+    header = (
+        f"{'prefix':<22}{'tokens':>8}{'bytes':>13}{'build s':>9}{'prefill s':>11}{'mount ms':>10}"
+        "  status"
+    )
     say(header)
     say("-" * len(header))
     for r in report.bundles:
+        build = f"{r.build_seconds:>9.1f}" if r.build_seconds is not None else f"{'-':>9}"
         prefill = f"{r.prefill_seconds:>11.3f}" if r.prefill_seconds is not None else f"{'-':>11}"
         say(
-            f"{r.prefix:<22}{r.tokens:>8}{r.bytes:>13,}{prefill}"
+            f"{r.prefix:<22}{r.tokens:>8}{r.bytes:>13,}{build}{prefill}"
             f"{r.mount_ms:>10.1f}  {r.status}, verified, mounted"
         )

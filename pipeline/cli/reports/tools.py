@@ -49,6 +49,11 @@ class DemoBundle(Report):
     tokens: int
     bytes: int = Field(description="the bundle folder's files, in bytes")
     prefill_seconds: float | None = Field(description="null when its build report is missing")
+    build_seconds: float | None = Field(
+        None,
+        description="the whole build (prefill, fidelity check, write, self-check); null "
+        "when its build report is missing or predates the field",
+    )
     mount_ms: float = Field(description="milliseconds to mount it (verified, loaded)")
 
 
