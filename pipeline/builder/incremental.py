@@ -169,7 +169,7 @@ def examine(bundle: Path, wanted: Wanted) -> tuple[Manifest | None, str | None]:
     None and why not. Only regular files are opened (check_folder first: a FIFO would block)."""
     try:
         check_folder(bundle)
-        m = read_manifest(bundle, read_sums(bundle)[MANIFEST_FILE])
+        m = read_manifest(bundle, read_sums(bundle)[MANIFEST_FILE], kind=None)  # snapshot: why not
     except (BundleError, KeyError, OSError) as exc:
         return None, f"unreadable ({exc})"
     reason = _not_a_parent(m, wanted)

@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_json(bundle, args)
     from pipeline.cli.inspect_text import print_inspect
 
-    manifest = read_manifest(bundle, None)  # shown even when invalid; validity is decided below
+    manifest = read_manifest(bundle, None, kind=None)  # shown even when invalid (either kind)
     identity = _identity(args, manifest)
     keys = trusted_keys(args)
     kind = expected_kind(bundle)
@@ -53,7 +53,7 @@ def _run_json(bundle: Path, args: argparse.Namespace) -> int:
     from pipeline.format.manifest import Manifest
 
     try:
-        manifest = read_manifest(bundle, None)
+        manifest = read_manifest(bundle, None, kind=None)  # a snapshot too
     except BundleError:
         manifest = None  # the validator below says why, at the stage that refuses it
     identity = _identity(args, manifest) if args.model else integrity_identity(bundle)

@@ -109,13 +109,14 @@ def run(args: argparse.Namespace) -> int:
 def _mounted(bundles: Path, lockfile: Path | None) -> tuple[list[Path], list[str]]:
     """The bundles serve would try to mount (the newest, or the lockfile's versions), and what
     it would not mount, with why."""
-    from pipeline.format.lockfile import locked_versions
+    from pipeline.format.lockfile import locked_folders, locked_versions
     from pipeline.runtime.mount import choose_versions, find_bundles, version_key
 
     versions = locked_versions(lockfile) if lockfile else None
     paths, problems = find_bundles(bundles)
     skipped = [f"{p.path}: {p.reason}" for p in problems]  # what serve would not mount either
-    chosen, other = choose_versions(bundles, paths, versions)
+    folders = locked_folders(lockfile) if lockfile else None
+    chosen, other = choose_versions(bundles, paths, versions, folders)
     for path in other:
         key = version_key(bundles, path)
         if versions is not None and key is not None and key[0][0] not in versions:

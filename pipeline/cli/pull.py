@@ -7,13 +7,15 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.cli.common import add_json_option, emit_json, err, say
+from pipeline.cli.common import add_json_option, emit_json, err, note, say
 from pipeline.cli.keys import add_trusted_key_option, trusted_keys
 from pipeline.cli.push import add_registry_options, transfer_of, transfer_progress
 from pipeline.cli.reports import PulledBundle, PullReport, PullTotals, refusal_of
 
 if TYPE_CHECKING:
     from pipeline.distribute.pull import PullResult
+
+BY_TAG = "by tag: the lockfile records no digest for it (push --lockfile records one)"
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
@@ -44,8 +46,8 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         "--lockfile",
         type=Path,
         metavar="FILE",
-        help="pull exactly the versions this prefixes.lock locks for the model (instead of "
-        "--prefix); OCI: by the artifact digest `push --lockfile` recorded, where it did",
+        help="pull exactly the bundle folders this prefixes.lock names for the model (instead "
+        "of --prefix); OCI: each by the artifact digest `push --lockfile` recorded, else by tag",
     )
     add_registry_options(p)
     add_json_option(p, "pull", version=2)
@@ -55,15 +57,16 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # --bundles not given (None): pull() puts them next to the model, in <model>/prefix-bundles
-    pins = _locked(args)
+    locked = _locked(args)
     if args.repo.startswith("oci://"):
-        result = _pull_oci(args, pins)
+        result = _pull_oci(args, locked)
     else:
         from pipeline.distribute.pull import pull
 
-        result = pull(
-            args.repo, args.model, args.bundles, args.revision, args.prefix, trusted_keys(args)
-        )
+        keys = trusted_keys(args)
+        result = pull(args.repo, args.model, args.bundles, args.revision, args.prefix, keys, locked)
+    for line in result.notes:
+        note(f"not reused for blocks: {line}")
     for refused in result.refused:
         err(f"{refused.error} (nothing was published)")
     for failed in result.failed:
@@ -75,10 +78,10 @@ def run(args: argparse.Namespace) -> int:
     return 1 if result.refused or result.failed else 0
 
 
-def _locked(args: argparse.Namespace) -> dict[str, str]:
-    """--lockfile: its versions become the --prefix list; returns its artifact digests."""
+def _locked(args: argparse.Namespace) -> dict[str, str | None] | None:
+    """--lockfile: {repo path: artifact digest or None} of exactly the folders it names."""
     if not args.lockfile:
-        return {}
+        return None
     from pipeline.distribute.pull import locked_selection
     from pipeline.format.errors import PipelineError
 
@@ -87,11 +90,10 @@ def _locked(args: argparse.Namespace) -> dict[str, str]:
             "--prefix and --lockfile both choose what to pull: pass one (the lockfile pins "
             "every prefix it locks for the model)"
         )
-    args.prefix, pins = locked_selection(args.lockfile, args.model)
-    return pins
+    return locked_selection(args.lockfile, args.model)
 
 
-def _pull_oci(args: argparse.Namespace, pins: dict[str, str]) -> PullResult:
+def _pull_oci(args: argparse.Namespace, locked: dict[str, str | None] | None) -> PullResult:
     from pipeline.distribute.oci_pull import pull_oci
     from pipeline.format.errors import PipelineError
 
@@ -111,7 +113,7 @@ def _pull_oci(args: argparse.Namespace, pins: dict[str, str]) -> PullResult:
         plain_http=args.plain_http,
         ca_bundle=str(args.ca_bundle) if args.ca_bundle else None,
         meter=Meter(None if args.json else transfer_progress("pull")),
-        pins=pins,
+        locked=locked,
     )
 
 
@@ -120,6 +122,8 @@ def _print(result: PullResult) -> None:
     for b in result.pulled:
         digest = result.digests.get(b.repo_path)
         where = f"{at}@{digest}" if digest else at
+        if b.repo_path in result.by_tag:
+            where += f" {BY_TAG}"
         say(f"pulled {b.name}@{b.version} ({b.tokens} tokens) from {where} -> {b.path}")
     for s in result.skipped:
         say(f"skipped {s.repo_path}: {s.reason}")
@@ -140,7 +144,14 @@ def _report(result: PullResult) -> PullReport:
     digests = result.digests
     entries = (
         [
-            entry(b, "pulled", path=str(b.path), tokens=b.tokens, digest=digests.get(b.repo_path))
+            entry(
+                b,
+                "pulled",
+                path=str(b.path),
+                tokens=b.tokens,
+                digest=digests.get(b.repo_path),
+                reason=BY_TAG if b.repo_path in result.by_tag else None,
+            )
             for b in result.pulled
         ]
         + [

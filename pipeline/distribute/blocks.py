@@ -21,7 +21,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import stat
 import struct
 import threading
 from collections.abc import Iterator
@@ -33,6 +32,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from pipeline.distribute.untrusted import Unfit, first_error, parse_as
+from pipeline.format import regular_files
+from pipeline.format.bundle_folder import read_manifest
+from pipeline.format.regular_files import FileProblem
 from pipeline.format.safetensors_read import DTYPE_SIZES
 
 MAX_BLOCK_TOKENS = 64
@@ -157,14 +159,19 @@ def _span(name: str, entry: dict, base: int, tokens: int) -> Span:
 
 
 def open_regular(path: Path) -> int:
-    """A read descriptor of path: a link is not followed, a FIFO or device never blocks and is an
-    OSError, as is anything but a regular file."""
-    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    fd = os.open(path, flags)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(errno.EINVAL, "not a regular file", str(path))
-    return fd
+    """A read descriptor of path (regular_files.open_regular, no link followed): a FIFO or
+    device never blocks, and anything but a regular file is an OSError."""
+    try:
+        return regular_files.open_regular(path, follow=False)
+    except FileProblem as exc:
+        raise OSError(errno.EINVAL, str(exc), str(path)) from None
+
+
+def peer_tokens(bundle: Path) -> int:
+    """The token count a bundle folder's manifest.json records, read as the validator reads it
+    (a regular file, no link, capped, strict schema, either kind): only to cut its cache file
+    into blocks whose digests are then checked; BundleError naming the file otherwise."""
+    return read_manifest(bundle, None, kind=None).tokens.count
 
 
 def read_layout(source: Path | int, tokens: int, block_size: int | None = None) -> Layout:

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict
 from pipeline.distribute.oci_plain import paced
 from pipeline.distribute.untrusted import Unfit, may_carry_credentials, parse_as, read_capped
 from pipeline.format.errors import PipelineError
+from pipeline.format.regular_files import FileProblem, read_regular
 
 USER_ENV = "PREFIX_BUNDLES_REGISTRY_USER"
 PASSWORD_ENV = "PREFIX_BUNDLES_REGISTRY_PASSWORD"
@@ -93,12 +94,12 @@ def docker_config() -> tuple[Path, DockerConfig]:
     """(where the Docker config file is, what it says: empty when there is none)."""
     folder = os.environ.get("DOCKER_CONFIG") or str(Path.home() / ".docker")
     path = Path(folder) / "config.json"
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return path, DockerConfig()
-    except OSError as exc:
-        raise _config_error(path, exc.strerror or exc.__class__.__name__) from None
+    try:  # a FIFO or a device there is refused, never waited on or read without end
+        data = read_regular(path, MAX_REPLY_BYTES)
+    except FileProblem as exc:
+        raise _config_error(path, str(exc)) from None
     try:
         return path, parse_as(DockerConfig, data, MAX_REPLY_BYTES)
     except Unfit as exc:

@@ -14,7 +14,6 @@ of it: the file is read once after it is written, not twice), an atomic publish 
 from __future__ import annotations
 
 import hashlib
-import json
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -28,7 +27,7 @@ from pipeline.distribute.artifact import (
     parse_tag,
     tag_of,
 )
-from pipeline.distribute.blocks import Layout, Source, Target, layout, read_layout
+from pipeline.distribute.blocks import Layout, Source, Target, layout, peer_tokens, read_layout
 from pipeline.distribute.hub import RemoteBundle
 from pipeline.distribute.meter import Meter
 from pipeline.distribute.oci import Registry, in_parallel, parse_repo
@@ -49,6 +48,7 @@ from pipeline.format.bundle_folder import (
     MANIFEST_FILE,
     STAGING_DIR,
     model_folder,
+    read_manifest_bytes,
 )
 from pipeline.format.bundle_folder import parse_manifest as parse_bundle_manifest
 from pipeline.format.bundle_signature import check_binding, check_signature
@@ -70,10 +70,11 @@ def pull_oci(
     plain_http: bool = False,
     ca_bundle: str | None = None,
     meter: Meter | None = None,
-    pins: dict[str, str] | None = None,
+    locked: dict[str, str | None] | None = None,
 ) -> PullResult:
     """Fetch, check, validate and publish the bundles of an OCI repo that fit `model_dir`;
-    `pins` ({repo path: artifact digest}, from a lockfile) are fetched by digest, not by tag."""
+    `locked` ({repo path: artifact digest or None}, pull.locked_selection): exactly those
+    folders, each by its digest where the lockfile records one, else by its tag."""
     ref = parse_repo(repo)
     model_dir = Path(model_dir)
     root = Path(bundles_dir) if bundles_dir is not None else near_model(model_dir)
@@ -88,13 +89,14 @@ def pull_oci(
     registry.meter = meter
     try:
         remote = [RemoteBundle(*p, ()) for t in registry.tags() if (p := parse_tag(t))]
-        pins = pins or {}
+        pins = {path: d for path, d in (locked or {}).items() if d is not None}
         for path in sorted(set(pins) - {b.path for b in remote}):  # pinned, its tag pruned
             remote.append(RemoteBundle(*_split(path), ()))
         result = PullResult(ref.url, None, None, None, model_dir, root)
         result.transfer = Transfer()
-        chosen, result.skipped = select(remote, fingerprint, wanted)
-        check_found(result, chosen, wanted, fingerprint[:FINGERPRINT_CHARS])
+        chosen, result.skipped = select(remote, fingerprint, wanted, locked)
+        check_found(result, chosen, wanted, fingerprint[:FINGERPRINT_CHARS], locked)
+        result.by_tag = sorted(b.path for b in chosen if locked and b.path not in pins)
         clean_staging(root)
         staging = new_staging_folder(root)
         local, resume = LocalBlocks(root), Resume(root)
@@ -121,6 +123,7 @@ def pull_oci(
         finally:
             local.close()
             discard(root, staging)
+            result.notes = [f"{p}: {why}" for p, why in sorted(local.unusable.items())]
         resume.clear()  # every artifact arrived whole: no partial file is worth keeping
     finally:
         registry.close()
@@ -209,15 +212,18 @@ class _Fetch:
         path = self.dest / MANIFEST_FILE
         if not path.exists():
             raise self.fail(f"the artifact has no {MANIFEST_FILE}; push the bundle again")
-        data = path.read_bytes()
         try:
+            data = read_manifest_bytes(self.dest, None)
             signature = check_signature(self.dest, data, keys) if keys else None
-            manifest = parse_bundle_manifest(self.dest, data)
+            manifest = parse_bundle_manifest(self.dest, data, kind="prefix")
             if signature is not None:
                 check_binding(self.dest, signature, manifest)
         except BundleError as exc:  # its reason names the staging folder: name the bundle
             where = f"{self.b.name}/{self.b.version}/{self.b.folder}"
-            raise self.fail(exc.reason.replace(str(self.dest), where)) from None
+            why = exc.reason.replace(str(self.dest), where)
+            if exc.field == "kind":  # a snapshot (or any other kind) pushed under a bundle tag
+                why = f"{why.split(' (')[0]}: not a prefix bundle; push the bundle again"
+            raise self.fail(why) from None
         m = manifest
         found = (m.prefix.name, m.prefix.version, model_folder(m.model.slug, m.model.fingerprint))
         if found != (self.b.name, self.b.version, self.b.folder):
@@ -271,25 +277,31 @@ class _Fetch:
 
 class LocalBlocks:
     """Blocks of the cache files already in a bundles folder, found by their bytes' digest
-    (thread-safe: several blocks are looked for at once)."""
+    (thread-safe: several blocks are looked for at once). Each folder's files are opened as the
+    validator opens them (a FIFO, a device, a link or a huge manifest is never waited on); a
+    folder that cannot be read is skipped for reuse, its reason kept in `unusable`."""
 
     def __init__(self, root: Path) -> None:
         found = sorted(root.glob(f"*/*/*/{CACHE_FILE}")) if root.is_dir() else []
-        self.files = [p for p in found if STAGING_DIR not in p.parts]
+        self.files = [p for p in found if STAGING_DIR not in p.parts and _in_layout(root, p)]
         # by (file, block size): blocks are cut with the size the remote artifact records
         self.opened: dict[tuple[Path, int], tuple[Source, int] | None] = {}
+        self.unusable: dict[Path, str] = {}  # bundle folder -> why its blocks are not reused
         self.lock = threading.Lock()
 
     def _source(self, path: Path, b: int) -> tuple[Source, int] | None:
         """(open file, first block known to differ) or None when unusable."""
         with self.lock:
             if (path, b) not in self.opened:
+                self.opened[path, b] = None
                 try:
-                    manifest = json.loads((path.parent / MANIFEST_FILE).read_bytes())
-                    plan = read_layout(path, int(manifest["tokens"]["count"]), block_size=b)
+                    plan = read_layout(path, peer_tokens(path.parent), block_size=b)
                     self.opened[path, b] = (Source(path, plan), 1 << 62)
-                except Exception:  # not a bundle we can read blocks from: download instead
-                    self.opened[path, b] = None
+                except BundleError as exc:  # names the file and what it is
+                    self.unusable.setdefault(path.parent, exc.reason)
+                except (OSError, ValueError) as exc:  # not a cache file blocks can be cut from
+                    why = exc.strerror if isinstance(exc, OSError) else str(exc)
+                    self.unusable.setdefault(path.parent, f"{CACHE_FILE} {why}")
             return self.opened[path, b]
 
     def fill(self, plan: Layout, k: int, blob: Blob, write: Callable[[bytes], None]) -> bool:
@@ -318,3 +330,9 @@ class LocalBlocks:
         for entry in self.opened.values():
             if entry:
                 entry[0].close()
+
+
+def _in_layout(root: Path, cache_file: Path) -> bool:
+    """A cache file at <root>/<name>/<version>/<folder>/ reached through real folders only."""
+    folder = cache_file.parent
+    return not any(p.is_symlink() for p in (folder, folder.parent, folder.parent.parent))

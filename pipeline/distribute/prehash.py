@@ -11,15 +11,14 @@ block is hashed by the push itself, and the registry checks every uploaded blob'
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from pipeline.distribute import oci
-from pipeline.distribute.blocks import Layout, Source, open_regular, read_layout
+from pipeline.distribute.blocks import Layout, Source, open_regular, peer_tokens, read_layout
 from pipeline.format import memo
-from pipeline.format.bundle_folder import CACHE_FILE, MANIFEST_FILE
+from pipeline.format.bundle_folder import CACHE_FILE
 
 
 class Prehash:
@@ -35,7 +34,7 @@ class Prehash:
     def _start(self, path: Path) -> None:
         fd = None
         try:  # the manifest is not validated yet: it only says how to cut; the validator judges
-            tokens = int(json.loads((path.parent / MANIFEST_FILE).read_bytes())["tokens"]["count"])
+            tokens = peer_tokens(path.parent)  # never blocks on a FIFO, never reads /dev/zero
             fd = open_regular(path)  # keyed by the stat of the file hashed, not of a name
             key = memo.open_key(os.path.realpath(path), os.fstat(fd))
             plan = read_layout(fd, tokens)

@@ -12,7 +12,7 @@ folder and follows no link (pipeline.builder.bundles_tree).
 from __future__ import annotations
 
 import errno
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,6 +105,8 @@ class PullResult:
     failed: list[Failed] = field(default_factory=list)  # non-empty: nothing was published
     digests: dict[str, str] = field(default_factory=dict)  # OCI: repo_path -> artifact digest
     transfer: Any = None  # OCI: the bytes moved and reused (oci_push.Transfer)
+    by_tag: list[str] = field(default_factory=list)  # lockfile paths with no digest: fetched by tag
+    notes: list[str] = field(default_factory=list)  # bundles here not reused for blocks, and why
 
     @property
     def source(self) -> str:
@@ -130,27 +132,26 @@ def parse_wanted(prefixes: list[str] | None) -> dict[str, int | None] | None:
     return wanted
 
 
-def locked_selection(lockfile: Path, model_dir: Path) -> tuple[list[str], dict[str, str]]:
-    """What a lockfile pins for this model: (["name@version", ...], {repo path: artifact digest}
-    where `push --lockfile` recorded one)."""
+def locked_selection(lockfile: Path, model_dir: Path) -> dict[str, str | None]:
+    """What a lockfile pins for this model: {repo path <name>/<version>/<model folder>: the
+    artifact digest `push --lockfile` recorded, or None (fetched by tag)}; exactly the folders
+    it names, never a sibling folder of the same version and fingerprint."""
     from pipeline.format.lockfile import given_lock
 
     lock = given_lock(Path(lockfile))
     fingerprint = identity_for(Path(model_dir)).model
-    prefixes, pins = [], {}
+    locked: dict[str, str | None] = {}
     for name, entry in sorted(lock.prefixes.items()):
         for folder, fp in sorted(entry.models.items()):
             if fp == fingerprint:
-                prefixes.append(f"{name}@{entry.version}")
-                if digest := (entry.artifacts or {}).get(folder):
-                    pins[f"{name}/{entry.version}/{folder}"] = digest
-    if not prefixes:
+                locked[f"{name}/{entry.version}/{folder}"] = (entry.artifacts or {}).get(folder)
+    if not locked:
         raise PipelineError(
             f"{lockfile}: no prefix is locked for the model {model_dir} (fingerprint "
             f"{fingerprint[:FINGERPRINT_CHARS]}); build for it and commit the lockfile, or pull "
             "without --lockfile"
         )
-    return prefixes, pins
+    return locked
 
 
 def near_model(model_dir: Path) -> Path:
@@ -162,9 +163,13 @@ def near_model(model_dir: Path) -> Path:
 
 
 def select(
-    remote: list[RemoteBundle], fingerprint: str, wanted: dict[str, int | None] | None
+    remote: list[RemoteBundle],
+    fingerprint: str,
+    wanted: dict[str, int | None] | None,
+    locked: Mapping[str, str | None] | None = None,
 ) -> tuple[list[RemoteBundle], list[Skipped]]:
-    """(to pull, skipped with why): this model's folders, per prefix the highest or asked version."""
+    """(to pull, skipped with why): this model's folders, per prefix the highest or asked version;
+    with `locked` (a lockfile's repo paths) exactly the folders it names."""
     fp = fingerprint[:FINGERPRINT_CHARS]
     mine = [b for b in remote if b.fingerprint == fp]
     skipped = [
@@ -172,6 +177,12 @@ def select(
         for b in remote
         if b not in mine
     ]
+    if locked is not None:
+        chosen = [b for b in mine if b.path in locked]
+        why = "not named by the lockfile (it pins exactly the folders it names)"
+        return chosen, skipped + [
+            Skipped(b.name, b.version, b.path, why) for b in mine if b not in chosen
+        ]
     best: dict[str, int] = {}
     for b in mine:
         if wanted is None or (b.name in wanted and wanted[b.name] in (None, b.version)):
@@ -192,10 +203,12 @@ def pull(
     revision: str | None = None,
     prefixes: list[str] | None = None,
     trusted_keys: Sequence[PublicKey] = (),
+    locked: Mapping[str, str | None] | None = None,
 ) -> PullResult:
     """Download, validate and publish the bundles of `repo` that fit the model in `model_dir`.
 
-    With trusted_keys each must carry a valid signature by one of them (it is published with it)."""
+    With trusted_keys each must carry a valid signature by one of them (it is published with it);
+    `locked` (locked_selection): exactly the folders a lockfile names, at the resolved commit."""
     model_dir = Path(model_dir)
     root = Path(bundles_dir) if bundles_dir is not None else near_model(model_dir)
     wanted = parse_wanted(prefixes)
@@ -208,8 +221,8 @@ def pull(
     endpoint = getattr(api, "endpoint", None)  # HfApi's host; None: no URL to give
     url = f"{endpoint.rstrip('/')}/{repo}/tree/{commit}" if endpoint else None
     result = PullResult(repo, revision or "main", commit, url, model_dir, root)
-    chosen, result.skipped = select(remote_bundles(files), identity.model, wanted)
-    check_found(result, chosen, wanted, identity.model[:FINGERPRINT_CHARS])
+    chosen, result.skipped = select(remote_bundles(files), identity.model, wanted, locked)
+    check_found(result, chosen, wanted, identity.model[:FINGERPRINT_CHARS], locked)
     for b in chosen:  # before any download: a stray file (of any size) is not fetched to refuse
         stray = sorted(f[len(b.path) + 1 :] for f in files if f.startswith(f"{b.path}/"))
         stray = [name for name in stray if name not in ALLOWED_FILES]
@@ -345,10 +358,22 @@ def error_text(exc: Exception) -> str:
 
 
 def check_found(
-    result: PullResult, chosen: list[RemoteBundle], wanted: dict[str, int | None] | None, fp: str
+    result: PullResult,
+    chosen: list[RemoteBundle],
+    wanted: dict[str, int | None] | None,
+    fp: str,
+    locked: Mapping[str, str | None] | None = None,
 ) -> None:
-    """Pulling nothing is an error: say what the repo has and how to get a bundle for this model."""
+    """Pulling nothing, or less than a lockfile names, is an error: say what the repo has and how
+    to get a bundle for this model."""
     where = result.source if result.commit is None else f"hub repo {result.repo}@{result.revision}"
+    absent = sorted(set(locked or {}) - {b.path for b in chosen})
+    if absent:
+        raise PipelineError(
+            f"{where}: no bundle {absent[0]}, which the lockfile pins for this model (fingerprint "
+            f"{fp}); push it ('python build.py push ... --lockfile'), or pull with the lockfile of "
+            "what was pushed: nothing was published"
+        )
     missing = sorted(set(wanted or {}) - {b.name for b in chosen})
     if missing:
         asked = ", ".join(f"{n}@{wanted[n]}" if wanted[n] else n for n in missing)

@@ -21,7 +21,13 @@ from pydantic import ValidationError
 
 from pipeline.format.errors import BundleError
 from pipeline.format.fingerprint import sha256_bytes
-from pipeline.format.manifest import FORMAT_VERSION, MAX_MANIFEST_BYTES, READ_VERSIONS, Manifest
+from pipeline.format.manifest import (
+    FORMAT_VERSION,
+    MAX_MANIFEST_BYTES,
+    READ_VERSIONS,
+    Manifest,
+    ManifestKind,
+)
 from pipeline.format.names import LAYOUT_FOLDER  # noqa: F401  (re-exported: the layout's name)
 from pipeline.format.regular_files import FileProblem, kind_of, read_regular
 
@@ -91,7 +97,7 @@ def check_folder(bundle: Path) -> None:
 def read_sums(bundle: Path) -> dict[str, str]:
     """SHA256SUMS as {file: hex}: exactly one `sha256sum` line per checksummed file."""
     try:
-        text = read_regular(bundle / SUMS_FILE, MAX_SUMS_BYTES).decode("ascii")
+        text = read_regular(bundle / SUMS_FILE, MAX_SUMS_BYTES, follow=False).decode("ascii")
     except FileProblem as exc:
         raise refuse(bundle, f"{SUMS_FILE} {exc}", SUMS_FILE) from None
     except UnicodeDecodeError:
@@ -121,15 +127,18 @@ def digest_mismatch(
     )
 
 
-def read_manifest(bundle: Path, expected_sha256: str | None) -> Manifest:
-    """manifest.json, its sha256 checked when given, parsed into the strict schema."""
-    return parse_manifest(bundle, read_manifest_bytes(bundle, expected_sha256))
+def read_manifest(
+    bundle: Path, expected_sha256: str | None, kind: ManifestKind | None = "prefix"
+) -> Manifest:
+    """manifest.json, its sha256 checked when given, parsed into the strict schema, of `kind`
+    (None: either kind, for a reader that handles both)."""
+    return parse_manifest(bundle, read_manifest_bytes(bundle, expected_sha256), kind)
 
 
 def read_manifest_bytes(bundle: Path, expected_sha256: str | None) -> bytes:
     """manifest.json's bytes, read once, their sha256 checked when given (what a signature covers)."""
     try:
-        data = read_regular(bundle / MANIFEST_FILE, MAX_MANIFEST_BYTES)
+        data = read_regular(bundle / MANIFEST_FILE, MAX_MANIFEST_BYTES, follow=False)
     except FileProblem as exc:
         raise refuse(bundle, f"{MANIFEST_FILE} {exc}", MANIFEST_FILE) from None
     if expected_sha256 is not None and sha256_bytes(data) != expected_sha256:
@@ -137,15 +146,31 @@ def read_manifest_bytes(bundle: Path, expected_sha256: str | None) -> bytes:
     return data
 
 
-def parse_manifest(bundle: Path, data: bytes) -> Manifest:
-    """manifest.json's bytes parsed into the strict schema; BundleError naming the field if not."""
+def parse_manifest(bundle: Path, data: bytes, kind: ManifestKind | None = "prefix") -> Manifest:
+    """manifest.json's bytes parsed into the strict schema, of `kind` (None: either); BundleError
+    naming the field if not. Every reader states the kinds it uses: one refusal, never an
+    attribute error on a field another kind leaves empty."""
     try:
         manifest = Manifest.model_validate_json(data)
     except ValidationError as exc:
         raise _manifest_error(bundle, exc, data) from None
     if (problem := repeated_key(data)) is not None:  # parsers disagree on which value counts
         raise refuse(bundle, f"{MANIFEST_FILE} {problem}; rebuild the bundle", MANIFEST_FILE)
+    if kind is not None:
+        check_kind(bundle, manifest, kind)
     return manifest
+
+
+def check_kind(bundle: Path, manifest: Manifest, kind: ManifestKind) -> None:
+    """A snapshot is never used as a prefix bundle, nor a bundle as a snapshot."""
+    found = manifest.kind or "prefix"
+    if found != kind:
+        raise refuse(
+            bundle,
+            f"its manifest is of kind {found}, not {kind} (a {found} is never used as a {kind}); "
+            "move it out of this folder",
+            "kind",
+        )
 
 
 def repeated_key(data: bytes) -> str | None:

@@ -204,3 +204,9 @@ def locked_for_model(path: Path, fingerprint: str) -> dict[str, int]:
 def locked_versions(path: Path) -> dict[str, int]:
     """{prefix name: locked version}, for mounting exactly what the lockfile names."""
     return {name: entry.version for name, entry in given_lock(path).prefixes.items()}
+
+
+def locked_folders(path: Path) -> dict[str, frozenset[str]]:
+    """{prefix name: the model folders its locked version was built in}: of one NAME@VERSION and
+    model, mount takes the folder the lockfile names, never a sibling that would shadow it."""
+    return {name: frozenset(e.models) for name, e in given_lock(path).prefixes.items()}

@@ -6,6 +6,7 @@ and a size limit keeps a hostile file from filling memory.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -30,20 +31,38 @@ def kind_of(mode: int) -> str:
     return next((name for test, name in kinds.items() if test(mode)), "of an unknown file type")
 
 
-def read_regular(path: Path, max_bytes: int) -> bytes:
-    """The bytes of a regular file of at most max_bytes; FileProblem otherwise (never blocks)."""
+def open_regular(path: Path, *, follow: bool = True) -> int:
+    """A read descriptor of a regular file, opened without blocking (a FIFO, a device) and, with
+    follow=False, without following a link at its last part; FileProblem otherwise."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    flags |= 0 if follow else getattr(os, "O_NOFOLLOW", 0)
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        fd = os.open(path, flags)
     except FileNotFoundError:
         raise FileProblem("does not exist") from None
     except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow:
+            raise FileProblem("is a symlink (links are not followed)") from None
         raise FileProblem(f"cannot be opened ({exc.strerror})") from None
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise FileProblem(f"is {kind_of(st.st_mode)}, not a regular file")
-        if st.st_size > max_bytes:
-            raise FileProblem(f"is {st.st_size:,} bytes, over the {max_bytes:,}-byte limit")
+        mode = os.fstat(fd).st_mode
+    except OSError as exc:
+        os.close(fd)
+        raise FileProblem(f"cannot be read ({exc.strerror})") from None
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise FileProblem(f"is {kind_of(mode)}, not a regular file")
+    return fd
+
+
+def read_regular(path: Path, max_bytes: int, *, follow: bool = True) -> bytes:
+    """The bytes of a regular file of at most max_bytes; FileProblem otherwise (never blocks;
+    follow=False: a link is refused, as the validator refuses links in a bundle)."""
+    fd = open_regular(path, follow=follow)
+    try:
+        size = os.fstat(fd).st_size
+        if size > max_bytes:
+            raise FileProblem(f"is {size:,} bytes, over the {max_bytes:,}-byte limit")
         chunks, total = [], 0
         while chunk := os.read(fd, 1 << 20):
             total += len(chunk)

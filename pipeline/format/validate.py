@@ -22,6 +22,7 @@ from pipeline.format.bundle_folder import (
     MANIFEST_FILE,
     SUMS_FILE,
     check_folder,
+    check_kind,  # noqa: F401  (re-exported: it was defined here)
     digest_mismatch,
     model_folder,
     parse_manifest,
@@ -131,8 +132,7 @@ def _validate(
         stage[0] = "signature"
         signature = check_signature(bundle, manifest_bytes, trusted_keys)
     stage[0] = "manifest"
-    manifest = parse_manifest(bundle, manifest_bytes)
-    check_kind(bundle, manifest, kind)
+    manifest = parse_manifest(bundle, manifest_bytes, kind)  # of the kind asked for
     if signature is not None:
         check_binding(bundle, signature, manifest)
     # --- end signature ---
@@ -180,18 +180,6 @@ CHECKS = (
     ("tokens", "token ids are in the vocabulary and hash to the manifest's ids_sha256"),
     ("data", "every byte hashes to the recorded sha256; offsets and quantization scalars as required"),
 )  # fmt: skip
-
-
-def check_kind(bundle: Path, manifest: Manifest, kind: str) -> None:
-    """A snapshot is never mounted as a prefix bundle, nor a bundle as a snapshot."""
-    found = manifest.kind or "prefix"
-    if found != kind:
-        raise refuse(
-            bundle,
-            f"its manifest is of kind {found}, not {kind} (a {found} is never used as a {kind}); "
-            "move it out of this folder",
-            "kind",
-        )
 
 
 def check_location(bundle: Path, manifest: Manifest) -> None:

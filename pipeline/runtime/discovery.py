@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from pipeline.format.bundle_folder import ALLOWED_FILES, STAGING_DIR
+from pipeline.format.bundle_folder import ALLOWED_FILES, FINGERPRINT_CHARS, STAGING_DIR
 from pipeline.format.errors import BundleError, path_argument
 from pipeline.format.names import NAME_HINT, is_model_folder, is_name, parse_version
 from pipeline.format.regular_files import kind_of
@@ -132,36 +132,89 @@ def version_key(root: Path, bundle: Path) -> tuple[tuple[str, str], int] | None:
     return (parts[0], parts[2]), version
 
 
+Folders = Mapping[str, Collection[str]]  # prefix name -> the model folders a lockfile names
+
+
+@dataclass
+class Choice:
+    """What the version and lockfile rules make of candidate bundle folders."""
+
+    chosen: list[Path] = field(default_factory=list)
+    older: list[Path] = field(default_factory=list)  # another version is chosen
+    unlocked: list[Path] = field(default_factory=list)  # a prefix the lockfile does not name
+    refused: dict[Path, str] = field(default_factory=dict)  # path -> why (shadowing folders)
+
+
 def choose(
-    keys: dict[Path, tuple[str, str, int]], versions: dict[str, int] | None
-) -> tuple[list[Path], list[Path], list[Path]]:
-    """(chosen, older, unlocked) of {path: (name, model folder, version)}: per prefix and model the
-    highest version, or the one `versions` (a lockfile) pins; with a lockfile, a prefix it does not
-    name is unlocked, never chosen."""
-    best: dict[tuple[str, str], int] = {}
-    for name, model, version in keys.values():
-        if versions is None or versions.get(name) == version:
-            best[(name, model)] = max(best.get((name, model), 0), version)
-    chosen, older, unlocked = [], [], []
-    for path, (name, model, version) in keys.items():
+    keys: dict[Path, tuple[str, str, int]],
+    versions: dict[str, int] | None,
+    folders: Folders | None = None,
+) -> Choice:
+    """The rules over {path: (name, model folder, version)}: per prefix and model (the folder's
+    fingerprint part) the highest version, or the one `versions` (a lockfile) pins; with a
+    lockfile, a prefix it does not name is unlocked. At that version one folder is chosen: the
+    one `folders` (the lockfile) names, else the only one; two that could shadow each other (one
+    NAME@VERSION, one model: a relabeled copy) are both refused."""
+    choice, groups = Choice(), {}
+    for path, (name, folder, _) in keys.items():
         if versions is not None and name not in versions:
-            unlocked.append(path)
+            choice.unlocked.append(path)
         else:
-            (chosen if best.get((name, model)) == version else older).append(path)
-    return chosen, older, unlocked
+            groups.setdefault((name, folder[-FINGERPRINT_CHARS:]), []).append(path)
+    for (name, fp), paths in groups.items():
+        top = (versions or {}).get(name) or max(keys[p][2] for p in paths)
+        here = [p for p in paths if keys[p][2] == top]
+        choice.older += [p for p in paths if keys[p][2] != top]
+        # the folders the lockfile names for this model (none: it pins the version alone)
+        named = [f for f in (folders or {}).get(name, ()) if f[-FINGERPRINT_CHARS:] == fp]
+        _one_folder(choice, here, keys, named or None)
+    return choice
+
+
+def _one_folder(
+    choice: Choice, here: list[Path], keys: dict, named: Collection[str] | None
+) -> None:
+    """Choose among the folders of one NAME@VERSION and model: the lockfile's, else the only one."""
+    if not here:
+        return
+    name, _, version = keys[here[0]]
+    if named is not None:
+        pinned = [p for p in here if keys[p][1] in named]
+        for p in here:
+            if p not in pinned:
+                choice.refused[p] = (
+                    f"the lockfile pins {name}@{version} for this model in "
+                    f"{' or '.join(sorted(named))}, not in {keys[p][1]}; not mounted "
+                    "(it would shadow the pinned one): remove it, or lock what is deployed"
+                )
+        here = pinned
+    if len(here) == 1:
+        choice.chosen += here
+        return
+    both = " and ".join(str(p) for p in sorted(here))
+    for p in here:
+        choice.refused[p] = (
+            f"{name}@{version} is in {len(here)} folders for one model ({both}); none is "
+            "mounted (one would shadow the other): remove the one not deployed, or serve with "
+            "--lockfile naming one"
+        )
 
 
 def choose_versions(
-    root: Path, paths: list[Path], versions: dict[str, int] | None = None
+    root: Path,
+    paths: list[Path],
+    versions: dict[str, int] | None = None,
+    folders: Folders | None = None,
 ) -> tuple[list[Path], list[Path]]:
     """(to mount, not mounted) of find_bundles' paths: per prefix and model the highest version, or
-    the one `versions` pins (a prefix it does not name is not mounted). A path outside the layout
-    (root itself being a bundle) is kept: the caller judges it by its manifest."""
+    the one `versions` pins (a prefix it does not name is not mounted), in the one folder
+    `folders` names or the only one. A path outside the layout (root itself being a bundle) is
+    kept: the caller judges it by its manifest."""
     keys, loose = {}, []
     for path in paths:
         if (key := version_key(root, path)) is None:
             loose.append(path)
         else:
             keys[path] = (key[0][0], key[0][1], key[1])
-    chosen, older, unlocked = choose(keys, versions)
-    return sorted(loose + chosen), sorted(older + unlocked)
+    c = choose(keys, versions, folders)
+    return sorted(loose + c.chosen), sorted(c.older + c.unlocked + list(c.refused))

@@ -21,6 +21,7 @@ from pipeline.format.served_identity import identity_for  # re-exported: pipelin
 from pipeline.format.signature import PublicKey
 from pipeline.format.validate import validate
 from pipeline.runtime.discovery import (  # noqa: F401  (re-exported: pipeline.runtime's API)
+    Folders,
     RefusedBundle,
     choose,
     choose_versions,
@@ -74,6 +75,7 @@ class MountResult:
     seconds: float = 0.0
 
 
+Pins = tuple[dict[str, int] | None, Folders | None]  # a lockfile's versions and model folders
 MODEL_BUNDLES = "prefix-bundles"  # bundles deployed next to a model: <model>/prefix-bundles/
 
 
@@ -137,6 +139,7 @@ def mount(
     trusted_keys: Sequence[PublicKey] = (),
     identity: ModelIdentity | None = None,
     required: Mapping[str, int] | None = None,
+    folders: Folders | None = None,
 ) -> MountResult:
     """Mount the newest version of every bundle found for the served model; refuse bad ones.
 
@@ -152,22 +155,25 @@ def mount(
     `identity`: the served model's, when the caller read it already (serve: the weights it runs).
     `required`: {prefix name: version} the deploy must hold (a lockfile's pins for this model,
     lockfile.locked_for_model): each one neither mounted nor refused is refused (field lockfile).
+    `folders`: {prefix name: model folders} a lockfile names (lockfile.locked_folders): of one
+    NAME@VERSION and model the folder it names is mounted; without one, two folders that would
+    shadow each other are both refused.
     """
-    _check_arguments(model_dir, bundles, versions, required, manager)
+    _check_arguments(model_dir, bundles, versions, required, manager, folders)
     start = time.perf_counter()
     result = MountResult()
     identity = identity or identity_for(model_dir, chat_template)
     bundles = model_bundles_dir(model_dir) if bundles is None else bundles
     paths = [Path(b) for b in bundles] if isinstance(bundles, list) else []
     if not isinstance(bundles, list):
-        paths = _found(result, Path(bundles), versions, skip_refused)
+        paths = _found(result, Path(bundles), (versions, folders), skip_refused)
     for path in paths:
         try:
             mounted = mount_one(path, identity, verify_full=verify_full, trusted_keys=trusted_keys)
             result.bundles.append(mounted)
         except BundleError as exc:
             _refuse(result, exc, skip_refused)
-    _keep_chosen(result, versions, skip_refused)
+    _keep_chosen(result, (versions, folders), skip_refused)
     if required and not isinstance(bundles, list):
         _require(result, Path(bundles), required, skip_refused)
     if manager is not None:
@@ -179,7 +185,7 @@ def mount(
 
 
 def _check_arguments(
-    model_dir: Any, bundles: Any, versions: Any, required: Any, manager: Any
+    model_dir: Any, bundles: Any, versions: Any, required: Any, manager: Any, folders: Any = None
 ) -> None:
     """PipelineError naming an argument of the wrong kind (a caller's mistake, not a bundle's:
     never a TypeError from deep inside, never a refusal blaming a good bundle)."""
@@ -194,15 +200,21 @@ def _check_arguments(
             for k, v in pins.items()
         ):
             raise PipelineError(f"mount: {name} must map prefix names to version numbers (int)")
+    if folders is not None and not (
+        isinstance(folders, Mapping)
+        and all(
+            isinstance(k, str) and not isinstance(v, str) and all(isinstance(f, str) for f in v)
+            for k, v in folders.items()
+        )
+    ):
+        raise PipelineError("mount: folders must map prefix names to model folder names (str)")
     if manager is not None and not isinstance(manager, PromptCacheManager):
         raise PipelineError(
             f"mount: manager must be a PromptCacheManager, got {type(manager).__name__}"
         )
 
 
-def _found(
-    result: MountResult, root: Path, versions: dict[str, int] | None, skip_refused: bool
-) -> list[Path]:
+def _found(result: MountResult, root: Path, pins: Pins, skip_refused: bool) -> list[Path]:
     """The bundles under root to validate: layout only, newest or locked; the rest is reported."""
     try:
         paths, problems = find_bundles(root)
@@ -215,25 +227,34 @@ def _found(
     for path in paths:
         if (key := version_key(root, path)) is not None:
             keys[path] = (*key[0], key[1])
-    chosen, older, unlocked = choose(keys, versions)
-    result.older += older
-    for path in unlocked:
-        _refuse(result, _unlocked(path, keys[path][0], versions or {}), skip_refused)
+    chosen = _apply(result, keys, pins, skip_refused)
     return sorted(chosen + [p for p in paths if p not in keys])
 
 
-def _keep_chosen(result: MountResult, versions: dict[str, int] | None, skip_refused: bool) -> None:
+def _apply(
+    result: MountResult, keys: dict[Path, tuple[str, str, int]], pins: Pins, skip_refused: bool
+) -> list[Path]:
+    """The version and lockfile rules over keys: what is chosen; the rest is older or refused."""
+    c = choose(keys, *pins)
+    result.older += [p for p in c.older if p not in result.older]
+    for path in c.unlocked:
+        _refuse(result, _unlocked(path, keys[path][0], pins[0] or {}), skip_refused)
+    for path, why in sorted(c.refused.items()):
+        _refuse(
+            result, BundleError(str(path), why, "lockfile" if pins[1] else "layout"), skip_refused
+        )
+    return c.chosen
+
+
+def _keep_chosen(result: MountResult, pins: Pins, skip_refused: bool) -> None:
     """Apply the newest-only and lockfile rules to what was mounted, by manifest (this covers
     bundles given as folders, which no layout names)."""
     keys = {}
     for b in result.bundles:
         p, m = b.manifest.prefix, b.manifest.model
         keys[b.path] = (p.name, model_folder(m.slug, m.fingerprint), p.version)
-    chosen, older, unlocked = choose(keys, versions)
-    result.older += [p for p in older if p not in result.older]
+    chosen = _apply(result, keys, pins, skip_refused)
     result.bundles = [b for b in result.bundles if b.path in chosen]
-    for path in unlocked:
-        _refuse(result, _unlocked(path, keys[path][0], versions or {}), skip_refused)
 
 
 def _require(

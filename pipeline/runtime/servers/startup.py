@@ -25,7 +25,7 @@ from typing import Any
 from pipeline.format.compat import SUPPORTED_RANGE, installed_mlx_lm, mlx_lm_supported
 from pipeline.format.errors import PipelineError
 from pipeline.format.fingerprint import ModelIdentity, folder_state
-from pipeline.format.lockfile import locked_for_model, locked_versions
+from pipeline.format.lockfile import locked_folders, locked_for_model, locked_versions
 from pipeline.format.served_identity import changed_message, settled_identity
 from pipeline.format.signature import read_trusted_keys
 from pipeline.runtime.hugepages import ensure_huge_pages
@@ -283,6 +283,7 @@ def mount_options(
             "verify_full": options.verify_full,
             "versions": locked_versions(lockfile) if lockfile else None,
             "required": locked_for_model(lockfile, fingerprint) if lockfile else None,
+            "folders": locked_folders(lockfile) if lockfile else None,  # the folders it names
             "trusted_keys": read_trusted_keys(list(options.trusted_keys)),
         }
 
