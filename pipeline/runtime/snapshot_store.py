@@ -98,14 +98,25 @@ class SnapshotFolder:
     """DIR, private, held open and locked by this process for as long as it lives. `create`: a
     missing DIR is made (serve); `listing`: only read (prune's dry run), no lock file is made."""
 
-    def __init__(self, root: Path, create: bool = True, listing: bool = False) -> None:
+    def __init__(
+        self, root: Path, create: bool = True, listing: bool = False, held: int | None = None
+    ) -> None:
+        """`held`: DIR's lock as the process that spawned this one took it (an inherited fd)."""
         self.root = Path(root)
         self._fd = open_private(self.root, create=create and not listing)
         try:
+            if held is not None:
+                self._lock = adopt_lock(self.root, held, self._fd)
+                return
             self._lock = lock_folder(self.root, create=not listing, dir_fd=self._fd)
         except BaseException:
             os.close(self._fd)
             raise
+
+    @property
+    def lock_fd(self) -> int:
+        """The open file holding DIR's lock (what a spawned model process inherits)."""
+        return self._lock
 
     def close(self) -> None:
         """Release the folder (the process's exit does it too)."""
@@ -426,6 +437,26 @@ def lock_folder(root: Path, create: bool, dir_fd: int | None = None) -> int:
             f"--snapshots {root} is in use by another serve process (it holds "
             f"{root / LOCK_FILE}); give each serve its own snapshot folder"
         ) from None
+    return fd
+
+
+def adopt_lock(root: Path, fd: int, dir_fd: int) -> int:
+    """The lock the spawning serve took on DIR, inherited as `fd`: it must still be DIR/.lock
+    (the folder opened here) and held by this open file (taking it again is then a no-op)."""
+    import fcntl
+
+    try:
+        same = os.path.samestat(
+            os.fstat(fd), os.stat(LOCK_FILE, dir_fd=dir_fd, follow_symlinks=False)
+        )
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        same = False
+    if not same:
+        raise PipelineError(
+            f"--snapshots {root}: the lock serve took on {root / LOCK_FILE} is not held by this "
+            "model process (the folder changed after serve checked it); restart serve"
+        )
     return fd
 
 

@@ -151,9 +151,16 @@ class Snapshots:
     the shelf of restored snapshots and the recency clock the hook stamps its entries with."""
 
     def __init__(
-        self, root: Path, budget: int, model_dir: Path, chat_template: str | None, server: str
+        self,
+        root: Path,
+        budget: int,
+        model_dir: Path,
+        chat_template: str | None,
+        server: str,
+        held: int | None = None,
     ) -> None:
-        self.folder = SnapshotFolder(root)  # refuses a second serve on the same folder
+        # refuses a second serve on the same folder; `held`: the lock the spawning serve took
+        self.folder = SnapshotFolder(root, held=held)
         self.budget = budget
         self.key = host_key()
         identity = identity_for(Path(model_dir), chat_template)
@@ -483,14 +490,14 @@ class Snapshots:
             return "of a cache kind not saved", 0
 
 
-def open_snapshots(options: Any, mounted: Any, hook: Any) -> Snapshots:
+def open_snapshots(options: Any, mounted: Any, hook: Any, held: int | None = None) -> Snapshots:
     """serve --snapshots DIR (`options`: ServeOptions): lock the folder, restore its newest set
     after the bundles `mounted` (what the server's options cannot use refused by `hook`'s rule
     for bundles), and make SIGTERM stop the server gracefully (as SIGINT does) so that the
     entries are saved."""
     budget = snapshot_budget(options)
     template = options.passed("--chat-template")
-    snapshots = Snapshots(options.snapshots, budget, options.model, template, hook.name)
+    snapshots = Snapshots(options.snapshots, budget, options.model, template, hook.name, held)
     unusable = lambda snapshot: hook.unusable(snapshot, options)  # noqa: E731
     snapshots.trust(lambda: mounted.result.bundles)
     snapshots.restore([b.tokens for b in mounted.result.bundles], unusable)
@@ -499,25 +506,55 @@ def open_snapshots(options: Any, mounted: Any, hook: Any) -> Snapshots:
     return snapshots
 
 
-def parent_of_snapshots(options: Any) -> None:
-    """serve --snapshots where a spawned model process serves the mount (mlx-openai-server): a
-    folder another serve uses is refused now (the model process locks it), and SIGTERM stops the
-    server gracefully as SIGINT does (the model process is then told to stop, and saves)."""
-    if options.snapshots is None:
-        return
-    SnapshotFolder(options.snapshots).close()
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _interrupt)
-
-
-def child_snapshots(options: Any, mounted: Any, hook: Any) -> Snapshots | None:
-    """The model process's snapshots, locked and restored after its bundles. It ignores SIGTERM
-    as the server makes it ignore SIGINT: a signal to the whole group (a service manager's stop)
-    must not end it before its parent's orderly stop lets it save; the parent kills it after.
-    None without --snapshots."""
+def parent_of_snapshots(options: Any) -> int | None:
+    """serve --snapshots where a spawned model process serves the mount (mlx-openai-server): DIR
+    is locked now and held for this process's life, and the lock is handed to every model process
+    it spawns (the same open file: DIR is never free between the check and the child's use, nor
+    while the child lives); SIGTERM stops the server gracefully as SIGINT does (the model process
+    is then told to stop, and saves). The lock's fd number for the child (None without
+    --snapshots)."""
     if options.snapshots is None:
         return None
-    snapshots = open_snapshots(options, mounted, hook)
+    global _HELD
+    if _HELD is None:
+        _HELD = SnapshotFolder(options.snapshots)  # a folder another serve uses is refused now
+        hand_to_spawned(_HELD.lock_fd)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _interrupt)
+    return _HELD.lock_fd
+
+
+_HELD: SnapshotFolder | None = None  # the parent's DIR, held until it exits
+
+
+def hand_to_spawned(fd: int) -> None:
+    """Every multiprocessing `spawn` child started from now on inherits `fd` (its fds are
+    closed but those passed: the lock is added to them; the resource tracker is left out, so it
+    never outlives serve holding DIR)."""
+    from multiprocessing import util
+
+    spawn = util.spawnv_passfds
+    if getattr(spawn, "hands", None) == fd:
+        return
+
+    def spawnv_passfds(path: Any, args: Sequence[Any], passfds: Sequence[int]) -> int:
+        forked = "--multiprocessing-fork" in [str(a) for a in args]
+        return spawn(path, args, [*passfds, fd] if forked else passfds)
+
+    spawnv_passfds.hands = fd  # type: ignore[attr-defined]
+    util.spawnv_passfds = spawnv_passfds
+
+
+def child_snapshots(
+    options: Any, mounted: Any, hook: Any, held: int | None = None
+) -> Snapshots | None:
+    """The model process's snapshots, under the lock its serve took and handed down (`held`),
+    restored after its bundles. It ignores SIGTERM as the server makes it ignore SIGINT: a signal
+    to the whole group (a service manager's stop) must not end it before its parent's orderly
+    stop lets it save; the parent kills it after. None without --snapshots."""
+    if options.snapshots is None:
+        return None
+    snapshots = open_snapshots(options, mounted, hook, held)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     return snapshots
 
@@ -583,6 +620,7 @@ __all__ = [
     "Snapshots",
     "child_snapshots",
     "every_seconds",
+    "hand_to_spawned",
     "open_snapshots",
     "parent_of_snapshots",
     "parse_size",

@@ -1,10 +1,9 @@
 """`serve --server mlx-openai-server`: mlx-openai-server 1.8.1, bundles pinned in its model process.
 
-It runs each model's handler in a child process (`spawn`) that builds an mlx-lm-style
-`LRUPromptCache` (app.utils.prompt_cache): the parent validates the bundles (logs, --strict) and
-swaps the child's entry point (`app.core.handler_process._handler_worker`) for `child_worker`,
-which mounts what the parent validated and --snapshots (saved as its handler closes the cache at
-the parent's graceful stop), pins them in a subclass of that cache, then runs the original one."""
+Each model's handler runs in a `spawn` child building an mlx-lm-style `LRUPromptCache`: the
+parent validates the bundles, locks --snapshots DIR (handed to the child), and swaps the child's
+entry point for `child_worker`: it mounts what the parent validated and the snapshots (saved as
+its handler closes the cache at the graceful stop), pins them, then runs the original one."""
 
 from __future__ import annotations
 
@@ -16,12 +15,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from pipeline.runtime.servers import warm_up
+from pipeline.runtime.servers import startup, warm_up
 from pipeline.runtime.servers.hook import ServerHook
 from pipeline.runtime.servers.lru_cache import saving_lru_class
 from pipeline.runtime.servers.mounted import BUNDLE_KEY, Mounted
 from pipeline.runtime.servers.options import ServeOptions
-from pipeline.runtime.servers.startup import mount_for, setup_logging
 from pipeline.runtime.snapshots import child_snapshots, parent_of_snapshots
 
 SERVER = "mlx-openai-server"
@@ -63,10 +61,11 @@ class Hook(ServerHook):
         """The model process mounts exactly what this one validated and logged (`validated`)."""
         from app.core import handler_process
 
-        handed = {"options": options.to_json(), "template": mounted.chat_template}
+        lock = parent_of_snapshots(options)  # --snapshots: held here, handed to the model process
+        handed = {"options": options.to_json(), "template": mounted.chat_template, "lock": lock}
         os.environ[ENV] = json.dumps({**handed, "validated": mounted.validated()})
         handler_process._handler_worker = child_worker
-        parent_of_snapshots(options)  # --snapshots: opened, restored, saved by the model process
+        startup.exit_on_refusal()
         for b in mounted.result.bundles:  # this process only serves HTTP: the child has its own
             mounted.manager.unpin(BUNDLE_KEY, b.name)
 
@@ -111,15 +110,17 @@ def child_worker(model_cfg: dict[str, Any], *rest: Any) -> None:
     ensure_fast_blas()  # a spawned child imports mlx afresh: OpenBLAS first, as serve does
     from app.core import handler_process  # the child's module: its original entry point
 
-    setup_logging(None)
+    startup.setup_logging(None)
     handed = json.loads(os.environ[ENV])
     options = ServeOptions.from_json(handed["options"])
     if Path(str(model_cfg.get("model_path", ""))).resolve() == options.model.resolve():
         from app.utils import prompt_cache  # the handler takes LRUPromptCache from there
 
-        mounted = mount_for(options, handed["template"])
-        mounted.keep_validated(handed["validated"], SERVER, f"the handler process {os.getpid()}")
-        snapshots = child_snapshots(options, mounted, Hook())
+        with startup.refusals_end_serve():  # one `error:` line, serve exits 1
+            mounted = startup.mount_for(options, handed["template"])
+            where, validated = f"the handler process {os.getpid()}", handed["validated"]
+            mounted.keep_validated(validated, SERVER, where)
+            snapshots = child_snapshots(options, mounted, Hook(), handed.get("lock"))
         prompt_cache.LRUPromptCache = pinned_cache_class(mounted, snapshots)
         if options.warm_up:
             warm_up_handler(mounted, model_cfg.get("served_model_name") or str(options.model))
@@ -127,9 +128,8 @@ def child_worker(model_cfg: dict[str, Any], *rest: Any) -> None:
 
 
 def warm_up_handler(mounted: Mounted, model: str) -> None:
-    """Once the handler has loaded the model, and before the child reports ready (the parent opens
-    its port after): the longest bundle's request through the handler's own text path, the one
-    the parent's chat route calls (servers/warm_up.py)."""
+    """Once the handler loaded the model, before the child reports ready: the longest bundle's
+    request through the handler's own text path, the parent's chat route's (servers/warm_up.py)."""
     from app.handler.mlx_lm import MLXLMHandler
     from app.schemas.openai import ChatCompletionRequest
 

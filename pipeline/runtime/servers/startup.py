@@ -50,11 +50,14 @@ from pipeline.runtime.snapshots import snapshot_budget
 log = logging.getLogger("prefix-bundles")
 __all__ = [
     "describe",
+    "exit_on_refusal",
     "hard_exit",
     "hub_cache_or_none",
     "log_request",
     "mount_for",
     "passed_option",
+    "refusals_end_serve",
+    "refuse_in_spawned",
     "serve",
 ]
 
@@ -410,6 +413,38 @@ def stop_serve() -> None:
 
     spawned = multiprocessing.parent_process() is not None
     os.kill(os.getppid() if spawned else os.getpid(), signal.SIGTERM)
+
+
+def exit_on_refusal() -> None:
+    """serve exits 1 when a model process it spawned refused to start (`refuse_in_spawned`
+    sends SIGUSR1, after its one `error:` line)."""
+    if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGUSR1, lambda signum, frame: hard_exit())
+
+
+@contextlib.contextmanager
+def refusals_end_serve() -> Iterator[None]:
+    """In a spawned model process: a refusal (PipelineError) reaches the operator as serve's own
+    would, one `error:` line, and serve (its parent) exits 1 before the server reports the child
+    it lost (mlx-openai-server: four tracebacks); then this process ends."""
+    try:
+        yield
+    except PipelineError as exc:
+        refuse_in_spawned(exc)
+
+
+def refuse_in_spawned(exc: PipelineError) -> None:
+    """`refusals_end_serve`'s line, its parent's exit, then this process's."""
+    import time
+
+    sys.stderr.write(f"error: {exc}\n")  # the parent's CLI never sees this process's errors
+    sys.stderr.flush()
+    parent = os.getppid()
+    os.kill(parent, signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while os.getppid() == parent and time.monotonic() < deadline:
+        time.sleep(0.05)  # the parent exits first: it never waits on this process
+    os._exit(1)
 
 
 def hub_cache_or_none(scan: Callable[[], Any]) -> Callable[[], Any]:
