@@ -68,12 +68,14 @@ def test_match_reports_the_reuse_and_where_a_request_parts(
     )
 
     edited = request_file(tmp_path, SYSTEM.replace("bookshop", "book shop"))
-    assert main([*bundles, "match", "--model", str(tiny_model), "--prompt-file", str(edited)]) == 0
+    # serve would reuse the few tokens before the edit: below --min-share, so the gate fails
+    assert main([*bundles, "match", "--model", str(tiny_model), "--prompt-file", str(edited)]) == 1
     out = capsys.readouterr().out
     assert "; parts at token " in out and "(character " in out and "bundle has " in out
+    assert out.splitlines()[-1].startswith("fails: 25 of shop@1's ")
 
     bad = ["match", "--model", str(tiny_model), "--messages", "{not json"]
-    assert main([*bundles, *bad]) == 1
+    assert main([*bundles, *bad]) == 2  # a usage error
     err = capsys.readouterr().err
     assert err.startswith("error: --messages: not valid JSON") and "use --prompt-file" in err
 

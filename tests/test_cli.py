@@ -408,7 +408,7 @@ def test_server_env_dry_run_prints_the_pinned_commands(tmp_path: Path, capsys):
     ],
 )  # fmt: skip
 def test_server_env_refuses_what_it_cannot_make(argv: list, message: str, tmp_path: Path, capsys):
-    assert main(["server-env", *argv, "--dry-run"]) == 1
+    assert main(["server-env", *argv, "--dry-run"]) == 2  # a usage error
     assert capsys.readouterr().err == f"error: {message}\n"
 
 

@@ -122,3 +122,50 @@ def test_a_quantized_build_says_each_phase_and_the_whole_time(
     assert "fidelity check (warm vs cold, 8 tokens), " in captured.err
     result = captured.out.splitlines()[0]
     assert ", built in " in result and "(prefill " in result and "fidelity check " in result
+
+
+def test_match_fails_as_a_gate_when_only_the_template_opening_is_shared(
+    shop_bundle: Path, tiny_model: Path, capsys
+) -> None:
+    """A full-precision bundle and a request sharing its template's first tokens: serve would
+    reuse a few tokens, which is no warm start; --min-share states the bar and moves it."""
+    import json
+
+    argv = ["--bundles", str(shop_bundle.parents[2]), "match", "--model", str(tiny_model)]
+    hello = ["--messages", '[{"role": "user", "content": "hello"}]']
+    assert main([*argv, *hello]) == 1
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("fails: ") and "below --min-share 50%" in last
+    assert main([*argv, *hello, "--min-share", "0"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("ok: ")
+    assert main([*argv, *hello, "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["passed"] is False and 0 < report["share"] < 0.5 and report["min_share"] == 0.5
+
+
+@pytest.mark.parametrize("bad", ["abc", "150", "-5"])
+def test_min_share_out_of_range_is_usage(tiny_model: Path, capsys, bad) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(["match", "--model", str(tiny_model), "--messages", "[]", "--min-share", bad])
+    assert stop.value.code == 2
+    assert "is not a share" in capsys.readouterr().err
+
+
+def test_match_states_a_tie_as_a_tie(tmp_path: Path, tiny_model: Path, capsys) -> None:
+    """Two bundles of the same tokens serve a request equally: said as a tie and the rule that
+    breaks it (the old line said 'serves 25, shop@1 more' of two equal counts)."""
+    from conftest import build_bundle, write_definition
+
+    for name in ("shop", "twin"):
+        write_definition(tmp_path, tiny_model, name)
+        build_bundle(tmp_path, name)
+    argv = ["--bundles", str(tmp_path / "bundles"), "match", "--model", str(tiny_model)]
+    assert (
+        main([*argv, "--min-share", "0", "--messages", '[{"role": "user", "content": "hi"}]']) == 0
+    )
+    rows = capsys.readouterr().out.splitlines()
+    loser = next(line for line in rows if line.startswith("  ") and "@1" in line)
+    winner = next(line for line in rows if line.startswith("* ")).split()[1]
+    assert (
+        f"ties at {rows[1].split()[2]} tokens with {winner}; serve takes the first mounted" in loser
+    )

@@ -348,10 +348,20 @@ def match_request(
         ranked[0] = dataclasses.replace(best, chosen=True, why=_chosen_why(best))
         for i, m in enumerate(ranked[1:], 1):
             if m.reused_tokens > 0:
-                ranked[i] = dataclasses.replace(
-                    m, why=f"serves {m.reused_tokens}, {best.name} more"
-                )
+                ranked[i] = dataclasses.replace(m, why=_loses_why(m, best))
     return request, ranked
+
+
+def _loses_why(m: Match, best: Match) -> str:
+    """Why a bundle that serves some of the request loses to the one serve uses (a tie is said
+    as a tie, with the rule that breaks it: pipeline.runtime.preference)."""
+    if m.reused_tokens < best.reused_tokens:
+        return f"serves {m.reused_tokens}, {best.name} more ({best.reused_tokens})"
+    if m.lossy and not best.lossy:
+        return f"ties at {m.reused_tokens} tokens; {best.name} wins as full-precision KV"
+    if m.bundle_tokens > best.bundle_tokens:
+        return f"ties at {m.reused_tokens} tokens; {best.name} wins as it trims less"
+    return f"ties at {m.reused_tokens} tokens with {best.name}; serve takes the first mounted"
 
 
 def _why_not(

@@ -17,8 +17,8 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         parents=parents,
         help="which bundle serve would use for a chat request, and why the others lose",
         description="Decides as serve does (the one reuse rule: at least one token left, lossy "
-        "bundles only for their share). Exit 0 when serve would reuse a bundle, 1 when it would "
-        "run the request cold.",
+        "bundles only for their share). Exit 0 when serve would reuse at least --min-share of "
+        "the chosen bundle's tokens, 1 when it would reuse less or run the request cold.",
     )
     m.add_argument("--model", type=Path, required=True, help="the served model folder")
     source = m.add_mutually_exclusive_group(required=True)
@@ -42,6 +42,14 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         "--lockfile",
         type=Path,
         help="as serve --lockfile: only the versions this prefixes.lock names are considered",
+    )
+    m.add_argument(
+        "--min-share",
+        type=_share,
+        default=DEFAULT_MIN_SHARE,
+        metavar="PERCENT",
+        help="the share of the chosen bundle's tokens serve must reuse for exit 0 (default "
+        f"{DEFAULT_MIN_SHARE:.0%}%: a request sharing only a template's opening tokens fails)",
     )
     add_json_option(m, "match")
     add_trusted_key_option(m)  # as serve's: an unsigned bundle is not considered
@@ -99,11 +107,35 @@ def run(args: argparse.Namespace) -> int:
             skipped.append(str(exc))
     request, matches = match_request(args.model, valid, body, server)
     chosen = next((m for m in matches if m.chosen), None)
+    share = chosen.reused_tokens / chosen.bundle_tokens if chosen else 0.0
+    passed = chosen is not None and share >= args.min_share
     if args.json:
-        _emit(server, api, request, matches, chosen, skipped)
+        _emit(server, api, request, matches, chosen, skipped, (share, args.min_share, passed))
     else:
         _print(server, request, matches, chosen, skipped, bundles)
-    return 0 if chosen else 1
+        if chosen is not None:
+            said = "at least" if passed else "below"
+            say(
+                f"{'ok' if passed else 'fails'}: {chosen.reused_tokens:,} of {chosen.name}'s "
+                f"{chosen.bundle_tokens:,} tokens reused ({share:.1%}), {said} --min-share "
+                f"{args.min_share:.0%}"
+            )
+    return 0 if passed else 1
+
+
+DEFAULT_MIN_SHARE = 0.5
+
+
+def _share(text: str) -> float:
+    """argparse type of --min-share: a percentage 0-100 ('90', '90%') or a fraction ('0.9')."""
+    try:
+        value = float(text.strip().removesuffix("%"))
+    except ValueError:
+        value = -1.0
+    share = value / 100 if text.strip().endswith("%") or value > 1 else value
+    if not 0 <= share <= 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a share; give a percentage 0-100 (90%)")
+    return share
 
 
 def _mounted(bundles: Path, lockfile: Path | None) -> tuple[list[Path], list[str]]:
@@ -139,7 +171,7 @@ def _print(server, request, matches, chosen, skipped, bundles) -> None:
         say(f"serve would run this request cold: no bundle is reused{where}")
 
 
-def _emit(server, api, request, matches, chosen, skipped) -> None:
+def _emit(server, api, request, matches, chosen, skipped, gate) -> None:
     from pipeline.cli.reports import MatchedBundle, MatchReport
 
     rows = [
@@ -154,5 +186,6 @@ def _emit(server, api, request, matches, chosen, skipped) -> None:
         MatchReport(
             server=server, api=api, request_tokens=len(request),
             chosen=chosen.name if chosen else None, bundles=rows, not_considered=skipped,
+            share=gate[0], min_share=gate[1], passed=gate[2],
         )
     )  # fmt: skip

@@ -22,7 +22,8 @@ class MatchedBundle(Report):
 
 
 class MatchReport(Report):
-    """`match --json`. Exit 1 when serve would run the request cold."""
+    """`match --json`. Exit 1 when serve would run the request cold or reuse less than
+    --min-share of the chosen bundle."""
 
     schema_: Literal["match/1"] = Field("match/1", alias="schema")
     server: str = Field(description="whose request code tokenized the request")
@@ -31,6 +32,9 @@ class MatchReport(Report):
     chosen: str | None = Field(description="the bundle serve would use; null: none (cold)")
     bundles: list[MatchedBundle] = Field(description="every valid bundle, best first")
     not_considered: list[str] = Field(description="bundles refused by the validator, and why")
+    share: float = Field(0.0, description="the chosen bundle's tokens serve reuses, 0-1 (0: cold)")
+    min_share: float = Field(0.5, description="--min-share, 0-1")
+    passed: bool = Field(False, description="share >= min_share: the exit status is 0")
 
 
 class NewReport(Report):
