@@ -195,3 +195,25 @@ def test_an_older_snapshot_cannot_prove_its_source_and_is_dropped(
         )
         == 2
     )
+
+
+def test_inspect_says_what_a_snapshot_depends_on(
+    tmp_path: Path, tiny_model: Path, deployed: Path, capsys
+):
+    from pipeline.cli import main
+
+    first_run(tmp_path, tiny_model, deployed)
+    (folder,) = sorted(p for p in (tmp_path / "snaps").iterdir() if p.name.startswith("set-"))
+    digest = saved(tmp_path / "snaps")[1]["snapshot"]["depends_on"][0]["manifest_sha256"]
+    lines = []
+    for snap in sorted(p for p in folder.iterdir() if p.name != SET_MARK):
+        capsys.readouterr()
+        main(["inspect", str(snap), "--model", str(tiny_model)])
+        lines += [
+            line.strip() for line in capsys.readouterr().out.splitlines() if "depends on" in line
+        ]
+    assert lines == [
+        f"depends on:shop@1 (manifest sha256 {digest[:16]}..): restored only while each is "
+        "mounted and trusted",
+        "depends on:no bundle (the server computed it from token 0)",
+    ]

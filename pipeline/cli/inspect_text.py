@@ -42,6 +42,16 @@ def print_inspect(
     say(f"next: {next_step(bundle, manifest, model, refusal, bool(keys))}")
 
 
+def _depends_cell(sources: list | None) -> str:
+    """What a snapshot is served only with: the bundles it may continue, by manifest digest."""
+    if sources is None:
+        return "not recorded (format 3): serve does not restore it"
+    if not sources:
+        return "no bundle (the server computed it from token 0)"
+    each = [f"{s['bundle']} (manifest sha256 {s['manifest_sha256'][:16]}..)" for s in sources]
+    return ", ".join(each) + ": restored only while each is mounted and trusted"
+
+
 def summary_rows(data: dict) -> list[tuple[str, str]]:
     """(label, value) rows of what the manifest says, short digests; `--json` has every field."""
     rows = []
@@ -51,9 +61,9 @@ def summary_rows(data: dict) -> list[tuple[str, str]]:
             ("prefix", f"{p['name']}@{p['version']}, content sha256 {p['content_sha256'][:16]}..")
         )
     if data.get("snapshot"):
-        rows.append(
-            ("snapshot", ", ".join(f"{k}={_or_na(v)}" for k, v in data["snapshot"].items()))
-        )
+        record = {k: v for k, v in data["snapshot"].items() if k != "depends_on"}
+        rows.append(("snapshot", ", ".join(f"{k}={_or_na(v)}" for k, v in record.items())))
+        rows.append(("depends on", _depends_cell(data["snapshot"].get("depends_on"))))
     t = data["tokens"]
     stable = (
         "all stable"
