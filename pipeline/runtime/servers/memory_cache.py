@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.runtime.prompt_cache import is_lossy, lossy_min_tokens
+from pipeline.runtime.prompt_cache import fork_cache, is_lossy, lossy_min_tokens
 from pipeline.runtime.servers import usage, warm_up
-from pipeline.runtime.servers.lru_cache import evaluate, server_entry
+from pipeline.runtime.servers.lru_cache import evaluate, held_offset, server_entry
 from pipeline.runtime.servers.mounted import Mounted
 
 
@@ -43,7 +43,7 @@ def pinned_memory_cache_class(
             def own(t: list[int]) -> tuple[Any, list[int]]:
                 stats = getattr(self, "_stats", None)  # vllm-mlx's counters (its /v1/status)
                 counted = _counts(stats)
-                found = base.fetch(self, t)
+                found = continued_where_its_kv_ends(t, base.fetch(self, t))
                 if found[0] is not None and not self.usable(t, found):
                     self._last_match_type, self._last_matched_key = "miss", None
                     if counted is not None:  # its counters say a hit: the request gets none
@@ -100,6 +100,25 @@ def pinned_memory_cache_class(
                 self.kept = [(key, entry.cache) for key, entry in list(self._entries.items())]
 
     return PinnedMemoryCache
+
+
+def continued_where_its_kv_ends(
+    tokens: list[int], found: tuple[Any, list[int]]
+) -> tuple[Any, list[int]]:
+    """The cache's own hand-out (cache, rest) with its K/V exactly as long as the tokens it says are
+    cached: vllm-mlx stores a prompt's entry with K/V one token short of its key (its
+    prompt_cache_save, for its scheduler to re-feed the last token), and its prefix and
+    longest-common-prefix matches then continue one position behind; the rest starts where the K/V
+    ends. K/V ahead of them is cut from a copy (never the stored entry), else not handed out."""
+    cache, rest = found
+    held, covered = held_offset(cache), len(tokens) - len(rest)
+    if cache is None or held is None or held == covered:
+        return cache, rest
+    if held < covered:
+        return cache, list(tokens[held:])
+    if all(layer.is_trimmable() for layer in cache):
+        return fork_cache(cache, held - covered), rest
+    return None, list(tokens)
 
 
 def _counts(stats: Any) -> tuple[int, int] | None:
