@@ -169,3 +169,50 @@ def test_match_states_a_tie_as_a_tie(tmp_path: Path, tiny_model: Path, capsys) -
     assert (
         f"ties at {rows[1].split()[2]} tokens with {winner}; serve takes the first mounted" in loser
     )
+
+
+def test_build_then_verify_and_match_read_builds_folder(
+    tmp_path: Path, shop_bundle: Path, tiny_model: Path, capsys, monkeypatch
+) -> None:
+    """Right after `build` (./bundles), the readers find the bundles without --bundles when the
+    model has no prefix-bundles folder, and say where they read; a deployed folder wins."""
+    import shutil
+
+    monkeypatch.chdir(tmp_path)
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    shutil.copytree(shop_bundle, tmp_path / "bundles/shop/1" / shop_bundle.name)
+    assert main(["verify", "--model", str(model)]) == 0
+    err = capsys.readouterr().err
+    assert f"note: no {model}/prefix-bundles: reading bundles/, where build wrote bundles for this model" in err
+    messages = '[{"role": "user", "content": "hi"}]'
+    assert main(["match", "--model", str(model), "--messages", messages, "--min-share", "0"]) == 0
+    assert "* shop@1" in capsys.readouterr().out
+    (model / "prefix-bundles").mkdir()  # a deploy's folder, even empty, is where serve reads
+    assert main(["verify", "--model", str(model)]) == 1
+    assert f"no bundle in {model}/prefix-bundles" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_verify_given_a_folder_of_bundles_verifies_the_bundles_in_it(
+    tmp_path: Path, shop_bundle: Path, tiny_model: Path, capsys, depth
+) -> None:
+    import shutil
+
+    bundle = tmp_path / "bundles/shop/1" / shop_bundle.name
+    shutil.copytree(shop_bundle, bundle)
+    given = [tmp_path / "bundles", tmp_path / "bundles/shop", tmp_path / "bundles/shop/1"][depth]
+    assert main(["verify", "--model", str(tiny_model), str(given)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out.startswith(f"ok {bundle} (shop@1, ")
+    assert f"note: {given}: a folder of bundles; verifying the 1 bundle(s) under it" in captured.err
+    assert "remove it" not in captured.err
+
+
+def test_verify_given_a_folder_with_no_bundle_says_so(tmp_path: Path, tiny_model: Path, capsys):
+    (tmp_path / "empty" / "x").mkdir(parents=True)
+    assert main(["verify", "--model", str(tiny_model), str(tmp_path / "empty")]) == 1
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path / 'empty'}: not a bundle folder (no manifest.json) and no bundle under "
+        "it; pass bundle folders (bundles/NAME/VERSION/MODEL-FINGERPRINT) or --bundles DIR\n"
+    )

@@ -56,21 +56,27 @@ def test_verify_without_bundles_checks_every_bundle_next_to_the_model(
     assert f"error: bundle {new}: unexpected 'notes.txt'" in err
 
 
-def test_verify_without_bundles_and_none_found_fails_with_one_line(model: Path, capsys):
+def test_verify_without_bundles_and_none_found_fails_with_one_line(
+    model: Path, capsys, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)  # no bundles/ of a project here either
     assert main(["verify", "--model", str(model)]) == 1
     folder = model / "prefix-bundles"
     assert capsys.readouterr().err == (
         f"error: no bundle arguments and no {folder}; pass bundle folders, or copy bundles "
-        f"there (python build.py pull --model {model} ...)\n"
+        f"there (prefix-bundles pull --model {model} ...)\n"
     )
     (folder / "shop" / "1").mkdir(parents=True)
     assert main(["verify", "--model", str(model)]) == 1
     assert capsys.readouterr().err.startswith(f"error: no bundle in {folder}; pass bundle folders")
 
 
-def test_serve_strict_without_bundles_next_to_the_model_fails_with_one_line(model: Path, capsys):
+def test_serve_strict_without_bundles_next_to_the_model_fails_with_one_line(
+    model: Path, capsys, tmp_path, monkeypatch
+):
     from pipeline.cli import main as cli_main
 
+    monkeypatch.chdir(tmp_path)  # no bundles/ of a project here either
     assert cli_main(["serve", "--model", str(model), "--strict"]) == 1
     err = capsys.readouterr().err
     assert err.startswith(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from pipeline import __version__
 from pipeline.blas import ensure_fast_blas
-from pipeline.cli.common import err
+from pipeline.cli.common import err, note
 from pipeline.cli.parser import CliParser, given_options
 from pipeline.format.errors import PipelineError, UsageError
 from pipeline.format.manifest import FORMAT_VERSION, READ_VERSIONS
@@ -146,8 +146,15 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             )
     _refuse_outside_form(_subparser(parser, args.command), args)
     args.prefixes = args.prefixes or DEFAULT_PREFIXES
-    if args.bundles is None and not getattr(args, "bundles_near_model", False):
+    near_model = getattr(args, "bundles_near_model", False)
+    if args.bundles is None and not near_model:
         args.bundles = DEFAULT_BUNDLES
+    elif args.bundles is None and near_model == "read" and getattr(args, "model", None):
+        from pipeline.runtime.mount import reading_bundles_dir
+
+        args.bundles, said = reading_bundles_dir(args.model)  # one decision for every reader
+        if said is not None and not getattr(args, "bundle", None):  # verify's own folders
+            note(said)
     return args
 
 

@@ -54,7 +54,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
     add_json_option(m, "match")
     add_trusted_key_option(m)  # as serve's: an unsigned bundle is not considered
     # --bundles defaults to <model>/prefix-bundles, where serve looks
-    m.set_defaults(func=run, bundles_near_model=True)
+    m.set_defaults(func=run, bundles_near_model="read")
 
 
 def _body(args: argparse.Namespace) -> tuple[dict, str]:

@@ -107,8 +107,9 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> argparse.Argum
         "(default: off, saved at a graceful stop only)",
     )
     add_trusted_key_option(p)  # each refusal is logged and serve goes on; --strict exits 1
-    # unknown options belong to the server; bundles default to <model>/prefix-bundles
-    p.set_defaults(func=run, passes_through=True, bundles_near_model=True)
+    # unknown options belong to the server; bundles default to <model>/prefix-bundles, else the
+    # project's bundles/ (pipeline.runtime.mount.reading_bundles_dir)
+    p.set_defaults(func=run, passes_through=True, bundles_near_model="read")
     return p
 
 

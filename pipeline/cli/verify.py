@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pipeline.cli.common import add_json_option, emit_json, err, read_template, say
+from pipeline.cli.common import add_json_option, emit_json, err, note, read_template, say
 from pipeline.cli.keys import add_trusted_key_option, trusted_keys
 from pipeline.cli.reports import Refusal, VerifiedBundle, VerifyReport, VerifyTotals, refusal_of
 from pipeline.format.errors import PipelineError
@@ -32,7 +32,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
     )
     add_json_option(v, "verify")
     add_trusted_key_option(v)
-    v.set_defaults(func=run, bundles_near_model=True)  # --bundles: default <model>/prefix-bundles
+    v.set_defaults(func=run, bundles_near_model="read")  # --bundles: default <model>/prefix-bundles
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     identity = _served_identity(args.model, template)
     keys = trusted_keys(args)
     results = []
-    for bundle in args.bundle or _in_folder(args.model, args.bundles, results):
+    bundles = [b for given in args.bundle for b in _bundles_given(given)]
+    for bundle in bundles or _in_folder(args.model, args.bundles, results):
         r = _verify_one(bundle, identity, keys)
         if r.status == "ok" and not args.json:
             say(f"ok {bundle} ({r.prefix}@{r.version}, {r.tokens} tokens)")
@@ -56,6 +57,39 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     return 0 if ok == len(results) else 1
+
+
+def _bundles_given(path: Path) -> list[Path]:
+    """A bundle argument as the bundle folders it names: itself, or, for a folder of bundles
+    (a bundles folder, one prefix's or one version's: folders only, no manifest.json), every
+    bundle folder under it (the validator's advice to remove '1' was advice to delete one)."""
+    import os
+
+    from pipeline.format.bundle_folder import MANIFEST_FILE, SUMS_FILE
+
+    if path.is_symlink() or not path.is_dir():
+        return [path]
+    entries = list(os.scandir(path))
+    if any(
+        e.name in (MANIFEST_FILE, SUMS_FILE) or not e.is_dir(follow_symlinks=False) for e in entries
+    ):
+        return [path]  # a bundle, whole or not: the validator says what is wrong with it
+    found = []
+    for folder, subfolders, files in os.walk(path):  # links are not followed
+        depth = len(Path(folder).relative_to(path).parts)
+        subfolders[:] = sorted(d for d in subfolders if not d.startswith("."))  # staging
+        if MANIFEST_FILE in files or SUMS_FILE in files:
+            found.append(Path(folder))
+            subfolders.clear()
+        elif depth >= 3:
+            subfolders.clear()
+    if not found:
+        raise PipelineError(
+            f"{path}: not a bundle folder (no {MANIFEST_FILE}) and no bundle under it; pass "
+            "bundle folders (bundles/NAME/VERSION/MODEL-FINGERPRINT) or --bundles DIR"
+        )
+    note(f"{path}: a folder of bundles; verifying the {len(found)} bundle(s) under it")
+    return sorted(found)
 
 
 def _served_identity(model: Path, template: str | None):
@@ -103,7 +137,7 @@ def _in_folder(model: Path, bundles: Path | None, results: list[VerifiedBundle])
 
     check_model_folder(model)  # named first: the bundles folder inside it is missing too
     folder = bundles or model_bundles_dir(model)
-    fix = f"pass bundle folders, or copy bundles there (python build.py pull --model {model} ...)"
+    fix = f"pass bundle folders, or copy bundles there (prefix-bundles pull --model {model} ...)"
     if not folder.is_dir():
         raise PipelineError(f"no bundle arguments and no {folder}; {fix}")
     paths, problems = find_bundles(folder)

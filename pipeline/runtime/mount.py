@@ -7,13 +7,14 @@ finds candidate folders, chooses which version to mount, and collects results.
 from __future__ import annotations
 
 import datetime
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.format.bundle_folder import model_folder
+from pipeline.format.bundle_folder import FINGERPRINT_CHARS, model_folder
 from pipeline.format.errors import BundleError, PipelineError, path_argument
 from pipeline.format.fingerprint import ModelIdentity
 from pipeline.format.manifest import Manifest
@@ -79,9 +80,32 @@ Pins = tuple[dict[str, int] | None, Folders | None]  # a lockfile's versions and
 MODEL_BUNDLES = "prefix-bundles"  # bundles deployed next to a model: <model>/prefix-bundles/
 
 
+PROJECT_BUNDLES = Path("bundles")  # where build writes unless --bundles is given
+
+
 def model_bundles_dir(model_dir: Path) -> Path:
     """Where bundles copied next to a model live (same layout as bundles/): <model>/prefix-bundles."""
     return Path(model_dir) / MODEL_BUNDLES
+
+
+def reading_bundles_dir(model_dir: Path) -> tuple[Path, str | None]:
+    """Where serve, match and verify read bundles when no --bundles is given, and a note when it
+    is not the usual place: <model>/prefix-bundles, where a deploy copies them, else the
+    project's bundles/ that build wrote (build then serve must not start cold unseen)."""
+    near = model_bundles_dir(model_dir)
+    if os.path.lexists(near) or not PROJECT_BUNDLES.is_dir():
+        return near, None
+    try:  # only a folder holding bundles built for this model is worth reading instead
+        ours = "-" + identity_for(model_dir).model[:FINGERPRINT_CHARS]
+        found = find_bundles(PROJECT_BUNDLES)[0]
+    except PipelineError:  # the command names a bad model folder itself
+        return near, None
+    if not any(path.name.endswith(ours) for path in found):
+        return near, None
+    return PROJECT_BUNDLES, (
+        f"no {near}: reading {PROJECT_BUNDLES}/, where build wrote bundles for this model; "
+        "pass --bundles DIR to choose another folder"
+    )
 
 
 def model_bundles(model_dir: Path) -> tuple[list[Path], list[Path], list[RefusedBundle]]:
