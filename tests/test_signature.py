@@ -660,8 +660,8 @@ def test_sign_refuses_a_bundle_whose_own_signature_no_longer_verifies(
         assert main(["sign", str(bundle), "--key", str(sec), *extra]) == 1
         assert capsys.readouterr().err == (
             f"error: bundle {bundle}: its {SIGNATURE_FILE} by this key (id {key.public_key().id}) "
-            "does not verify: the bundle changed after it was signed; rebuild it with 'python "
-            "build.py build --force --sign-key KEY' instead of signing what is there (not signed)\n"
+            "does not verify: the bundle changed after it was signed; rebuild it with 'prefix-bundles "
+            "build --force --sign-key KEY' instead of signing what is there (not signed)\n"
         )
 
 
