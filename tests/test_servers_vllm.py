@@ -134,8 +134,9 @@ def test_server_not_installed_is_one_error_line(tiny_model: Path, tmp_path: Path
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert proc.stderr.strip() == (
         "error: serve --server vllm-mlx: vllm-mlx is not installed in this Python environment "
-        "(vllm_mlx cannot be imported); make its environment with 'prefix-bundles server-env "
-        "vllm-mlx .venv-vllm-mlx', then run '.venv-vllm-mlx/bin/prefix-bundles' there "
+        "(vllm_mlx cannot be imported); make its environment with 'python "
+        f"{ROOT / 'build.py'} server-env vllm-mlx .venv-vllm-mlx', then run "
+        "'.venv-vllm-mlx/bin/prefix-bundles' there "
         "(docs/servers.md)"
     )
 
