@@ -455,7 +455,7 @@ def test_read_only_bundles_folder_is_one_line_before_prefill(project: Path, caps
 def test_a_name_relative_to_a_folder_descriptor_is_shown_under_the_bundles_root(
     project: Path, monkeypatch
 ):
-    """bundles_tree works through folder descriptors, so an OSError names only the last part
+    """safe_tree works through folder descriptors, so an OSError names only the last part
     of the path: the message says under which bundles folder it is."""
 
     def read_only(bundles_root):

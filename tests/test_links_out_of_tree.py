@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from pipeline.builder import retention
-from pipeline.builder.bundles_tree import make_folders, remove_tree, rename
 from pipeline.cli import main
 from pipeline.format.errors import PipelineError
+from pipeline.format.safe_tree import make_folders, remove_tree, rename
 
 from conftest import build_bundle, write_definition
 

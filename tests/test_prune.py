@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.builder.bundles_tree import remove_at
 from pipeline.builder.writer import staging_root, target_lock
 from pipeline.cli import main
 from pipeline.cli.reports import PruneReport
 from pipeline.format.lockfile import LockedPrefix, Lockfile, write_lock
+from pipeline.format.safe_tree import remove_at
 from pipeline.runtime import find_bundles, mount
 
 from conftest import build_bundle, write_definition
@@ -178,7 +178,7 @@ def test_keep_two_keeps_both_versions(project: Path, shop, capsys):
 
 
 def test_a_bundle_is_never_half_deleted_in_place(project: Path, shop, capsys, monkeypatch):
-    import pipeline.builder.bundles_tree as bundles_tree
+    import pipeline.format.safe_tree as bundles_tree
 
     def fail(path, *args, **kwargs):
         raise PermissionError(13, "Permission denied", str(path))

@@ -5,7 +5,6 @@ __all__ = [
     "authoring",
     "batch",
     "builder",
-    "bundles_tree",
     "definition",
     "demo",
     "model_files",

@@ -53,10 +53,10 @@ from pipeline.builder.writer import (
     publish,
     target_lock,
     write_cache,
-    write_manifest,
 )
 from pipeline.format import memo
 from pipeline.format.bundle_folder import CACHE_FILE, MANIFEST_FILE, bundle_path
+from pipeline.format.bundle_writer import write_bundle_files
 from pipeline.format.cache_codec import write_failure
 from pipeline.format.compat import layout_for, unsupported
 from pipeline.format.errors import BuildError, BundleError, ModelError
@@ -249,7 +249,7 @@ def build(
             f"another build is writing {dest} right now; wait for it to finish (its bundle is kept)"
         ) from None
     except OSError as exc:
-        # a name relative to a folder descriptor (bundles_tree) is shown under the bundles root
+        # a name relative to a folder descriptor (format.safe_tree) is shown under the bundles root
         name = os.fsdecode(exc.filename) if exc.filename else ""
         where = name if os.path.isabs(name) else f"{name} under {bundles_root}" if name else ""
         raise BuildError(
@@ -548,7 +548,7 @@ def _write(
         )  # fmt: skip
         manifest = make_manifest(job.target, facts, fidelity)
         report["peak_rss_bytes"] = peak_rss_bytes()
-        write_manifest(tmp, manifest, digests, report)
+        write_bundle_files(tmp, manifest, digests, report=report)
     except (OSError, RuntimeError) as exc:  # mlx's writer raises RuntimeError when it cannot write
         why = write_failure(exc)
         if why is None:

@@ -17,14 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from pipeline.builder.bundles_tree import (
-    is_link_or_missing,
-    make_folders,
-    remove_empty,
-    remove_tree,
-    rename,
-    tree_bytes,
-)
 from pipeline.builder.definition import DefinitionError, find_definitions, read_definition
 from pipeline.builder.writer import abandoned_staging, is_abandoned, staging_root, target_lock
 from pipeline.format.bundle_folder import (
@@ -37,6 +29,14 @@ from pipeline.format.bundle_folder import (
 from pipeline.format.errors import BundleError, PipelineError
 from pipeline.format.lockfile import lock_path, read_lock
 from pipeline.format.names import is_model_folder, is_name, parse_version
+from pipeline.format.safe_tree import (
+    is_link_or_missing,
+    make_folders,
+    remove_empty,
+    remove_tree,
+    rename,
+    tree_bytes,
+)
 
 Kind = Literal["older-version", "no-definition", "staging"]
 
@@ -190,7 +190,7 @@ def _subfolders(folder: Path) -> list[Path]:
 
 def delete(candidate: Candidate, bundles_root: Path) -> None:
     """Delete one planned folder; OSError or PipelineError (one line) when it cannot. Every step
-    walks from the root without following links (bundles_tree): a folder swapped for a link
+    walks from the root without following links (format.safe_tree): a folder swapped for a link
     since the plan is refused."""
     from filelock import Timeout
 

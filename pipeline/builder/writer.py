@@ -2,21 +2,26 @@
 
 Each build writes into bundles/.staging/<pid>-<random>/ and publishes with one atomic exchange
 (renameat2(RENAME_EXCHANGE) on Linux, renameatx_np(RENAME_SWAP) on macOS) or, for a new bundle, one
-rename. Every create, rename and delete goes through bundles_tree: no link below the bundles root
+rename. Every create, rename and delete goes through the safe tree (pipeline.format.safe_tree): no link below the bundles root
 is followed, nothing outside it is touched. A file lock on the target keeps two builds of the same bundle from racing; leftovers of
 killed builds are removed by the next build (their process is gone).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import socket
 from pathlib import Path
 from typing import Any
 
-from pipeline.builder.bundles_tree import (
+from pipeline.builder.readback import read_back, saved_arrays
+from pipeline.format.bundle_folder import STAGING_DIR
+from pipeline.format.bundle_writer import write_cache_file
+from pipeline.format.errors import BuildError, PipelineError
+from pipeline.format.fingerprint import FileDigests, sha256_bytes
+from pipeline.format.names import parse_index
+from pipeline.format.safe_tree import (
     entries,
     exchange,
     folder_fd,
@@ -25,21 +30,8 @@ from pipeline.builder.bundles_tree import (
     make_folders,
     remove_tree,
     rename,
+    sync_path,
 )
-from pipeline.builder.readback import read_back, saved_arrays
-from pipeline.format.bundle_folder import (
-    CACHE_FILE,
-    MANIFEST_FILE,
-    REPORT_FILE,
-    STAGING_DIR,
-    SUMS_FILE,
-    sums_text,
-)
-from pipeline.format.cache_codec import write_cache as save_cache
-from pipeline.format.errors import BuildError, PipelineError
-from pipeline.format.fingerprint import FileDigests, sha256_bytes
-from pipeline.format.manifest import Manifest, manifest_bytes
-from pipeline.format.names import parse_index
 
 LOCKS_DIR = "locks"
 
@@ -86,26 +78,13 @@ def new_staging_folder(bundles_root: Path) -> Path:
 def write_cache(
     tmp: Path, cache: list[Any], tokens: list[int], metadata: dict[str, str]
 ) -> FileDigests:
-    """cache.safetensors (the installed mlx-lm's layout, the token ids in its metadata), and its
-    digests, from one read back that also proves every tensor holds `cache`'s bytes (BuildError
-    if not). The manifest records the layout (cache.layout, from builder.mlx_lm)."""
-    user = {**metadata, "token_ids": json.dumps(tokens, separators=(",", ":"))}
-    save_cache(tmp / CACHE_FILE, cache, user)
+    """cache.safetensors (the one bundle writer) and its digests, from one read back that also
+    proves every tensor holds `cache`'s bytes (BuildError if not). The manifest records the
+    layout (cache.layout, from builder.mlx_lm)."""
     # read back from disk once: what was written, hashed and compared; the memo keys the digest
     # by the stat of what was read, so the self-check may trust it (a later change re-hashes)
-    return read_back(tmp / CACHE_FILE, saved_arrays(cache))
-
-
-def write_manifest(
-    tmp: Path, manifest: Manifest, cache_digests: FileDigests, report: dict[str, Any]
-) -> None:
-    """manifest.json, SHA256SUMS over it and the cache file, build-report.json; all synced."""
-    data = manifest_bytes(manifest)
-    (tmp / MANIFEST_FILE).write_bytes(data)
-    digests = {CACHE_FILE: cache_digests.sha256, MANIFEST_FILE: sha256_bytes(data)}
-    (tmp / SUMS_FILE).write_text(sums_text(digests))
-    (tmp / REPORT_FILE).write_text(json.dumps(report, sort_keys=True, indent=2) + "\n")
-    _fsync_folder(tmp)
+    read = lambda path: read_back(path, saved_arrays(cache))  # noqa: E731
+    return write_cache_file(tmp, cache, tokens, metadata, read)[0]
 
 
 def publish(bundles_root: Path, tmp: Path, dest: Path) -> None:
@@ -136,7 +115,7 @@ def place(bundles_root: Path, tmp: Path, dest: Path) -> bool:
                 f"cannot publish {dest}: another build created it meanwhile ({exc.strerror}); "
                 "the other build's bundle was left in place"
             ) from None
-    _fsync_path(dest.parent)
+    sync_path(dest.parent)
     return there is not None
 
 
@@ -147,7 +126,7 @@ def unplace(bundles_root: Path, tmp: Path, dest: Path, replaced: bool) -> None:
             _replace_with_gap(bundles_root, tmp, dest)
         else:
             rename(bundles_root, dest, tmp)
-    _fsync_path(dest.parent)
+    sync_path(dest.parent)
 
 
 def _replace_with_gap(root: Path, tmp: Path, dest: Path) -> None:
@@ -211,23 +190,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _fsync_folder(folder: Path) -> None:
-    for path in folder.iterdir():
-        with open(path, "rb") as fh:
-            os.fsync(fh.fileno())
-    _fsync_path(folder)
-
-
-def _fsync_path(folder: Path) -> None:
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

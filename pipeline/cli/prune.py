@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _snapshots(args: argparse.Namespace) -> int:
     """List (with --apply delete) the snapshot sets in a --snapshots folder no serve is using."""
-    from pipeline.builder.bundles_tree import tree_bytes
+    from pipeline.format.safe_tree import tree_bytes
     from pipeline.runtime.snapshot_store import SnapshotFolder
 
     # DIR is never made here, and a dry run changes nothing (no lock file is made)

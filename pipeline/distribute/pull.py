@@ -6,7 +6,7 @@ against the model by the real validator (every byte hashed). All or nothing: eve
 build lock is taken first, then all are validated, then all are moved into place with the
 builder's atomic exchange; a refused bundle, a lock held by another build or a failed move
 publishes none (moves already made are undone). Every delete and rename stays under the bundles
-folder and follows no link (pipeline.builder.bundles_tree).
+folder and follows no link (pipeline.format.safe_tree).
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@ import os
 import stat
 from pathlib import Path
 
-from pipeline.builder.bundles_tree import folder_fd, remove_at, rename
 from pipeline.format.bundle_folder import STAGING_DIR
 from pipeline.format.errors import PipelineError
+from pipeline.format.safe_tree import folder_fd, remove_at, rename
 
 RESUME_DIR = "resume"
 _PART_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC

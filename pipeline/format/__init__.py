@@ -4,6 +4,7 @@
 __all__ = [
     "bundle_folder",
     "bundle_signature",
+    "bundle_writer",
     "cache_codec",
     "cache_header",
     "cache_state",
@@ -16,6 +17,7 @@ __all__ = [
     "memo",
     "names",
     "regular_files",
+    "safe_tree",
     "safetensors_read",
     "secret_key",
     "served_identity",

@@ -1,9 +1,12 @@
-"""Create, rename and delete under a bundles root without ever following a symlink out of it.
+"""The one safe tree: what every writer of a published or private folder does, done once.
 
-Every path is walked from the root one component at a time, each folder opened with O_NOFOLLOW
-(so a folder that is, or is swapped for, a link is refused, not followed), and the operation runs
-on a name relative to the last folder's descriptor (renameat, unlinkat through rmtree's dir_fd).
-The root itself may be a link (a deploy's choice); nothing below it may be.
+Walks: every path is walked from a root one component at a time, each folder opened with O_NOFOLLOW
+(a folder that is, or is swapped for, a link is refused, not followed), and each create, rename,
+exchange or delete runs on a name relative to the last folder's descriptor. The root itself may be
+a link (a deploy's choice); nothing below it may be. Private files: owner-only checks and modes,
+flock locks that never block on a FIFO, files written whole beside their place and then put there
+(one link or one rename), fsync of files and folders. Used by the builder's bundles tree, pull's
+resume folder, runtime snapshots and their host key, the hash memo and keygen.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import secrets
 import stat
 import sys
 from collections.abc import Callable, Iterator
@@ -18,8 +22,11 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from pipeline.format.errors import PipelineError
+from pipeline.format.regular_files import FileProblem
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | _CLOEXEC
+PRIVATE_FOLDER, PRIVATE_FILE = 0o700, 0o600
 
 
 def inside(root: Path, path: Path) -> tuple[str, ...]:
@@ -201,3 +208,137 @@ def entries(root: Path, path: Path) -> list[str]:
     """Names in the folder at path (a link there or on the way is refused)."""
     with folder_fd(root, inside(root, path)) as fd:
         return sorted(os.listdir(fd))
+
+
+def open_folder_at(parent_fd: int | None, name: str | Path) -> int:
+    """A descriptor of the folder `name` (in the folder open as parent_fd); OSError for a link
+    (ELOOP or ENOTDIR: never followed) or anything but a folder."""
+    return os.open(name, _DIR_FLAGS | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=parent_fd)
+
+
+def is_empty_at(parent_fd: int, name: str) -> bool:
+    """Whether `name` is a real folder (not a link) holding nothing."""
+    try:
+        fd = open_folder_at(parent_fd, name)
+    except OSError:
+        return False
+    try:
+        with os.scandir(fd) as found:
+            return not any(found)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def read_at(dir_fd: int | None, name: str | Path, limit: int) -> bytes | None:
+    """Up to `limit` bytes of the regular file `name`; None for anything else or nothing (a
+    link is never followed, a FIFO never blocks)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        return os.read(fd, limit) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+    finally:
+        os.close(fd)
+
+
+def not_private(st: os.stat_result, want_dir: bool, forbidden: int = 0o077) -> str | None:
+    """Why a folder (want_dir) or file is not private: "kind" (not a folder, or not a regular
+    file), "owner" (another user's) or "mode" (a `forbidden` mode bit set); None when it is."""
+    kind_ok = stat.S_ISDIR(st.st_mode) if want_dir else stat.S_ISREG(st.st_mode)
+    if not kind_ok:
+        return "kind"
+    if st.st_uid != os.geteuid():
+        return "owner"
+    return "mode" if st.st_mode & forbidden else None
+
+
+def write_new(
+    path: str | Path, data: bytes, mode: int = PRIVATE_FILE, dir_fd: int | None = None
+) -> None:
+    """A new file holding `data`, with `mode` (less the umask) from its creation, synced; never
+    one already there, never through a link (FileExistsError, OSError)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
+    fd = os.open(path, flags, mode, dir_fd=dir_fd)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def stage_beside(path: Path, data: bytes, mode: int = PRIVATE_FILE) -> Path:
+    """A new temporary file beside `path` holding `data` (`write_new`), under a name no earlier
+    process can have left behind (a container reuses its pids)."""
+    while True:
+        tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+        try:
+            write_new(tmp, data, mode)
+            return tmp
+        except FileExistsError:
+            continue
+
+
+def put_in_place(tmp: Path, path: Path, replace: bool) -> None:
+    """Publish a staged file whole: with `replace`, one rename over what is there; without, one
+    link that fails (FileExistsError) where a file appeared meanwhile: never overwritten."""
+    if replace:
+        os.replace(tmp, path)
+    else:
+        os.link(tmp, path, follow_symlinks=False)
+
+
+class LockHeld(Exception):
+    """Another open file holds the lock."""
+
+
+def lock_at(dir_fd: int | None, name: str | Path, create: bool) -> int | None:
+    """An exclusive flock on the regular file `name` (made owner-only when `create`), held until
+    the returned fd is closed; None when it is missing and not made. OSError when it cannot be
+    opened (a link is refused), FileProblem when it is not a regular file, LockHeld when taken."""
+    # never blocks on a FIFO someone put there; only a regular file is a lock
+    flags = (os.O_RDWR | os.O_CREAT if create else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK
+    try:
+        fd = os.open(name, flags | _CLOEXEC, PRIVATE_FILE, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise FileProblem("is not a regular file")
+        take_lock(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def take_lock(fd: int) -> None:
+    """flock(LOCK_EX) on an open file without waiting (a no-op for the open file holding it);
+    LockHeld when another holds it."""
+    import fcntl
+
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+            raise
+        raise LockHeld from None
+
+
+def sync_path(path: str | Path, strict: bool = False) -> None:
+    """fsync a file or folder by path (a folder: its entries survive a power loss); `strict`
+    raises what fails, else a folder a filesystem cannot sync is left as it is."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _CLOEXEC)
+    except OSError:
+        if strict:
+            raise
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        if strict:
+            raise
+    finally:
+        os.close(fd)
