@@ -110,11 +110,11 @@ def test_push_then_pull_round_trip_is_byte_identical_and_mounts(
     assert files_of(local) == files_of(shop_bundle)
     assert [x.name for x in mount(model).bundles] == ["shop@1"]
 
-    # pulled again: every block comes from the bundle already there
+    # pulled again: the bundle here is the artifact's, up to date, and no blob moves
     assert main(["pull", "--repo", reg.repo(), "--model", str(model)]) == 0
     out = capsys.readouterr().out
-    assert f"pulled shop@1 ({b.tokens} tokens) from {reg.repo()}@{b.digest} -> {local}" in out
-    assert f"bytes in {plan.blocks} blocks reused from bundles already here" in out
+    assert f"up to date shop@1 ({b.tokens} tokens) at {local} ({b.digest})" in out
+    assert "no blob downloaded" in out
     assert files_of(local) == files_of(shop_bundle)
 
 

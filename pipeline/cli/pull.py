@@ -50,7 +50,7 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         "of --prefix); OCI: each by the artifact digest `push --lockfile` recorded, else by tag",
     )
     add_registry_options(p)
-    add_json_option(p, "pull", version=2)
+    add_json_option(p, "pull", version=3)
     add_trusted_key_option(p)
     p.set_defaults(func=run, bundles_near_model=True)  # default: <model>/prefix-bundles
 
@@ -125,10 +125,15 @@ def _print(result: PullResult) -> None:
         if b.repo_path in result.by_tag:
             where += f" {BY_TAG}"
         say(f"pulled {b.name}@{b.version} ({b.tokens} tokens) from {where} -> {b.path}")
+    for b in result.current:
+        say(f"up to date {b.name}@{b.version} ({b.tokens} tokens) at {b.path} "
+            f"({result.digests[b.repo_path]})")  # fmt: skip
     for s in result.skipped:
         say(f"skipped {s.repo_path}: {s.reason}")
     t = result.transfer
-    if t is not None:
+    if t is not None and not (t.moved_blobs or t.reused_blobs):  # every bundle up to date
+        say(f"no blob downloaded ({t.moved_bytes:,} bytes of artifact manifests read)")
+    elif t is not None:
         say(f"{t.moved_bytes:,} bytes downloaded in {t.moved_blobs} blobs, {t.reused_bytes:,} "
               f"bytes in {t.reused_blobs} blocks reused from bundles already here")  # fmt: skip
 
@@ -141,19 +146,23 @@ def _report(result: PullResult) -> PullReport:
             repo_path=x.repo_path, prefix=x.name, version=x.version, status=status, **fields
         )
 
-    digests = result.digests
+    digests, moved = result.digests, result.transfers
+
+    def fetched(b, status: str) -> PulledBundle:
+        t = moved.get(b.repo_path)
+        return entry(
+            b,
+            status,
+            path=str(b.path),
+            tokens=b.tokens,
+            digest=digests.get(b.repo_path),
+            reason=BY_TAG if b.repo_path in result.by_tag else None,
+            transfer=transfer_of(t) if t is not None else None,
+        )
+
     entries = (
-        [
-            entry(
-                b,
-                "pulled",
-                path=str(b.path),
-                tokens=b.tokens,
-                digest=digests.get(b.repo_path),
-                reason=BY_TAG if b.repo_path in result.by_tag else None,
-            )
-            for b in result.pulled
-        ]
+        [fetched(b, "pulled") for b in result.pulled]
+        + [fetched(b, "up-to-date") for b in result.current]
         + [
             entry(s, "skipped", path=s.path and str(s.path), tokens=s.tokens, reason=s.reason)
             for s in result.skipped
@@ -177,6 +186,7 @@ def _report(result: PullResult) -> PullReport:
         bundles=sorted(entries, key=lambda e: e.repo_path),
         totals=PullTotals(
             pulled=len(result.pulled),
+            up_to_date=len(result.current),
             skipped=len(result.skipped),
             refused=len(result.refused),
             failed=len(result.failed),

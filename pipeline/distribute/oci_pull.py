@@ -13,10 +13,11 @@ of it: the file is read once after it is written, not twice), an atomic publish 
 
 from __future__ import annotations
 
-import hashlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pipeline.builder.writer import clean_staging, discard, new_staging_folder
 from pipeline.distribute.artifact import (
@@ -27,12 +28,14 @@ from pipeline.distribute.artifact import (
     parse_tag,
     tag_of,
 )
-from pipeline.distribute.blocks import Layout, Source, Target, layout, peer_tokens, read_layout
+from pipeline.distribute.blocks import Layout, Target, layout
 from pipeline.distribute.hub import RemoteBundle
+from pipeline.distribute.local_bundles import LocalBlocks, up_to_date
 from pipeline.distribute.meter import Meter
 from pipeline.distribute.oci import Registry, in_parallel, parse_repo
 from pipeline.distribute.oci_push import Transfer
 from pipeline.distribute.pull import (
+    PulledBundle,
     PullResult,
     check_found,
     disk_error,
@@ -46,7 +49,6 @@ from pipeline.format.bundle_folder import (
     CACHE_FILE,
     FINGERPRINT_CHARS,
     MANIFEST_FILE,
-    STAGING_DIR,
     model_folder,
     read_manifest_bytes,
 )
@@ -101,20 +103,29 @@ def pull_oci(
         staging = new_staging_folder(root)
         local, resume = LocalBlocks(root), Resume(root)
         try:
+            check = _Check(tuple(trusted_keys), identity, root)
             try:
                 for b in chosen:
-                    fetch = _Fetch(registry, b, staging / b.path, result.transfer)
+                    fetch = _Fetch(registry, b, staging / b.path, Transfer())
                     fetch.reference = pins.get(b.path, fetch.tag)
                     with meter.phase("fetch", cpu=True):  # its wall time, whatever the threads
-                        result.digests[b.path] = fetch.run(tuple(trusted_keys), local, resume)
+                        result.digests[b.path] = fetch.run(check, local, resume)
+                    result.transfers[b.path] = fetch.counts
+                    result.transfer.add(fetch.counts)
+                    if fetch.tokens is not None:  # the bundle here is this artifact's
+                        result.current.append(
+                            PulledBundle(b.name, b.version, b.path, root / b.path, fetch.tokens)
+                        )
             except BaseException:  # the bundles that arrived whole are kept for the next pull
                 for path, digest in result.digests.items():
-                    resume.keep(digest, staging / path / CACHE_FILE)
+                    if (staging / path).is_dir():
+                        resume.keep(digest, staging / path / CACHE_FILE)
                 raise
+            stale = [b for b in chosen if b.path not in {c.repo_path for c in result.current}]
             with meter.phase("validate", cpu=True):  # the one validator, then the atomic publish
                 # it checks each rebuilt cache file against the BLAKE3 manifest.json pins,
                 # in its own read of the staged file (trust_memo: no second, sha256 pass)
-                publish_staged(result, chosen, staging, identity, tuple(trusted_keys), True)
+                publish_staged(result, stale, staging, identity, tuple(trusted_keys), True)
         except OSError as exc:  # a full disk, a read-only mount: name the folder, not "I/O"
             kept = f" (what arrived is kept in {resume.folder} for that pull)"
             if (local_error := disk_error(root, exc, kept)) is None:
@@ -135,6 +146,15 @@ def _split(path: str) -> tuple[str, int, str]:
     return name, int(version), folder
 
 
+@dataclass(frozen=True)
+class _Check:
+    """What decides that a bundle already here is up to date: the keys, the model, the folder."""
+
+    keys: tuple[PublicKey, ...]
+    identity: Any
+    root: Path
+
+
 class _Fetch:
     """One bundle's artifact into its staging folder."""
 
@@ -144,6 +164,7 @@ class _Fetch:
         self.lock = threading.Lock()
         self.tag = tag_of(b.name, b.version, b.folder)
         self.reference = self.tag  # or the digest a lockfile pins
+        self.tokens: int | None = None  # set when the bundle here is up to date
 
     @property
     def where(self) -> str:
@@ -162,10 +183,19 @@ class _Fetch:
         self.meter.advance(len(data))
         return data
 
-    def run(self, keys: tuple[PublicKey, ...], local: LocalBlocks, resume: Resume) -> str:
+    def run(self, check: _Check, local: LocalBlocks, resume: Resume) -> str:
+        """The artifact's digest; its bundle staged in `dest`, or `tokens` set when the bundle
+        already here is this artifact's (up to date: no blob moves)."""
         body, digest = self.registry.get_manifest(self.reference)  # a digest is checked
         self.counts.moved_bytes += len(body)
         parsed = parse_manifest(body, self.where)
+        with self.meter.phase("up to date"):
+            self.tokens = up_to_date(
+                check.root / self.b.path, parsed.files, check.identity, check.keys
+            )
+        if self.tokens is not None:
+            return digest
+        keys = check.keys
         blobs = [parsed.config, *parsed.files, parsed.header, parsed.rest, *parsed.blocks]
         self.meter.start(f"{self.b.name}@{self.b.version}", sum(x.size for x in blobs))
         config = self._config(self.get(parsed.config))
@@ -187,10 +217,11 @@ class _Fetch:
         partial = self.dest / CACHE_FILE
         taken = resume.take(digest, partial, plan.file_bytes)  # an open descriptor, or None
         try:
-            self._rebuild(plan, parsed, local, Target(partial, plan, fd=taken))
+            self._rebuild(digest, plan, parsed, local, Target(partial, plan, fd=taken))
         except BaseException:  # interrupted or refused: the blocks that arrived stay for later
             resume.keep(digest, partial)
             raise
+        local.offer(partial, plan)  # every block checked: a source for the artifacts after it
         self.meter.finish()
         return digest
 
@@ -236,7 +267,9 @@ class _Fetch:
             raise self.fail(f"its config does not match its {MANIFEST_FILE}; push it again")
         return m
 
-    def _rebuild(self, plan: Layout, parsed, local: LocalBlocks, target: Target) -> None:
+    def _rebuild(
+        self, digest: str, plan: Layout, parsed, local: LocalBlocks, target: Target
+    ) -> None:
         """Every piece in place, several at a time: from the partial file of an interrupted pull,
         a local bundle holding the same bytes, or the registry."""
         resumed = target.resumed
@@ -245,7 +278,7 @@ class _Fetch:
             k, blob, ranges = piece
             with self.meter.phase("reuse"):
                 here = (resumed and target.holds(ranges, blob.digest, blob.size)) or (
-                    k >= 0 and local.fill(plan, k, blob, target.writer(iter(ranges)))
+                    k >= 0 and local.fill(digest, plan, k, blob, target.writer(iter(ranges)))
                 )
             if not here:
                 self._stream(blob, ranges, target)
@@ -273,66 +306,3 @@ class _Fetch:
             self.counts.moved_bytes += blob.size
             self.counts.moved_blobs += 1
         self.meter.advance(blob.size)
-
-
-class LocalBlocks:
-    """Blocks of the cache files already in a bundles folder, found by their bytes' digest
-    (thread-safe: several blocks are looked for at once). Each folder's files are opened as the
-    validator opens them (a FIFO, a device, a link or a huge manifest is never waited on); a
-    folder that cannot be read is skipped for reuse, its reason kept in `unusable`."""
-
-    def __init__(self, root: Path) -> None:
-        found = sorted(root.glob(f"*/*/*/{CACHE_FILE}")) if root.is_dir() else []
-        self.files = [p for p in found if STAGING_DIR not in p.parts and _in_layout(root, p)]
-        # by (file, block size): blocks are cut with the size the remote artifact records
-        self.opened: dict[tuple[Path, int], tuple[Source, int] | None] = {}
-        self.unusable: dict[Path, str] = {}  # bundle folder -> why its blocks are not reused
-        self.lock = threading.Lock()
-
-    def _source(self, path: Path, b: int) -> tuple[Source, int] | None:
-        """(open file, first block known to differ) or None when unusable."""
-        with self.lock:
-            if (path, b) not in self.opened:
-                self.opened[path, b] = None
-                try:
-                    plan = read_layout(path, peer_tokens(path.parent), block_size=b)
-                    self.opened[path, b] = (Source(path, plan), 1 << 62)
-                except BundleError as exc:  # names the file and what it is
-                    self.unusable.setdefault(path.parent, exc.reason)
-                except (OSError, ValueError) as exc:  # not a cache file blocks can be cut from
-                    why = exc.strerror if isinstance(exc, OSError) else str(exc)
-                    self.unusable.setdefault(path.parent, f"{CACHE_FILE} {why}")
-            return self.opened[path, b]
-
-    def fill(self, plan: Layout, k: int, blob: Blob, write: Callable[[bytes], None]) -> bool:
-        """Write block k from a local file holding the same bytes; False when none does."""
-        for path in self.files:
-            entry = self._source(path, plan.block_tokens)
-            if entry is None or k >= entry[1]:
-                continue
-            source, _ = entry
-            if not source.plan.compatible(plan) or k >= source.plan.blocks:
-                continue
-            data = source.block(k)
-            if (
-                len(data) == blob.size
-                and "sha256:" + hashlib.sha256(data).hexdigest() == blob.digest
-            ):
-                write(data)
-                return True
-            with self.lock:  # a continuation shares a prefix: no later block of it matches
-                first = self.opened[path, plan.block_tokens]
-                if first is not None and k < first[1]:
-                    self.opened[path, plan.block_tokens] = (source, k)
-        return False
-
-    def close(self) -> None:
-        for entry in self.opened.values():
-            if entry:
-                entry[0].close()
-
-
-def _in_layout(root: Path, cache_file: Path) -> bool:
-    """A cache file at <root>/<name>/<version>/<folder>/ reached through real folders only."""
-    folder = cache_file.parent
-    return not any(p.is_symlink() for p in (folder, folder.parent, folder.parent.parent))

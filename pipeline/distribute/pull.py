@@ -105,6 +105,8 @@ class PullResult:
     failed: list[Failed] = field(default_factory=list)  # non-empty: nothing was published
     digests: dict[str, str] = field(default_factory=dict)  # OCI: repo_path -> artifact digest
     transfer: Any = None  # OCI: the bytes moved and reused (oci_push.Transfer)
+    transfers: dict[str, Any] = field(default_factory=dict)  # OCI: repo_path -> its Transfer
+    current: list[PulledBundle] = field(default_factory=list)  # OCI: up to date, left as they are
     by_tag: list[str] = field(default_factory=list)  # lockfile paths with no digest: fetched by tag
     notes: list[str] = field(default_factory=list)  # bundles here not reused for blocks, and why
 

@@ -2,6 +2,8 @@
 
 Version 2 (OCI registries): `commit` and `revision` are null for a registry, each bundle names its
 artifact `tag` and `digest`, and `transfer` counts the bytes that moved and those already there.
+pull/3: a bundle already here as the artifact has it is `up-to-date` (left as it is, no blob
+moved), and each bundle of an OCI pull has its own `transfer`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ REPO_PATH = "<name>/<version>/<slug>-<fingerprint[:12]> (the hub repo's folder, 
 class Transfer(Report):
     """What moved over the network, and what the other side already had (OCI only)."""
 
-    moved_bytes: int = Field(description="bytes uploaded (push) or downloaded (pull)")
+    moved_bytes: int = Field(
+        description="bytes uploaded (push) or downloaded (pull), the artifact manifests included"
+    )
     moved_blobs: int = Field(description="blobs uploaded or downloaded (manifests not counted)")
     reused_bytes: int = Field(
         description="push: bytes of blobs the registry already had (or mounted from "
@@ -82,10 +86,12 @@ class PulledBundle(Report):
     repo_path: str = Field(description=REPO_PATH)
     prefix: str
     version: int
-    status: Literal["pulled", "skipped", "refused", "failed"] = Field(
-        description="skipped: not chosen for this model, or valid but held back because another "
-        "bundle was refused or failed (reason says which); failed: valid, but its build lock was "
-        "held by another build or pull, or moving it into place failed (reason says which)"
+    status: Literal["pulled", "up-to-date", "skipped", "refused", "failed"] = Field(
+        description="up-to-date (OCI): the bundle here holds the artifact's files and passes the "
+        "validator, so it was left as it is and no blob moved; skipped: not chosen for this "
+        "model, or valid but held back because another bundle was refused or failed (reason "
+        "says which); failed: valid, but its build lock was held by another build or pull, or "
+        "moving it into place failed (reason says which)"
     )
     path: str | None = Field(
         description="where it was published, or would have been; null when not chosen"
@@ -95,11 +101,19 @@ class PulledBundle(Report):
     refusal: Refusal | None = Field(
         None, description="the validator's refusal against the model (refused only)"
     )
-    digest: str | None = Field(None, description="OCI: the artifact manifest's digest (pulled)")
+    digest: str | None = Field(
+        None, description="OCI: the artifact manifest's digest (pulled or up-to-date)"
+    )
+    transfer: Transfer | None = Field(
+        None,
+        description="OCI: what this bundle moved (its artifact manifest counted: an up-to-date "
+        "bundle's is read to compare) and took from bundles already here",
+    )
 
 
 class PullTotals(Report):
     pulled: int
+    up_to_date: int
     skipped: int
     refused: int
     failed: int
@@ -113,7 +127,7 @@ class PullReport(Report):
     unreachable) is only the `error:` line.
     """
 
-    schema_: Literal["pull/2"] = Field("pull/2", alias="schema")
+    schema_: Literal["pull/3"] = Field("pull/3", alias="schema")
     repo: str
     revision: str | None = Field(description="as asked (default main); null for an OCI registry")
     commit: str | None = Field(
