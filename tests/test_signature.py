@@ -483,14 +483,14 @@ def test_keygen_puts_back_the_secret_key_when_the_public_key_cannot_be_placed(
     import pipeline.cli.keygen as keygen
 
     sec, pub = tmp_path / "k.key", tmp_path / "k.pub"
-    stage = keygen._stage
+    stage = keygen.stage_beside
 
-    def racing_stage(path: Path, text: str, mode: int) -> Path:
+    def racing_stage(path: Path, data: bytes, mode: int) -> Path:
         if path == pub:
             pub.write_text("someone else's file")
-        return stage(path, text, mode)
+        return stage(path, data, mode)
 
-    monkeypatch.setattr(keygen, "_stage", racing_stage)
+    monkeypatch.setattr(keygen, "stage_beside", racing_stage)
     assert main(["keygen", "-W", "--secret-key", str(sec)]) == 1
     assert capsys.readouterr().err == (
         f"error: cannot write {pub}: File exists; no key file was written or replaced\n"

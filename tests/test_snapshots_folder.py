@@ -16,6 +16,7 @@ import pytest
 from test_snapshots import TOKENS, host, prefilled, restore, save_one  # noqa: F401 - host: fixture
 
 from pipeline.cli import main
+from pipeline.format import bundle_writer
 from pipeline.format.errors import PipelineError
 from pipeline.runtime import snapshot_store
 from pipeline.runtime.snapshot_store import MARK_TEXT, SET_MARK, Entry
@@ -99,7 +100,7 @@ def test_the_error_mlx_raises_on_a_full_disk_is_one_message(
         Path(path).write_bytes(b"half")
         raise RuntimeError("[write] Unable to write 404982 bytes to file.")
 
-    monkeypatch.setattr(snapshot_store, "write_cache", full)
+    monkeypatch.setattr(bundle_writer, "write_cache", full)
     entry = Entry(TOKENS, prefilled(tiny_model, TOKENS), "test", False)
     with pytest.raises(PipelineError) as exc:
         snaps.save([(1, entry)], lambda ids: 0)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pipeline.cli.common import add_json_option, emit_json, say
 from pipeline.format.errors import PipelineError
+from pipeline.format.safe_tree import put_in_place, stage_beside
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
@@ -109,7 +110,7 @@ def write_pair(files: list[tuple[Path, str, int]], force: bool) -> None:
     path = files[0][0]
     try:
         for path, text, mode in files:
-            staged.append((path, _stage(path, text, mode)))
+            staged.append((path, stage_beside(path, text.encode(), mode)))
         for path, tmp in staged:
             placed.append((path, _place(path, tmp, force)))
     except OSError as exc:
@@ -126,25 +127,14 @@ def write_pair(files: list[tuple[Path, str, int]], force: bool) -> None:
             old.unlink(missing_ok=True)
 
 
-def _stage(path: Path, text: str, mode: int) -> Path:
-    """A temporary file beside `path` holding `text`, with its mode from the start."""
-    tmp = _beside(path, "tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-    return tmp
-
-
 def _place(path: Path, tmp: Path, force: bool) -> Path | None:
     """Put `tmp` at `path`; return a link to the file it replaced (None: there was none)."""
-    if not force:
-        os.link(tmp, path)  # fails if the file appeared meanwhile: never overwrite silently
-        return None
     old = None
-    if os.path.lexists(path):
+    if force and os.path.lexists(path):
         old = _beside(path, "old")
         os.link(path, old, follow_symlinks=False)
-    os.replace(tmp, path)
+    # without --force, a file that appeared meanwhile fails it: never overwritten silently
+    put_in_place(tmp, path, replace=force)
     return old
 
 

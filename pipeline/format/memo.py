@@ -16,10 +16,17 @@ import contextlib
 import json
 import os
 import re
-import stat
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+from pipeline.format.safe_tree import (
+    PRIVATE_FILE,
+    PRIVATE_FOLDER,
+    not_private,
+    put_in_place,
+    stage_beside,
+)
 
 _lock = threading.Lock()
 _HEX64 = re.compile(r"^[0-9a-f]{64}\Z")
@@ -59,8 +66,7 @@ def _private(path: Path, want_dir: bool) -> bool:
         st = os.stat(path) if want_dir else os.lstat(path)
     except OSError:
         return False
-    kind_ok = stat.S_ISDIR(st.st_mode) if want_dir else stat.S_ISREG(st.st_mode)
-    return kind_ok and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+    return not_private(st, want_dir) is None
 
 
 def _private_folder(folder: Path) -> bool:
@@ -68,7 +74,7 @@ def _private_folder(folder: Path) -> bool:
     exists is never chmod'ed (PREFIX_BUNDLES_CACHE_DIR may name a shared one, such as /tmp):
     open to others, it keeps no memo."""
     try:
-        folder.mkdir(mode=0o700, parents=True)
+        folder.mkdir(mode=PRIVATE_FOLDER, parents=True)
     except FileExistsError:
         pass
     except OSError:
@@ -106,7 +112,7 @@ def _file_lock(memo: Path) -> Iterator[bool]:
     if not _private_folder(memo.parent):
         yield False
         return
-    lock = FileLock(str(memo) + ".lock", timeout=LOCK_WAIT, mode=0o600)
+    lock = FileLock(str(memo) + ".lock", timeout=LOCK_WAIT, mode=PRIVATE_FILE)
     try:
         lock.acquire()
     except (Timeout, OSError):
@@ -134,11 +140,13 @@ def _store(memo: Path, table: dict[str, str]) -> None:
     try:  # best effort: a read-only home only costs a re-hash next time
         if not _private_folder(memo.parent):
             return
-        tmp = memo.with_name(f".{memo.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            json.dump(table, fh)  # in the table's order: the build record evicts its oldest first
-        os.replace(tmp, memo)
+        # in the table's order: the build record evicts its oldest first; a lost memo only
+        # costs a re-hash, so it is not synced
+        tmp = stage_beside(memo, json.dumps(table).encode(), sync=False)
+        try:
+            put_in_place(tmp, memo, replace=True)
+        finally:
+            tmp.unlink(missing_ok=True)
     except OSError:
         pass
 

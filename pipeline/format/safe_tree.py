@@ -256,25 +256,30 @@ def not_private(st: os.stat_result, want_dir: bool, forbidden: int = 0o077) -> s
 
 
 def write_new(
-    path: str | Path, data: bytes, mode: int = PRIVATE_FILE, dir_fd: int | None = None
+    path: str | Path,
+    data: bytes,
+    mode: int = PRIVATE_FILE,
+    dir_fd: int | None = None,
+    sync: bool = True,
 ) -> None:
-    """A new file holding `data`, with `mode` (less the umask) from its creation, synced; never
-    one already there, never through a link (FileExistsError, OSError)."""
+    """A new file holding `data`, with `mode` (less the umask) from its creation, synced unless
+    told; never one already there, never through a link (FileExistsError, OSError)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
     fd = os.open(path, flags, mode, dir_fd=dir_fd)
     with os.fdopen(fd, "wb") as out:
         out.write(data)
         out.flush()
-        os.fsync(out.fileno())
+        if sync:
+            os.fsync(out.fileno())
 
 
-def stage_beside(path: Path, data: bytes, mode: int = PRIVATE_FILE) -> Path:
+def stage_beside(path: Path, data: bytes, mode: int = PRIVATE_FILE, sync: bool = True) -> Path:
     """A new temporary file beside `path` holding `data` (`write_new`), under a name no earlier
     process can have left behind (a container reuses its pids)."""
     while True:
         tmp = path.with_name(f".{path.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
         try:
-            write_new(tmp, data, mode)
+            write_new(tmp, data, mode, sync=sync)
             return tmp
         except FileExistsError:
             continue

@@ -8,12 +8,13 @@ recomputed) is refused. The key is an unencrypted minisign secret key (`minisign
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
-import tempfile
 from pathlib import Path
 
 from pipeline.format.errors import PipelineError
+from pipeline.format.safe_tree import PRIVATE_FOLDER, not_private, put_in_place, stage_beside
 
 KEY_NAME = "snapshot-host.key"
 APP_FOLDER = "mlx-prefix-bundles"
@@ -46,7 +47,7 @@ def host_key(path: Path | None = None):  # -> pipeline.format.secret_key.SecretK
 
 def _private_folder(folder: Path) -> None:
     """Create the key's folder owner-only, or check that it is."""
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    folder.mkdir(mode=PRIVATE_FOLDER, parents=True, exist_ok=True)
     _check_private(folder, "folder", 0o022)
 
 
@@ -54,8 +55,7 @@ def _check_private(path: Path, what: str, forbidden: int) -> None:
     """The key (and its folder) is a regular file (folder) of this user that others cannot
     change (nor, for the key, read)."""
     st = os.lstat(path)
-    kind_ok = stat.S_ISDIR(st.st_mode) if what == "folder" else stat.S_ISREG(st.st_mode)
-    if not kind_ok or st.st_uid != os.getuid() or st.st_mode & forbidden:
+    if not_private(st, what == "folder", forbidden) is not None:
         mode = "0700" if what == "folder" else "0600"
         raise PipelineError(
             f"snapshot host key {what} {path} must be a {what} of this user with mode {mode} "
@@ -66,18 +66,10 @@ def _check_private(path: Path, what: str, forbidden: int) -> None:
 
 def _create(path: Path, text: str) -> None:
     """Write the key once, atomically (a concurrent first start keeps the first key)."""
-    # a name no earlier start can have left behind (a container reuses its pids)
-    fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    tmp = Path(name)
+    tmp = stage_beside(path, text.encode("ascii"))
     try:
-        with os.fdopen(fd, "w", encoding="ascii") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        try:
-            os.link(tmp, path)  # fails if another process created it first
-        except FileExistsError:
-            pass
+        with contextlib.suppress(FileExistsError):  # another process created it first
+            put_in_place(tmp, path, replace=False)
     finally:
         os.unlink(tmp)
 

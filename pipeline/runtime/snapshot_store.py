@@ -19,7 +19,6 @@ that DIR still is it (one removed, or replaced by a link to a public folder, is 
 from __future__ import annotations
 
 import contextlib
-import errno
 import itertools
 import os
 import platform
@@ -32,22 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from pipeline import __version__
-from pipeline.format.bundle_folder import (
-    CACHE_FILE,
-    MANIFEST_FILE,
-    SIGNATURE_FILE,
-    SUMS_FILE,
-    sums_text,
-)
-from pipeline.format.bundle_signature import trusted_comment
-from pipeline.format.cache_codec import write_cache
+from pipeline.format.bundle_writer import write_bundle_files, write_cache_file
 from pipeline.format.errors import BundleError, PipelineError
-from pipeline.format.fingerprint import (
-    ModelIdentity,
-    canonical_json,
-    file_digests,
-    sha256_bytes,
-)
+from pipeline.format.fingerprint import ModelIdentity, canonical_json, sha256_bytes
 from pipeline.format.manifest import (
     SNAPSHOT_FORMAT,
     BuilderInfo,
@@ -58,7 +44,19 @@ from pipeline.format.manifest import (
     SnapshotInfo,
     SourceInfo,
     TokenInfo,
-    manifest_bytes,
+)
+from pipeline.format.regular_files import FileProblem
+from pipeline.format.safe_tree import (
+    PRIVATE_FOLDER,
+    LockHeld,
+    is_empty_at,
+    lock_at,
+    not_private,
+    open_folder_at,
+    read_at,
+    remove_at,
+    take_lock,
+    write_new,
 )
 from pipeline.format.validate import Validated, validate
 from pipeline.runtime.prompt_cache import fork_cache
@@ -146,7 +144,7 @@ class SnapshotFolder:
                 f"({_replaced_by(self.root)}); not saved; restart serve to use what is there now "
                 "(its checks run at the start)"
             )
-        if stat.S_IMODE(held.st_mode) & 0o077 or held.st_uid != os.getuid():
+        if not_private(held, want_dir=True) is not None:
             raise PipelineError(
                 f"snapshots: {self.root} is now open to other users (mode "
                 f"{stat.S_IMODE(held.st_mode):04o}, uid {held.st_uid}); not saved: snapshots hold "
@@ -166,7 +164,7 @@ class SnapshotFolder:
             marked = folder and is_marked(Path(entry.name), dir_fd=self._fd)
             if set_name and marked:
                 sets.append((int(set_name[1]), path))
-            elif folder and staged and (marked or _empty(entry.name, self._fd)):
+            elif folder and staged and (marked or is_empty_at(self._fd, entry.name)):
                 staging.append(path)
             else:
                 strays.append((path, _stray(entry, folder)))
@@ -183,14 +181,16 @@ class SnapshotFolder:
     def tidy(self) -> None:
         """Remove staging leftovers (a crash mid-save; this process holds the lock)."""
         for path in self.scan()[1]:
-            _remove_tree(path.name, self._fd, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                remove_at(self._fd, path.name)
 
     def drop_sets(self, keep: Path, older_only: bool = False, spare: tuple[Path, ...] = ()) -> None:
         """Remove every set but `keep` and `spare` (`older_only`: those numbered below keep)."""
         number = int(SET_NAME.match(keep.name)[1])
         for n, path in self.sets():
             if path != keep and path not in spare and (n < number or not older_only):
-                _remove_tree(path.name, self._fd, ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    remove_at(self._fd, path.name)
 
     def wipe(self) -> list[Path]:
         """Remove every set and staging leftover (this process holds the lock: no serve uses the
@@ -198,7 +198,7 @@ class SnapshotFolder:
         sets, staging, _ = self.scan()
         gone = [path for _, path in sets] + staging
         for path in gone:
-            _remove_tree(path.name, self._fd)
+            remove_at(self._fd, path.name)
         return gone
 
     def write_set(
@@ -227,12 +227,12 @@ class SnapshotFolder:
         """The set made under the held folder and renamed there; the snapshots' files are
         written through the staging folder's path once it is shown to reach the folder made."""
         name = f".staging-{os.getpid()}-{time.monotonic_ns()}"
-        os.mkdir(name, 0o700, dir_fd=self._fd)
+        os.mkdir(name, PRIVATE_FOLDER, dir_fd=self._fd)
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=self._fd)
+            fd = open_folder_at(self._fd, name)
             try:
                 self._reaches(self.root / name, fd)
-                _write_private(Path(SET_MARK), MARK_TEXT, dir_fd=fd)
+                write_new(SET_MARK, MARK_TEXT, dir_fd=fd)
                 for rank, entry in enumerate(entries):
                     write_snapshot(self.root / name, rank, entry, context, key)
                 os.fsync(fd)
@@ -241,7 +241,8 @@ class SnapshotFolder:
                 os.close(fd)
             os.rename(self.root / name, final)
         except BaseException:  # a full disk, a stop cut short: the previous set stays alone
-            _remove_tree(name, self._fd, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                remove_at(self._fd, name)
             raise
         with contextlib.suppress(OSError):  # the set is in place; only its durability is unsure
             os.fsync(self._fd)
@@ -269,24 +270,6 @@ def _replaced_by(root: Path) -> str:
     return "another folder is there now"
 
 
-def _remove_tree(name: str, dir_fd: int, ignore_errors: bool = False) -> None:
-    """Remove the folder `name` under the folder `dir_fd` and all in it, never through a link
-    (shutil.rmtree's dir_fd is Python 3.11's)."""
-    try:
-        for _, dirs, files, fd in os.fwalk(name, topdown=False, dir_fd=dir_fd):
-            for child in files:
-                os.unlink(child, dir_fd=fd)
-            for child in dirs:  # a link to a folder is listed here, and only unlinked
-                try:
-                    os.rmdir(child, dir_fd=fd)
-                except NotADirectoryError:
-                    os.unlink(child, dir_fd=fd)
-        os.rmdir(name, dir_fd=dir_fd)
-    except OSError:
-        if not ignore_errors:
-            raise
-
-
 def _stray(entry: os.DirEntry, folder: bool) -> str:
     if entry.is_symlink():
         return "is a symbolic link (never followed)"
@@ -302,27 +285,7 @@ def _stray(entry: os.DirEntry, folder: bool) -> str:
 def is_marked(folder: Path, dir_fd: int | None = None) -> bool:
     """The folder (under `dir_fd` if given) holds serve's mark: a regular file of exactly
     MARK_TEXT (never a link)."""
-    try:
-        fd = os.open(folder / SET_MARK, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
-    except OSError:
-        return False
-    try:
-        return stat.S_ISREG(os.fstat(fd).st_mode) and os.read(fd, 256) == MARK_TEXT
-    finally:
-        os.close(fd)
-
-
-def _empty(name: str, dir_fd: int) -> bool:
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
-    except OSError:
-        return False
-    try:
-        return not any(os.scandir(fd))
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
+    return read_at(dir_fd, folder / SET_MARK, 256) == MARK_TEXT
 
 
 def shown(path: Path | str) -> str:
@@ -330,12 +293,6 @@ def shown(path: Path | str) -> str:
     chose) escaped, so that one line stays one line."""
     text = str(path)
     return text if text.isprintable() else repr(text)[1:-1]
-
-
-def _write_private(path: Path, data: bytes, dir_fd: int | None = None) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
-    with os.fdopen(fd, "wb") as out:
-        out.write(data)
 
 
 def _free_name(root: Path, sets: list[tuple[int, Path]], dir_fd: int) -> Path:
@@ -361,7 +318,7 @@ def open_private(root: Path, create: bool) -> int:
     if create and not os.path.lexists(root):
         root.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(FileExistsError):
-            os.mkdir(root, 0o700)
+            os.mkdir(root, PRIVATE_FOLDER)
     try:
         fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK)
     except FileNotFoundError:
@@ -385,17 +342,18 @@ def _unusable(root: Path) -> str:
 
 
 def _check_private(root: Path, st: os.stat_result) -> None:
-    if not stat.S_ISDIR(st.st_mode):
+    why = not_private(st, want_dir=True)
+    if why == "kind":
         raise PipelineError(
             f"--snapshots {root} is not a folder; pass a folder (serve creates a missing one)"
         )
-    if st.st_uid != os.getuid():
+    if why == "owner":
         raise PipelineError(
             f"--snapshots {root} belongs to uid {st.st_uid}, not this user; snapshots hold "
             "client prompts: pass a folder of your own that only you can read (serve creates "
             "a missing one with mode 0700)"
         )
-    if stat.S_IMODE(st.st_mode) & 0o077:
+    if why == "mode":
         raise PipelineError(
             f"--snapshots {root} is open to other users (mode {stat.S_IMODE(st.st_mode):04o}); "
             "snapshots hold client prompts: pass a folder of your own that only you can read "
@@ -406,51 +364,35 @@ def _check_private(root: Path, st: os.stat_result) -> None:
 def lock_folder(root: Path, create: bool, dir_fd: int | None = None) -> int:
     """DIR's lock (in the folder `dir_fd` holds, if given), held until closed (-1: a listing of
     a folder no serve has used)."""
-    import fcntl
-
-    # never blocks on a FIFO someone put there; only a regular file is a lock
-    flags = (os.O_RDWR | os.O_CREAT if create else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK
     if not os.access(root, os.R_OK | os.W_OK | os.X_OK):
         raise PipelineError(_unusable(root))
     try:
-        fd = os.open(
-            LOCK_FILE if dir_fd is not None else root / LOCK_FILE, flags, 0o600, dir_fd=dir_fd
-        )
-    except FileNotFoundError:
-        return -1
-    except OSError as exc:
-        raise PipelineError(
-            f"--snapshots {root}: {LOCK_FILE} cannot be opened ({exc.strerror}); remove it"
-        ) from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
+        fd = lock_at(dir_fd, LOCK_FILE if dir_fd is not None else root / LOCK_FILE, create)
+    except FileProblem:
         raise PipelineError(
             f"--snapshots {root}: {LOCK_FILE} is not a regular file; remove it (serve makes it)"
-        )
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        os.close(fd)
-        if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-            raise
+        ) from None
+    except LockHeld:
         raise PipelineError(
             f"--snapshots {root} is in use by another serve process (it holds "
             f"{root / LOCK_FILE}); give each serve its own snapshot folder"
         ) from None
-    return fd
+    except OSError as exc:
+        raise PipelineError(
+            f"--snapshots {root}: {LOCK_FILE} cannot be opened ({exc.strerror}); remove it"
+        ) from None
+    return -1 if fd is None else fd
 
 
 def adopt_lock(root: Path, fd: int, dir_fd: int) -> int:
     """The lock the spawning serve took on DIR, inherited as `fd`: it must still be DIR/.lock
     (the folder opened here) and held by this open file (taking it again is then a no-op)."""
-    import fcntl
-
     try:
         same = os.path.samestat(
             os.fstat(fd), os.stat(LOCK_FILE, dir_fd=dir_fd, follow_symlinks=False)
         )
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+        take_lock(fd)
+    except (OSError, LockHeld):
         same = False
     if not same:
         raise PipelineError(
@@ -461,28 +403,18 @@ def adopt_lock(root: Path, fd: int, dir_fd: int) -> int:
 
 
 def write_snapshot(parent: Path, rank: int, entry: Entry, context: Context, key: Any) -> Path:
-    """One snapshot folder in the bundle format, signed; its files owner-only."""
-    ids = canonical_json(entry.tokens)
-    snapshot_id = sha256_bytes(
-        canonical_json([context.identity.model, context.identity.template, sha256_bytes(ids)])
-    )
+    """One snapshot folder in the bundle format (the one bundle writer), signed, owner-only."""
+    ids_sha256 = sha256_bytes(canonical_json(entry.tokens))
+    ident = context.identity
+    snapshot_id = sha256_bytes(canonical_json([ident.model, ident.template, ids_sha256]))
     folder = parent / f"{rank:02d}-{snapshot_id[:16]}"
-    folder.mkdir(mode=0o700)
-    metadata = {"model": context.slug, "tokenizer_config": "{}", "token_ids": ids.decode()}
+    folder.mkdir(mode=PRIVATE_FOLDER)
+    metadata = {"model": context.slug, "tokenizer_config": "{}"}
     # a KVCache's buffer runs past its offset: save new handles cut to it (nothing is copied)
-    layout = write_cache(folder / CACHE_FILE, fork_cache(list(entry.cache)), metadata)
-    digests = file_digests(folder / CACHE_FILE)
+    cut = fork_cache(list(entry.cache))
+    digests, layout = write_cache_file(folder, cut, entry.tokens, metadata)
     manifest = snapshot_manifest(rank, entry, context, snapshot_id, digests, layout)
-    data = manifest_bytes(manifest)
-    (folder / MANIFEST_FILE).write_bytes(data)
-    sums = {CACHE_FILE: digests.sha256, MANIFEST_FILE: sha256_bytes(data)}
-    (folder / SUMS_FILE).write_text(sums_text(sums))
-    signature = key.sign(data, trusted_comment(manifest))
-    (folder / SIGNATURE_FILE).write_bytes(signature.file_bytes())
-    for name in (CACHE_FILE, MANIFEST_FILE, SUMS_FILE, SIGNATURE_FILE):
-        os.chmod(folder / name, 0o600)
-        _fsync(folder / name)
-    _fsync(folder)  # its entries too: a power loss after the set's rename keeps them
+    write_bundle_files(folder, manifest, digests, key=key, private=True)
     return folder
 
 
@@ -606,14 +538,6 @@ def load_head(head: Validated, identity: ModelIdentity, public_key: Any) -> Vali
     if full.manifest_sha256 != head.manifest_sha256:
         raise BundleError(str(head.path), "its manifest.json changed while serve read it")
     return full
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 __all__ = [
