@@ -19,10 +19,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from case_ttft import SYSTEM, TEMPLATE_TOKENS
 from common import (
     QUESTION,
     QUESTION2,
+    SYSTEM,
+    TEMPLATE_TOKENS,
     Context,
     ratio,
     run_worker,
@@ -30,6 +31,7 @@ from common import (
     text_with_tokens,
     write_definition,
 )
+from report import cell, table  # noqa: E402
 
 DTYPE = "float32"
 STEP = 512  # prefill chunk of the cold and the bundle request alike (as case 2)
@@ -185,3 +187,60 @@ def run(ctx: Context) -> dict[str, Any]:
         "reps": reps(ctx.quick),
         "rows": rows,
     }
+
+
+ARCH_INTRO = (
+    "One row per architecture of `pipeline.testmodels.arch.CONFIGS` (read at run time): a tiny "
+    "model of that architecture ({dtype}, random weights, the tiny Qwen3 test tokenizer and "
+    "template), one bundle of a prefix longer than any sliding window (builder, fidelity check "
+    "on, {dtype} KV). Fresh processes, the four series interleaved, n = {reps} each, page cache "
+    "warm. *verified mount* = `pipeline.runtime.mount` on a restart (the bundle was mounted once "
+    "after its build: verify-once memo hit), timed after the imports; *unchecked* = mlx_lm "
+    "`load_prompt_cache` + `mx.eval`; *after load* = model loaded → greedy first token of the "
+    "prefix + a ~43-token question (mount + fetch + suffix prefill in chunks of {step}; cold: "
+    "the whole request); *restart* = process spawn → first token. Milliseconds unless marked, "
+    "median (min–max). The KV is at most {kv_mb:.1f} MB, so these are the fixed costs of each "
+    "cache kind's code path (restarts: mostly imports), not bandwidth: a regression there moves "
+    "its row. Repetitions interleave across the rows too."
+)
+
+
+def classes_cell(classes: list[str]) -> str:
+    """Layer cache classes, consecutive repeats collapsed: 'RotatingKVCache ×2, KVCache'."""
+    runs: list[list[Any]] = []
+    for c in classes:
+        if runs and runs[-1][0] == c:
+            runs[-1][1] += 1
+        else:
+            runs.append([c, 1])
+    return ", ".join(c if n == 1 else f"{c} ×{n}" for c, n in runs)
+
+
+def section(r: dict[str, Any]) -> list[str]:
+    lines = ["## 8. Architectures (tiny models, issue 11)", ""]
+    kv_mb = max((x["cache_bytes"] for x in r["rows"] if "cache_bytes" in x), default=0) / 1e6
+    intro = ARCH_INTRO.format(dtype=r["dtype"], reps=r["reps"], step=r["step"], kv_mb=kv_mb)
+    lines += [intro, ""]
+    ms = lambda s: cell({**s, **{k: s[k] * 1e3 for k in ("median", "min", "max")}})  # noqa: E731
+    rows, failed = [], []
+    for x in r["rows"]:
+        if "error" in x:
+            failed.append(x)
+            continue
+        c, b = x["cold"], x["bundle"]
+        hit = "full" if x["full_hit"] else f"**{'/'.join(map(str, x['hit_tokens']))} tokens**"
+        rows.append(
+            [f"`{x['arch']}`", classes_cell(x["classes"]), x["tokens"], f"{x['cache_bytes']:,}"]
+            + [ms(x["verified"]), ms(x["unchecked"]), f"**{x['mount_over_unchecked']:.2f}×**"]
+            + [ms(c["after_load"]), ms(b["after_load"]), f"**{x['speedup_after_load']:.1f}×**"]
+            + [cell(c["restart"]), cell(b["restart"]), f"{x['speedup_restart']:.2f}×"]
+            + [x["verified"]["n"], f"{hit} / {'yes' if x['same_first_token'] else '**no**'}"]
+        )
+    header = ["architecture", "layer caches", "prefix tokens", "KV bytes", "verified mount"]
+    header += ["unchecked load", "mount / unchecked", "cold after load", "bundle after load"]
+    header += ["cold / bundle", "cold restart s", "bundle restart s", "cold / bundle", "n"]
+    lines += table(header + ["bundle hit / same 1st token"], rows)
+    for x in failed:
+        error = " ".join(x["error"].split()).replace("|", "/")
+        lines += [f"- **`{x['arch']}` failed:** `{error}`"]
+    return lines + ([""] if failed else [])

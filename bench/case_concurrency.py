@@ -31,13 +31,11 @@ from case_servers import (  # noqa: E402
     MODEL,
     RAPID_VENV,
     VENV,
-    _port,
-    _ready,
     demo_bundles,
     request_body,
     serve,
 )
-from common import REPO, Context, clean_env, ratio, standalone, stat  # noqa: E402
+from common import REPO, Context, clean_env, free_port, ratio, standalone, stat, wait_ready  # noqa: E402
 
 CLIENTS = 8
 # two bursts of CLIENTS distinct questions: the first right after startup, the second once warm
@@ -97,7 +95,7 @@ def burst(port: int, questions: list[str]) -> dict[str, Any]:
 def bursts(ctx: Context, label: str, args: list[str], env: dict[str, str]) -> dict[str, Any]:
     """A fresh server (fresh HOME: no disk cache of its own from an earlier run), the first burst
     right after it is ready, then the warm burst; stopped by its pid."""
-    port = _port()
+    port = free_port()
     home = ctx.work / "home"
     shutil.rmtree(home, ignore_errors=True)
     home.mkdir(parents=True)
@@ -111,7 +109,7 @@ def bursts(ctx: Context, label: str, args: list[str], env: dict[str, str]) -> di
             cwd=REPO,
         )
         try:
-            _ready(port, proc)
+            wait_ready(port, proc)
             first = burst(port, QUESTIONS[:CLIENTS])
             warm = burst(port, QUESTIONS[CLIENTS : 2 * CLIENTS])
         finally:

@@ -19,14 +19,23 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH), str(BENCH.parent)]
 
-from common import REPO, Context, clean_env, post_json, ratio, standalone, stat  # noqa: E402
+from common import (  # noqa: E402
+    REPO,
+    Context,
+    clean_env,
+    free_port,
+    post_json,
+    ratio,
+    standalone,
+    stat,
+    wait_ready,
+)
 
 MODEL = REPO / "models" / "demo-tiny"
 VENV = Path(os.environ.get("PREFIX_BUNDLES_SERVERS_VENV", REPO / ".venv-servers"))
@@ -85,27 +94,6 @@ def _post(port: int, kind: str) -> tuple[float, str | None, int | None]:
     return seconds, answer["choices"][0]["message"].get("content"), cached
 
 
-def _port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _ready(port: int, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise RuntimeError("server not ready")
-
-
 def first_request(
     args: list[str], port: int, log: Path, env: dict[str, str], kinds: tuple[str, ...]
 ) -> dict[str, Any]:
@@ -117,7 +105,7 @@ def first_request(
     with open(log, "w") as out:
         proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO)
         try:
-            _ready(port, proc)
+            wait_ready(port, proc)
             ready = time.perf_counter() - start
             first, answer, cached = _post(port, "full")
             hit = _post(port, "next")[0]
@@ -141,7 +129,7 @@ def measure(
     for label, (cmd, env, n) in runs.items():
         got = []
         for i in range(n):
-            port = _port()
+            port = free_port()
             log = ctx.work / f"{server}-{len(rows)}-{i}.log"
             args = [*cmd, "--port", str(port)]
             # a fresh HOME per run: vllm-mlx and rapid-mlx load their own on-disk prefix caches

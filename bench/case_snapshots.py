@@ -3,8 +3,10 @@ in this venv) holds N conversations of a few thousand tokens that no bundle cove
 (SIGTERM) saves them as N snapshots; then the time to the first answer of the next turn of one
 conversation after a restart with the snapshots, vs the same server restarted without them (cold:
 it prefills the whole history), vs the in-memory hit (the next question on the same history, in
-the same process, right after). Also the save and restore times serve logs, startup (spawn to
-/health) and the cached tokens the usage reports; the same answer with and without snapshots.
+the same process, right after). Also the stop (SIGTERM to exit, the save included), startup
+(spawn to /health; the restore is the difference with and without), the saved set as `inspect
+--json` reads it, and the cached tokens the usage reports; the same answer with and without
+snapshots. Every figure is structured (HTTP usage, the CLI's JSON, the clock): no log is parsed.
 
 The float32 bench model (`--quick`: the 4-layer one), OpenBLAS as serve loads it. Standalone:
 `python bench/case_snapshots.py [--quick]` prints the markdown section.
@@ -12,8 +14,8 @@ The float32 bench model (`--quick`: the 4-layer one), OpenBLAS as serve loads it
 
 from __future__ import annotations
 
+import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -27,7 +29,6 @@ sys.path[:0] = [str(BENCH), str(BENCH.parent)]
 if __name__ == "__main__" and "--quick" in sys.argv[1:]:  # as bench/run.py: the small model
     os.environ.setdefault("PREFIX_BUNDLES_BENCH_SIZE", "small")
 
-from case_servers import _port, _ready  # noqa: E402
 from common import (  # noqa: E402
     MODEL_F32,
     QUESTION,
@@ -36,21 +37,16 @@ from common import (  # noqa: E402
     Context,
     clean_env,
     ensure_models,
+    free_port,
     post_json,
     ratio,
     standalone,
     stat,
     text_with_tokens,
+    wait_ready,
 )
 
 NEXT = "Which of the notes above is the newest, and who wrote it? Answer in one line."
-SAVED = re.compile(
-    r"snapshots: saved (\d+) entr\w+ \((\d+) tokens, ([0-9.]+) MiB;.* in ([0-9.]+) ms"
-)
-RESTORED = re.compile(
-    r"snapshots: restored (\d+) of (\d+) .*\((\d+) tokens, ([0-9.]+) MiB\), (\d+) refused, "
-    r"in ([0-9.]+) ms"
-)
 
 
 def settings(quick: bool) -> dict[str, int]:
@@ -85,7 +81,7 @@ class Server:
     def __init__(self, ctx: Context, model: Path, log: Path, snapshots: Path | None) -> None:
         empty = ctx.work / "snapshots-no-bundles"
         empty.mkdir(exist_ok=True)
-        self.port, self.log = _port(), log
+        self.port, self.log = free_port(), log
         cmd = [sys.executable, str(REPO / "build.py"), "--bundles", str(empty), "serve"]
         cmd += ["--model", str(model), "--port", str(self.port)]
         cmd += [] if snapshots is None else ["--snapshots", str(snapshots)]
@@ -94,18 +90,43 @@ class Server:
         start = time.perf_counter()
         self.out = open(log, "w")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT, env=env)
-        _ready(self.port, self.proc)
+        wait_ready(self.port, self.proc)
         self.startup_s = time.perf_counter() - start
 
-    def stop(self) -> str:
+    def stop(self) -> float:
         """SIGTERM (a graceful stop: --snapshots saves; without it, SIGTERM's default ends the
-        process), wait; the server's log."""
+        process), wait; the seconds from the signal to the exit."""
+        start = time.perf_counter()
         self.proc.send_signal(signal.SIGTERM)
         code = self.proc.wait(timeout=600)
+        seconds = time.perf_counter() - start
         self.out.close()
         if code not in (0, -signal.SIGTERM):
             raise RuntimeError(f"serve exited {code}: {self.log.read_text()[-2000:]}")
-        return self.log.read_text()
+        return seconds
+
+
+def saved_set(folder: Path) -> dict[str, Any]:
+    """The snapshots a stop saved, as `inspect --json` reads each (its JSON contract, not a log
+    line): how many, their tokens and bytes."""
+    found = sorted({p.parent for p in folder.rglob("manifest.json")})
+    if not found:
+        raise RuntimeError(f"the stop saved no snapshot in {folder}")
+    reports = []
+    for snapshot in found:
+        cmd = [sys.executable, str(REPO / "build.py"), "inspect", str(snapshot), "--json"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=clean_env(), timeout=300)
+        reports.append(json.loads(proc.stdout) if proc.stdout.strip() else {})
+        if reports[-1].get("kind") != "snapshot":
+            raise RuntimeError(
+                f"inspect --json {snapshot}: {proc.stdout[-300:]}{proc.stderr[-300:]}"
+            )
+    files = sum(sum(r["files"].values()) for r in reports)
+    return {
+        "saved": len(reports),
+        "saved_tokens": sum(r["tokens"]["count"] for r in reports),
+        "saved_mib": files / 2**20,
+    }
 
 
 def repetition(ctx: Context, model: Path, notes: list[str], rep: int) -> dict[str, Any]:
@@ -116,29 +137,20 @@ def repetition(ctx: Context, model: Path, notes: list[str], rep: int) -> dict[st
     shutil.rmtree(snaps, ignore_errors=True)
     server = Server(ctx, model, ctx.work / f"snapshots-{rep}-fill.log", snaps)
     answers = [ask(server.port, messages(text, None, QUESTION))[1] for text in notes]
-    saved = SAVED.search(server.stop())
-    if saved is None:
-        raise RuntimeError(f"no 'snapshots: saved' line in {server.log}")
-    row: dict[str, Any] = {
-        "saved": int(saved[1]), "saved_tokens": int(saved[2]), "saved_mib": float(saved[3]),
-        "save_ms": float(saved[4]),
-    }  # fmt: skip
+    row: dict[str, Any] = {"stop_s": server.stop(), **saved_set(snaps)}
     for label in ("with", "without") if rep % 2 == 0 else ("without", "with"):
         log = ctx.work / f"snapshots-{rep}-{label}.log"
         server = Server(ctx, model, log, snaps if label == "with" else None)
         first = ask(server.port, messages(notes[0], answers[0], QUESTION2))
         hit = ask(server.port, messages(notes[0], answers[0], NEXT))
-        text = server.stop()
+        server.stop()
         row[label] = {
             "startup_s": server.startup_s, "first_s": first[0], "hit_s": hit[0],
             "answer": first[1], "prompt": first[2], "cached": first[3], "hit_cached": hit[3],
         }  # fmt: skip
-        if label == "with":
-            restored = RESTORED.search(text)
-            if restored is None:
-                raise RuntimeError(f"no 'snapshots: restored' line in {log}")
-            row["restored"], row["refused"] = int(restored[1]), int(restored[5])
-            row["restored_mib"], row["restore_ms"] = float(restored[4]), float(restored[6])
+    if row["with"]["cached"] == 0:  # the restart reused nothing: the snapshots did not serve
+        raise RuntimeError(f"the restart with {snaps} reported 0 cached tokens")
+    row["restore_s"] = row["with"]["startup_s"] - row["without"]["startup_s"]
     return row
 
 
@@ -154,13 +166,13 @@ def run(ctx: Context) -> dict[str, Any]:
         ctx.note(
             f"snapshots: rep {rep}: first answer after restart {w['first_s']:.3f} s with "
             f"{rows[-1]['saved']} snapshots, {c['first_s']:.3f} s without, hit {w['hit_s']:.3f} s; "
-            f"save {rows[-1]['save_ms']:.0f} ms, restore {rows[-1]['restore_ms']:.0f} ms"
+            f"stop {rows[-1]['stop_s']:.2f} s, startup +{rows[-1]['restore_s']:.2f} s"
         )
     summary = {
         "model": model.name, **s, "rows": rows,
         "prompt": rows[0]["with"]["prompt"],
-        "save_ms": stat([r["save_ms"] for r in rows]).as_dict(),
-        "restore_ms": stat([r["restore_ms"] for r in rows]).as_dict(),
+        "stop_s": stat([r["stop_s"] for r in rows]).as_dict(),
+        "restore_s": stat([r["restore_s"] for r in rows]).as_dict(),
         "saved_mib": stat([r["saved_mib"] for r in rows]).as_dict(),
         "same_answer": all(r["with"]["answer"] == r["without"]["answer"] for r in rows),
     }  # fmt: skip
@@ -203,8 +215,9 @@ def section(result: dict[str, Any]) -> list[str]:
         "",
         f"- first answer after a restart: **{ratio(c, w):.1f}x faster** with the snapshots than "
         f"without; same answer: {result['same_answer']}",
-        f"- serve's logs: save at the stop {cell('save_ms', '{:.0f}')} ms, restore at the start "
-        f"{cell('restore_ms', '{:.0f}')} ms (validated, host signature checked, loaded)",
+        f"- the stop (SIGTERM to exit, the save included) {cell('stop_s', '{:.2f}')} s; the "
+        f"restore (startup with the snapshots minus without) {cell('restore_s', '{:.2f}')} s "
+        "(validated, host signature checked, loaded)",
         "",
     ]
 

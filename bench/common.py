@@ -25,6 +25,9 @@ QUESTION = (
     "Using the notes above, which three items matter most today, and why? Answer in one line."
 )
 QUESTION2 = "Which of the notes above is the oldest, and who wrote it? Answer in one line."
+# the notes prompt of the restart and architecture cases
+SYSTEM = "You are the assistant of a field team. Answer from these notes only.\nNotes:\n"
+TEMPLATE_TOKENS = 16  # tokens the template and SYSTEM add around the notes (measured: ~14)
 HUGE_PAGES = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}  # what `serve --huge-pages on` sets
 RESULT_TAG = "BENCH-RESULT "
 
@@ -245,3 +248,33 @@ def post_json(port: int, route: str, body: dict[str, Any]) -> tuple[float, dict[
     with urllib.request.urlopen(req, timeout=1800) as resp:
         answer = json.loads(resp.read())
     return time.perf_counter() - t, answer
+
+
+def target_row(target: str, measured: str, met: bool) -> dict[str, Any]:
+    """One row of RESULTS.md's targets table."""
+    return {"target": target, "measured": measured, "met": met}
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(port: int, proc: Any, timeout: float = 300) -> None:
+    """Until the server's /health answers; RuntimeError if it exits or never answers."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError("server not ready")

@@ -19,56 +19,15 @@ sys.path[:0] = [str(BENCH), str(BENCH.parent)]
 if "--quick" in sys.argv[1:]:  # before the cases import common: the small model (common.MODEL_SIZE)
     os.environ.setdefault("PREFIX_BUNDLES_BENCH_SIZE", "small")
 
-import case_arch  # noqa: E402
-import case_build  # noqa: E402
-import case_concurrency  # noqa: E402
-import case_eta  # noqa: E402
-import case_incremental  # noqa: E402
-import case_mount  # noqa: E402
-import case_oci  # noqa: E402
-import case_servers  # noqa: E402
-import case_sizes  # noqa: E402
-import case_snapshots  # noqa: E402
-import case_ttft  # noqa: E402
 import chart  # noqa: E402
 import report  # noqa: E402
-import summary  # noqa: E402
+from cases import REGISTRY, SELECTABLE, chosen  # noqa: E402
 from common import BENCH as BENCH_DIR  # noqa: E402
-from common import HUGE_PAGES, MODEL_F32, Context, ensure_models, run_worker, stat  # noqa: E402
+from common import Context, ensure_models, run_worker, stat  # noqa: E402
 
 from pipeline.blas import blas_status, ensure_fast_blas  # noqa: E402
 
-CASES = (
-    "build", "ttft", "mount", "sizes", "incremental", "oci", "eta", "handout", "arch", "servers",
-    "concurrency", "snapshots",
-)  # fmt: skip
-STEPS = (
-    "setup",
-    "calibration",
-    "build",
-    "ttft_bundles",
-    "ttft",
-    "mount",
-    "sizes",
-    "incremental",
-    "oci",
-    "eta",
-    "handout",
-    "arch",
-    "servers",
-    "concurrency",
-    "snapshots",
-)
-BENCH_MODEL_CASES = {
-    "build",
-    "ttft",
-    "mount",
-    "sizes",
-    "incremental",
-    "oci",
-    "eta",
-    "snapshots",
-}  # the ones that need models/bench-*
+CASES = SELECTABLE  # bench/cases.py: the one registry
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -114,25 +73,6 @@ def timed(ctx: Context, name: str, results: dict[str, Any], fn: Callable[[], Any
     return results.get(name)
 
 
-def handout(quick: bool) -> dict[str, Any] | None:
-    """bench/bench_handout.py, another engineer's hand-out benchmark, in its own process (hook)."""
-    if not (BENCH_DIR / "bench_handout.py").is_file():
-        return None
-    r = run_worker("handout", {"quick": quick})
-    # serve --huge-pages on; --quick leaves this rerun out (the report then omits its table)
-    huge = None if quick else run_worker("handout", {"quick": quick}, **HUGE_PAGES)
-    frozen = run_worker(
-        "frozen_base", {"model": str(MODEL_F32), "tokens": 2048 if quick else 16384}
-    )
-    return {
-        "result": r["result"],
-        "markdown": r["markdown"],
-        "seconds": r["process_seconds"],
-        "hugepages": huge and {"result": huge["result"], "markdown": huge["markdown"]},
-        "frozen_base": {"result": frozen["result"], "markdown": frozen["markdown"]},
-    }
-
-
 def prime(ctx: Context) -> dict[str, Path]:
     """Models present and their weight hashes memoised (a server's steady state; stat-only after)."""
     from pipeline.format.fingerprint import model_identity
@@ -152,46 +92,29 @@ def calibrate(ctx: Context) -> dict[str, Any]:
 
 
 def run_all(ctx: Context, cases: set[str]) -> dict[str, Any]:
-    """Every selected case, in an order that lets later cases reuse earlier bundles."""
+    """Every selected case (and what it needs), in the registry's order."""
     results: dict[str, Any] = {"quick": ctx.quick, "cases": sorted(cases)}
-    openblas = blas_status().library  # the OpenBLAS that workers load
-    results["openblas"] = openblas
-    if cases & BENCH_MODEL_CASES:  # 3.6 GB generated on first use: not for arch/handout alone
+    results["openblas"] = blas_status().library  # the OpenBLAS that workers load
+    steps = chosen(cases)
+    if any(case.bench_model for case in steps):  # 3.6 GB generated on first use
         timed(ctx, "setup", results, lambda: prime(ctx))
     timed(ctx, "calibration", results, lambda: calibrate(ctx))
-    if "build" in cases:
-        timed(ctx, "build", results, lambda: case_build.run(ctx, openblas))
-    bundles: list[dict[str, Any]] = []
-    if cases & {"ttft", "mount"}:
-        bundles = timed(ctx, "ttft_bundles", results, lambda: case_ttft.build_bundles(ctx)) or []
-    if "ttft" in cases and bundles:
-        timed(ctx, "ttft", results, lambda: case_ttft.run(ctx, bundles))
-    if "mount" in cases and bundles:
-        timed(ctx, "mount", results, lambda: case_mount.run(ctx, bundles[-1]))
-    if "sizes" in cases:
-        timed(ctx, "sizes", results, lambda: case_sizes.run(ctx))
-    if "incremental" in cases:
-        timed(ctx, "incremental", results, lambda: case_incremental.run(ctx))
-    if "oci" in cases:  # needs /usr/bin/docker-registry and curl
-        timed(ctx, "oci", results, lambda: case_oci.run(ctx))
-    if "eta" in cases:
-        timed(ctx, "eta", results, lambda: case_eta.run(ctx))
-    results["memory"] = summary.memory(bundles, results.get("sizes"), results.get("mount"))
-    if "handout" in cases:
-        timed(ctx, "handout", results, lambda: handout(ctx.quick))
-    if "arch" in cases:
-        timed(ctx, "arch", results, lambda: case_arch.run(ctx))
-        for row in (results.get("arch") or {}).get("rows", []):
-            if "error" in row:  # a broken architecture fails the run, as a failed case does
-                results.setdefault("errors", {})[f"arch {row['arch']}"] = row["error"]
-    if "servers" in cases:  # needs the server venv (tests/envs/make_servers_env.sh)
-        timed(ctx, "servers", results, lambda: case_servers.run(ctx))
-    if "concurrency" in cases:  # the batched engines, in the server venvs
-        timed(ctx, "concurrency", results, lambda: case_concurrency.run(ctx))
-    if "snapshots" in cases:  # mlx_lm.server in this venv, restarted with and without snapshots
-        timed(ctx, "snapshots", results, lambda: case_snapshots.run(ctx))
-    results["targets"] = summary.targets(results, ctx.quick)
+    for case in steps:
+        if all(results.get(need) for need in case.needs):  # a need that failed: said once
+            timed(ctx, case.name, results, lambda case=case: case.run(ctx, results))
+        for part, error in case.failures(results.get(case.name)).items():
+            results.setdefault("errors", {})[part] = error
+    results["targets"] = targets(results)
     return results
+
+
+def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every case's rows of the targets table, from its result."""
+    rows: list[dict[str, Any]] = []
+    for case in REGISTRY:
+        if case.targets is not None and results.get(case.name):
+            rows += case.targets(results[case.name])
+    return rows
 
 
 def markdown(results: dict[str, Any], total: float) -> str:
@@ -228,38 +151,14 @@ def markdown(results: dict[str, Any], total: float) -> str:
             "that would fix it): `bench/README.md`, section *Findings*.",
             "",
         ]
-    sections = [
-        ("build", lambda r: report.build_section(r)),
-        ("ttft", lambda r: report.ttft_section(r, results.get("ttft_bundles") or [])),
-        ("mount", report.mount_section),
-        ("sizes", report.sizes_section),
-    ]
-    for key, render in sections:
-        if results.get(key):
-            lines += render(results[key])
-    if results["memory"]["rows"]:
-        lines += report.memory_section(results["memory"])
-    if results.get("incremental"):
-        lines += case_incremental.section(results["incremental"])
-    if results.get("oci"):
-        lines += case_oci.section(results["oci"])
-    if results.get("eta"):
-        lines += case_eta.section(results["eta"])
-
-    if "handout" in results.get("cases", []):
-        lines += report.handout_section(results.get("handout"))
-    if results.get("arch"):
-        lines += report.arch_section(results["arch"])
-    if results.get("servers"):
-        lines += case_servers.section(results["servers"])
-    if results.get("concurrency"):
-        lines += case_concurrency.section(results["concurrency"])
-    if results.get("snapshots"):
-        lines += case_snapshots.section(results["snapshots"])
+    for case in REGISTRY:
+        said_absent = case.name == "handout" and "handout" in results["cases"]  # hook missing
+        if case.section is not None and (results.get(case.name) or said_absent):
+            lines += case.section(results.get(case.name), results)
     for name, err in results.get("errors", {}).items():
         lines += [f"**Case {name} failed:** `{err}`", ""]
     spent = results.get("durations", {})
-    durations = ", ".join(f"{k} {spent[k]:.0f}s" for k in STEPS if k in spent)
+    durations = ", ".join(f"{k} {v:.0f}s" for k, v in spent.items())
     lines += [f"Case durations: {durations}.", ""]
     return "\n".join(lines)
 
@@ -297,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
 def render(results: dict[str, Any], out: Path) -> int:
     """RESULTS.md and ttft.png from a results dict (as stored in results.json)."""
     out.mkdir(parents=True, exist_ok=True)
-    results["targets"] = summary.targets(results, results["quick"])  # the current definitions
+    results["targets"] = targets(results)  # the current definitions
     (out / "RESULTS.md").write_text(markdown(results, results["total_seconds"]))
     if results.get("ttft"):
         chart.draw(results["ttft"], out / "ttft.png", results["quick"])

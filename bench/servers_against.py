@@ -26,8 +26,8 @@ from statistics import median
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH), str(BENCH.parent)]
 
-from case_servers import MODEL, PREFIX, RAPID_VENV, VENV, _port, first_request  # noqa: E402
-from common import REPO, clean_env  # noqa: E402
+from case_servers import MODEL, PREFIX, RAPID_VENV, VENV, first_request  # noqa: E402
+from common import REPO, clean_env, free_port  # noqa: E402
 
 SERVERS = ("mlx_lm.server", "vllm-mlx", "vllm-mlx-batched", "rapid-mlx", "mlx-omni-server",
            "mlx-openai-server")  # fmt: skip
@@ -91,7 +91,7 @@ def main() -> int:
             for server in args.servers.split(","):
                 order = list(trees) if round_ % 2 == 0 else list(reversed(trees))
                 for label in order:
-                    port = _port()
+                    port = free_port()
                     home = work / "home"
                     shutil.rmtree(home, ignore_errors=True)
                     home.mkdir()
