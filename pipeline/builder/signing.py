@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import secrets
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,9 +31,11 @@ from pipeline.format.bundle_signature import (
     read_signature,
     trusted_comment,
 )
+from pipeline.format.bundle_writer import PUBLIC_FILE
 from pipeline.format.errors import BuildError, BundleError
 from pipeline.format.fingerprint import sha256_bytes
 from pipeline.format.manifest import Manifest
+from pipeline.format.safe_tree import put_in_place, stage_beside
 from pipeline.format.secret_key import SecretKey
 from pipeline.format.signature import PublicKey, Signature
 from pipeline.format.validate import recorded_identity, validate
@@ -184,15 +185,14 @@ def write_signature(bundle: Path, signature: Signature) -> None:
     The temporary file is outside the folder, so a server mounting meanwhile never sees a file
     that is not part of a bundle; an existing signature (another key, rotation) is replaced.
     """
-    tmp = bundle.parent / f".{bundle.name}.{SIGNATURE_FILE}.{os.getpid()}-{secrets.token_hex(4)}"
+    tmp = None
     try:
-        with open(tmp, "xb") as fh:
-            fh.write(signature.file_bytes())
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, bundle / SIGNATURE_FILE)
+        beside = bundle.parent / f".{bundle.name}.{SIGNATURE_FILE}"
+        tmp = stage_beside(beside, signature.file_bytes(), PUBLIC_FILE)
+        put_in_place(tmp, bundle / SIGNATURE_FILE, replace=True)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
         fix = WRITE_FIXES.get(exc.errno, "make the bundle's folder writable")
         raise BuildError(f"cannot write {bundle / SIGNATURE_FILE}: {exc.strerror}; {fix}") from None
 

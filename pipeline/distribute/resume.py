@@ -10,13 +10,14 @@ file is checked by digest before it is trusted (oci_pull).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 from pathlib import Path
 
 from pipeline.format.bundle_folder import STAGING_DIR
 from pipeline.format.errors import PipelineError
-from pipeline.format.safe_tree import folder_fd, remove_at, rename
+from pipeline.format.safe_tree import folder_fd, remove_entry_at, rename
 
 RESUME_DIR = "resume"
 _PART_FLAGS = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -70,11 +71,7 @@ class Resume:
         """Remove the resume folder (a link there is unlinked, never followed)."""
         try:
             with folder_fd(self.root, (STAGING_DIR,)) as staging:
-                mode = os.stat(RESUME_DIR, dir_fd=staging, follow_symlinks=False).st_mode
-                if stat.S_ISDIR(mode):
-                    remove_at(staging, RESUME_DIR)
-                else:
-                    os.unlink(RESUME_DIR, dir_fd=staging)
+                remove_entry_at(staging, RESUME_DIR)
         except (OSError, PipelineError):
             pass
 
@@ -100,11 +97,5 @@ def _open_part(folder: int, name: str, size: int) -> int | None:
 
 
 def _unlink(folder: int, name: str) -> None:
-    try:
-        mode = os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode
-        if stat.S_ISDIR(mode):
-            remove_at(folder, name)
-        else:
-            os.unlink(name, dir_fd=folder)
-    except OSError:
-        pass
+    with contextlib.suppress(OSError):
+        remove_entry_at(folder, name)

@@ -117,6 +117,15 @@ def remove_at(parent_fd: int, name: str) -> None:
     walk_at(parent_fd, name, lambda fd, entry: os.unlink(entry.name, dir_fd=fd), os.rmdir)
 
 
+def remove_entry_at(parent_fd: int, name: str) -> None:
+    """Delete whatever `name` is in the folder open as parent_fd: a folder with all in it, or
+    anything else (a link is unlinked, never followed)."""
+    if stat.S_ISDIR(os.stat(name, dir_fd=parent_fd, follow_symlinks=False).st_mode):
+        remove_at(parent_fd, name)
+    else:
+        os.unlink(name, dir_fd=parent_fd)
+
+
 def tree_bytes(root: Path, path: Path) -> int:
     """Bytes of the regular files in the folder at path under root (no link followed)."""
     parts = inside(root, path)
@@ -283,6 +292,9 @@ def stage_beside(path: Path, data: bytes, mode: int = PRIVATE_FILE, sync: bool =
             return tmp
         except FileExistsError:
             continue
+        except BaseException:  # a full disk: no half-written file is left behind
+            tmp.unlink(missing_ok=True)
+            raise
 
 
 def put_in_place(tmp: Path, path: Path, replace: bool) -> None:
