@@ -20,7 +20,7 @@ from pipeline.builder.versioning import check_locked, locked_entry
 from pipeline.builder.writer import clean_staging
 from pipeline.format.bundle_folder import model_folder
 from pipeline.format.errors import PipelineError
-from pipeline.format.fingerprint import model_fingerprint
+from pipeline.format.fingerprint import check_model_folder, model_fingerprint
 from pipeline.format.lockfile import (
     LockError,
     Lockfile,
@@ -105,9 +105,10 @@ class BuildFailures(PipelineError):
 
     def __init__(self, failures: list[tuple[str, Exception]], total: int) -> None:
         names = ", ".join(name for name, _ in failures)
+        others = "the others were built: " if len(failures) < total else ""
         super().__init__(
             f"{len(failures)} of {total} definition{'s' if total != 1 else ''} failed ({names}); "
-            "the others were built: fix the errors above and build again"
+            f"{others}fix the errors above and build again"
         )
         self.failures = failures
 
@@ -129,6 +130,8 @@ def build_all(
     prefixes.lock is updated after each definition (that entry only, merged under its file
     lock), so a later failure keeps what was built and a build beside this one keeps its entries.
     """
+    if plan.model is not None:  # one --model for all: a bad one is one error, not one per target
+        check_model_folder(Path(plan.model))
     refs = shard_refs(list(definitions), plan.model, plan.shard)
     read_lock(lock_path(plan.prefixes))  # a malformed lockfile stops the build before any prefill
     clean_staging(plan.bundles)

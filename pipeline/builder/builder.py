@@ -103,7 +103,7 @@ class BuildResult:
             return None
         return (
             f"{self.bundle}: the prefix is {tokens} tokens, below the measured crossover of "
-            f"{CROSSOVER_TOKENS} tokens (bench/RESULTS.md) under which mounting a bundle can cost "
+            f"{CROSSOVER_TOKENS} tokens (the project's restart benchmark) under which mounting a bundle can cost "
             "more than prefilling it; consider a longer prefix or no bundle"
         )
 

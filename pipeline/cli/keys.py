@@ -39,11 +39,17 @@ def trusted_keys(args: argparse.Namespace) -> tuple:
     return read_trusted_keys(getattr(args, "trusted_key", None) or [])
 
 
-def password(prompt: str = "Password: ") -> str:
-    """The secret key's password: PREFIX_BUNDLES_KEY_PASSWORD, else asked on the terminal."""
+def password(prompt: str = "Password: ", new: bool = False) -> str:
+    """The secret key's password: PREFIX_BUNDLES_KEY_PASSWORD, else asked on the terminal (`new`:
+    for a key being made, which may also be made without one)."""
     if PASSWORD_ENV in os.environ:
         return os.environ[PASSWORD_ENV]
     if not sys.stdin.isatty():
+        if new:
+            raise PipelineError(
+                f"no terminal can ask for the new key's password; set {PASSWORD_ENV}, or pass "
+                "--unencrypted for a key without one (nothing was written)"
+            )
         raise PipelineError(
             f"the secret key is encrypted and no terminal can ask for its password; set {PASSWORD_ENV}"
         )
