@@ -478,7 +478,7 @@ def test_not_enough_space_is_refused_before_prefill(project: Path, monkeypatch):
     assert str(exc.value).startswith(
         f"cannot write {project / 'bundles'}: No space left on device (needs about "
     )
-    assert str(exc.value).endswith(" MB, 0 MB free); free some space or pass --bundles")
+    assert str(exc.value).endswith(" MiB, 0 MiB free); free some space or pass --bundles")
     assert calls == []  # the prefill never started
     assert snapshot(project / "bundles") == {}
     assert [p.name for p in staging_root(project / "bundles").iterdir()] == ["locks"]
@@ -505,7 +505,7 @@ def test_a_cache_write_cut_short_is_one_line_and_keeps_the_old_bundle(project: P
         f"cannot write {bundle}: the disk is full or the file size limit was hit (needs about "
     )
     tail = (
-        " MB); nothing was published, any earlier bundle there is kept; free space there, raise "
+        " MiB); nothing was published, any earlier bundle there is kept; free space there, raise "
         "the file size limit (ulimit -f) or pass --bundles DIR on another disk"
     )
     assert rc == 1 and "Traceback" not in err, err

@@ -287,7 +287,7 @@ def test_a_listing_changes_nothing(tmp_path: Path, capsys):
     folder = tmp_path / "snaps"
     folder.mkdir(mode=0o700)
     assert main(["prune", "--snapshots", str(folder)]) == 0
-    assert capsys.readouterr().out == "0 snapshot sets, 0.0 MB; pass --apply to delete\n"
+    assert capsys.readouterr().out == "0 snapshot sets, 0.0 MiB; pass --apply to delete\n"
     assert names(folder) == []
 
 

@@ -554,7 +554,7 @@ def _write(
         if why is None:
             raise
         raise BuildError(
-            f"cannot write {job.dest}: {why} (needs about {needed / 1e6:,.0f} MB); nothing was "
+            f"cannot write {job.dest}: {why} (needs about {needed / 2**20:,.0f} MiB); nothing was "
             "published, any earlier bundle there is kept; free space there, raise the file size "
             "limit (ulimit -f) or pass --bundles DIR on another disk"
         ) from None
@@ -575,7 +575,7 @@ def check_room(bundles_root: Path, needed: int) -> None:
     if free < needed * 1.05 + (1 << 20):
         raise BuildError(
             f"cannot write {bundles_root}: No space left on device (needs about "
-            f"{needed / 1e6:,.0f} MB, {free / 1e6:,.0f} MB free); free some space or pass --bundles"
+            f"{needed / 2**20:,.0f} MiB, {free / 2**20:,.0f} MiB free); free some space or pass --bundles"
         )
 
 

@@ -92,10 +92,10 @@ def _snapshots(args: argparse.Namespace) -> int:
         if not args.apply:
             for path in sets:
                 say(f"would delete {path}")
-            say(f"{plural(len(sets), 'snapshot set')}, {_mb(size)}; pass --apply to delete")
+            say(f"{plural(len(sets), 'snapshot set')}, {_mib(size)}; pass --apply to delete")
             return 0
         gone = folder.wipe()
-        say(f"deleted {plural(len(gone), 'folder')} under {args.snapshots}, {_mb(size)}")
+        say(f"deleted {plural(len(gone), 'folder')} under {args.snapshots}, {_mib(size)}")
         return 0
     finally:
         folder.close()
@@ -140,19 +140,19 @@ def _totals(folders: list[PrunedFolder]) -> PruneTotals:
 def _print(report: PruneReport) -> None:
     labels = {"would-delete": "would delete", "deleted": "deleted", "failed": "FAILED"}
     for f in report.delete:
-        say(f"{labels[f.status]:<13} {_mb(f.bytes):>10}  {f.path}  ({f.reason})")
+        say(f"{labels[f.status]:<13} {_mib(f.bytes):>10}  {f.path}  ({f.reason})")
     for k in report.kept:
         say(f"{'kept':<13} {'':>10}  {k.path}  ({k.reason})")
     t = report.totals
     if not report.applied:
         more = "; run with --apply to delete them" if t.folders else ""
-        say(f"{plural(t.folders, 'folder')}, {_mb(t.bytes)} to reclaim{more}")
+        say(f"{plural(t.folders, 'folder')}, {_mib(t.bytes)} to reclaim{more}")
     else:
         say(
-            f"{plural(t.deleted, 'folder')} deleted, {_mb(t.deleted_bytes)} reclaimed, "
+            f"{plural(t.deleted, 'folder')} deleted, {_mib(t.deleted_bytes)} reclaimed, "
             f"{t.failed} failed"
         )
 
 
-def _mb(n: int) -> str:
-    return f"{n / 1e6:,.1f} MB"
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"  # as list, serve and build say sizes
