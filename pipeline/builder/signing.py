@@ -31,11 +31,10 @@ from pipeline.format.bundle_signature import (
     read_signature,
     trusted_comment,
 )
-from pipeline.format.bundle_writer import PUBLIC_FILE
 from pipeline.format.errors import BuildError, BundleError
 from pipeline.format.fingerprint import sha256_bytes
 from pipeline.format.manifest import Manifest
-from pipeline.format.safe_tree import put_in_place, stage_beside
+from pipeline.format.safe_files import PUBLIC_FILE, publish_file
 from pipeline.format.secret_key import SecretKey
 from pipeline.format.signature import PublicKey, Signature
 from pipeline.format.validate import recorded_identity, validate
@@ -185,14 +184,10 @@ def write_signature(bundle: Path, signature: Signature) -> None:
     The temporary file is outside the folder, so a server mounting meanwhile never sees a file
     that is not part of a bundle; an existing signature (another key, rotation) is replaced.
     """
-    tmp = None
+    beside = bundle.parent / f".{bundle.name}.{SIGNATURE_FILE}"
     try:
-        beside = bundle.parent / f".{bundle.name}.{SIGNATURE_FILE}"
-        tmp = stage_beside(beside, signature.file_bytes(), PUBLIC_FILE)
-        put_in_place(tmp, bundle / SIGNATURE_FILE, replace=True)
+        publish_file(bundle / SIGNATURE_FILE, signature.file_bytes(), PUBLIC_FILE, stage_as=beside)
     except OSError as exc:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
         fix = WRITE_FIXES.get(exc.errno, "make the bundle's folder writable")
         raise BuildError(f"cannot write {bundle / SIGNATURE_FILE}: {exc.strerror}; {fix}") from None
 

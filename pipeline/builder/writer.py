@@ -21,6 +21,7 @@ from pipeline.format.bundle_writer import write_cache_file
 from pipeline.format.errors import BuildError, PipelineError
 from pipeline.format.fingerprint import FileDigests, sha256_bytes
 from pipeline.format.names import parse_index
+from pipeline.format.safe_files import sync_path
 from pipeline.format.safe_tree import (
     entries,
     exchange,
@@ -30,7 +31,6 @@ from pipeline.format.safe_tree import (
     make_folders,
     remove_tree,
     rename,
-    sync_path,
 )
 
 LOCKS_DIR = "locks"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from pipeline.cli.common import add_json_option, emit_json, say
 from pipeline.format.errors import PipelineError
-from pipeline.format.safe_tree import put_in_place, stage_beside
+from pipeline.format.safe_files import put_in_place, stage_beside
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:

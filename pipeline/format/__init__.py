@@ -17,6 +17,7 @@ __all__ = [
     "memo",
     "names",
     "regular_files",
+    "safe_files",
     "safe_tree",
     "safetensors_read",
     "secret_key",

@@ -26,9 +26,7 @@ from pipeline.format.bundle_signature import trusted_comment
 from pipeline.format.cache_codec import write_cache
 from pipeline.format.fingerprint import FileDigests, canonical_json, file_digests, sha256_bytes
 from pipeline.format.manifest import Manifest, manifest_bytes
-from pipeline.format.safe_tree import PRIVATE_FILE, sync_path, write_new
-
-PUBLIC_FILE = 0o666  # less the umask, as for any file: deployed bundles must be readable
+from pipeline.format.safe_files import PRIVATE_FILE, PUBLIC_FILE, sync_path, write_new
 
 
 def write_cache_file(

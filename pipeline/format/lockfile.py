@@ -25,6 +25,7 @@ from pipeline.format.bundle_folder import repeated_key
 from pipeline.format.errors import PipelineError
 from pipeline.format.names import MODEL_FOLDER_RULE, NAME_RULE
 from pipeline.format.regular_files import FileProblem, read_regular
+from pipeline.format.safe_files import PUBLIC_FILE, publish_file
 
 LOCK_NAME = "prefixes.lock"
 LOCK_VERSION = 1  # the lockfile layout this code reads and writes
@@ -119,12 +120,9 @@ def write_lock(path: Path, lock: Lockfile) -> None:
     path = _through_link(path)
     text = json.dumps(lock.model_dump(mode="json", exclude_none=True), sort_keys=True, indent=2)
     text += "\n"
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        publish_file(path, text.encode(), PUBLIC_FILE)
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise LockWriteError(f"cannot write {path}: {exc.strerror}") from None
 
 

@@ -20,13 +20,7 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from pipeline.format.safe_tree import (
-    PRIVATE_FILE,
-    PRIVATE_FOLDER,
-    not_private,
-    put_in_place,
-    stage_beside,
-)
+from pipeline.format.safe_files import PRIVATE_FILE, PRIVATE_FOLDER, not_private, publish_file
 
 _lock = threading.Lock()
 _HEX64 = re.compile(r"^[0-9a-f]{64}\Z")
@@ -142,11 +136,7 @@ def _store(memo: Path, table: dict[str, str]) -> None:
             return
         # in the table's order: the build record evicts its oldest first; a lost memo only
         # costs a re-hash, so it is not synced
-        tmp = stage_beside(memo, json.dumps(table).encode(), sync=False)
-        try:
-            put_in_place(tmp, memo, replace=True)
-        finally:
-            tmp.unlink(missing_ok=True)
+        publish_file(memo, json.dumps(table).encode(), sync=False)
     except OSError:
         pass
 

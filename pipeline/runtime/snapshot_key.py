@@ -14,7 +14,7 @@ import stat
 from pathlib import Path
 
 from pipeline.format.errors import PipelineError
-from pipeline.format.safe_tree import PRIVATE_FOLDER, not_private, put_in_place, stage_beside
+from pipeline.format.safe_files import PRIVATE_FOLDER, not_private, publish_file
 
 KEY_NAME = "snapshot-host.key"
 APP_FOLDER = "mlx-prefix-bundles"
@@ -66,12 +66,8 @@ def _check_private(path: Path, what: str, forbidden: int) -> None:
 
 def _create(path: Path, text: str) -> None:
     """Write the key once, atomically (a concurrent first start keeps the first key)."""
-    tmp = stage_beside(path, text.encode("ascii"))
-    try:
-        with contextlib.suppress(FileExistsError):  # another process created it first
-            put_in_place(tmp, path, replace=False)
-    finally:
-        os.unlink(tmp)
+    with contextlib.suppress(FileExistsError):  # another process created it first
+        publish_file(path, text.encode("ascii"), replace=False)
 
 
 __all__ = ["default_key_path", "host_key"]

@@ -46,18 +46,16 @@ from pipeline.format.manifest import (
     TokenInfo,
 )
 from pipeline.format.regular_files import FileProblem
-from pipeline.format.safe_tree import (
+from pipeline.format.safe_files import (
     PRIVATE_FOLDER,
     LockHeld,
-    is_empty_at,
     lock_at,
     not_private,
-    open_folder_at,
     read_at,
-    remove_at,
     take_lock,
     write_new,
 )
+from pipeline.format.safe_tree import is_empty_at, open_folder_at, remove_at
 from pipeline.format.validate import Validated, validate
 from pipeline.runtime.prompt_cache import fork_cache
 
