@@ -384,16 +384,17 @@ def test_mlx_openai_servers_handler_mounts_only_what_serve_validated(
     import logging
 
     from pipeline.runtime import mount
+    from pipeline.runtime.servers.mlx_openai.handover import keep_validated, validated
     from pipeline.runtime.servers.mounted import Mounted
 
     manager = PromptCacheManager()
     result = mount(tiny_model, [shop_bundle], manager=manager, model_key=BUNDLE_KEY)
     mounted = Mounted(tiny_model, manager, result)
     request = [*result.bundles[0].tokens, 1]
-    mounted.keep_validated(mounted.validated(), "mlx-openai-server", "the handler process")
+    keep_validated(mounted, validated(mounted), "the handler process")
     assert manager.covered(BUNDLE_KEY, request) > 0
     with caplog.at_level(logging.WARNING, logger="prefix-bundles"):
-        mounted.keep_validated({str(shop_bundle): "0" * 64}, "mlx-openai-server", "the handler")
+        keep_validated(mounted, {str(shop_bundle): "0" * 64}, "the handler")
     assert mounted.result.bundles == [] and manager.covered(BUNDLE_KEY, request) == 0
     assert "changed after serve validated it" in caplog.text
 
@@ -404,7 +405,7 @@ def test_mlx_openai_servers_handler_mounts_only_what_serve_validated(
 @pytest.fixture
 def trie():
     """vllm-mlx's pinned trie (mlx-lm's LRUPromptCache, installed here too) with one bundle."""
-    from pipeline.runtime.servers.vllm_mlx_simple_engine import pinned_trie_class
+    from pipeline.runtime.servers.vllm_mlx.simple_engine import pinned_trie_class
 
     model = llama_model(hidden=128, heads=4)
     prefix = ids(24)
@@ -584,7 +585,7 @@ def omni_adapter(mounted, monkeypatch, snapshots=None):
     import sys
     import types
 
-    from pipeline.runtime.servers import mlx_omni
+    from pipeline.runtime.servers.mlx_omni import pool as mlx_omni
 
     names = ["mlx_omni_server", "mlx_omni_server.chat", "mlx_omni_server.chat.mlx"]
     for name in names:
@@ -634,8 +635,8 @@ def openai_adapter(mounted, monkeypatch, snapshots=None):
     module = types.ModuleType("app.utils.prompt_cache")
     module.LRUPromptCache = StubOpenAILRU
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    from pipeline.runtime.servers.lru_cache import disk_lru_entries
-    from pipeline.runtime.servers.mlx_openai import pinned_cache_class
+    from pipeline.runtime.servers.mlx_openai.saving_cache import disk_lru_entries
+    from pipeline.runtime.servers.mlx_openai.model_process import pinned_cache_class
 
     cache = pinned_cache_class(mounted, snapshots)()
     return SimpleNamespace(

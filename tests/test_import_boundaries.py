@@ -245,51 +245,198 @@ def test_the_example_gets_openblas_although_it_imports_mlx_first(
 
 
 SERVERS = PIPELINE / "runtime" / "servers"
-HOOK_LINES = 150  # issue 37: a hook declares; what two hooks share is a module of its own
 
 
-def hook_stems() -> set[str]:
-    from pipeline.runtime.servers import HOOKS
-
-    return {module.rsplit(".", 1)[1] for module in HOOKS.values()}
-
-
-def owning_hook(stem: str) -> str | None:
-    """The hook a module of servers/ belongs to: the hook itself, or one of its server's own
-    parts, named `<hook>_<part>.py` (the code only that server runs: an engine's cache, its
-    process's thread), which only that hook imports."""
-    owners = [h for h in hook_stems() if stem == h or stem.startswith(h + "_")]
-    return max(owners, key=len) if owners else None
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def test_no_server_module_imports_serve_and_no_hook_imports_another():
-    """serve.py only dispatches (issue 37): the shared start-up lives in servers/, so nothing
-    there imports runtime/serve.py (the cycle it used to be), and a hook imports no other hook
-    nor another server's part (a part two hooks share is a shared module, such as memory_cache.py);
-    a server's own part imports no hook and is imported by its hook alone."""
+MODULES = {module_name(p): p for p in sorted(PIPELINE.rglob("*.py"))}
+
+
+def resolved(module: str, name: str | None) -> str | None:
+    """The pipeline module an import loads (`from a import b`: the submodule a.b where it is one)."""
+    for candidate in (f"{module}.{name}" if name else None, module):
+        while candidate:
+            if candidate in MODULES:
+                return candidate
+            candidate = candidate.rpartition(".")[0]
+    return None
+
+
+def import_graph(nested: bool) -> dict[str, set[str]]:
+    """pipeline module -> the pipeline modules it imports (at module level, or anywhere)."""
+    graph = {}
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        nodes = ast.walk(tree) if nested else tree.body
+        found = set()
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                found |= {resolved(a.name, None) for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found |= {resolved(node.module, a.name) for a in node.names}
+        graph[name] = found - {None, name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every cycle a depth-first walk meets (as the modules on it, first repeated last)."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def walk(node: str) -> None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                found.append(stack[stack.index(nxt) :] + [nxt])
+            elif nxt not in state:
+                walk(nxt)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            walk(node)
+    return found
+
+
+# imports inside a function that close a cycle (the CLI's: cli.common asks the command table)
+KNOWN_LAZY = {("pipeline.cli.common", "pipeline.cli")}
+
+
+def test_no_import_cycle_in_pipeline():
+    """No module of pipeline/ imports itself back, at module level nor through an import inside
+    a function (issue 49: servers/__init__ -> startup -> mounted -> snapshots -> servers/__init__
+    was one, carried by a lazy import)."""
+    assert cycles(import_graph(nested=False)) == []
+    graph = import_graph(nested=True)
+    for module, target in KNOWN_LAZY:
+        graph[module].discard(target)
+    assert cycles(graph) == []
+
+
+def registry():
+    from pipeline.runtime.servers import registry
+
+    return registry
+
+
+def room_of(module: str) -> str | None:
+    """The server whose room holds a module (None: outside every room)."""
+    rooms = registry().ROOMS
+    return next((s for s, r in rooms.items() if module == r or module.startswith(r + ".")), None)
+
+
+def server_packages(hook: type) -> tuple[str, ...]:
+    """The modules only that server's room may import: what its distribution installs, or (a
+    server of a library everyone uses, mlx_lm.server) its server module."""
+    return hook.ships or (hook.package,)
+
+
+def test_every_room_is_a_package_whose_hook_the_registry_lists():
+    from pipeline.format.manifest import SERVER_NAMES
+
+    reg = registry()
+    assert reg.names() == SERVER_NAMES  # what a manifest may record: the format's one list
+    rooms = {module_name(p.parent) for p in SERVERS.glob("*/__init__.py")}
+    assert rooms == set(reg.ROOMS.values())
+    for server in reg.names():
+        assert reg.hook_class(server).name == server
+
+
+# outside the rooms on purpose: the builder checks a definition's messages as the default server
+# does (its message processing, called, never copied)
+KNOWN_OUTSIDE = {("pipeline/builder/request.py", "mlx_lm.server")}
+
+
+def test_what_only_one_server_runs_lives_in_its_room():
+    """Nothing outside a server's room imports that server's packages (imports inside functions
+    too); no room imports another room, and nothing in pipeline/ imports a room (the registry
+    names them as strings); a module of servers/ outside the rooms that a room uses is used by
+    at least two rooms or by the start-up sequence (a shared family, or the core)."""
+    reg = registry()
+    owners = {}
+    for server in reg.names():
+        for package in server_packages(reg.hook_class(server)):
+            owners.setdefault(package, set()).add(server)
     problems = []
-    for path in sorted(SERVERS.glob("*.py")):
-        mine = owning_hook(path.stem)
+    for path in sources():
+        mine = room_of(module_name(path)) if path.is_relative_to(PIPELINE) else None
         for module, name, line in imports(path):
-            target = f"{module}.{name}" if name else module
-            if module == "pipeline.runtime.serve" or target == "pipeline.runtime.serve":
-                problems.append(f"{path.name}:{line} imports pipeline.runtime.serve")
-            for imported in {module, target}:
-                stem = imported.removeprefix("pipeline.runtime.servers.")
-                if stem == imported or "." in stem or stem == path.stem:
-                    continue
-                theirs = owning_hook(stem)
-                if theirs is not None and (theirs != mine or stem in hook_stems()):
-                    problems.append(f"{path.name}:{line} imports {stem} (server {theirs}'s)")
+            where = f"{path.relative_to(ROOT)}:{line}: {module}"
+            for package, servers in owners.items():
+                ours = module == package or module.startswith(package + ".")
+                known = (str(path.relative_to(ROOT)), module) in KNOWN_OUTSIDE
+                if ours and mine not in servers and not known:
+                    problems.append(f"{where} ({' or '.join(sorted(servers))}'s package)")
+            theirs = room_of(resolved(module, name) or "")
+            if theirs is not None and theirs != mine:
+                problems.append(f"{where} (the room of {theirs})")
     assert problems == []
+    graph = import_graph(nested=True)
+
+    def reached(start: str) -> set[str]:
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in graph.get(todo.pop(), ()):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    core = reached("pipeline.runtime.servers.startup") | reached("pipeline.runtime.serve")
+    users: dict[str, set[str]] = {}
+    for module in MODULES:
+        if room_of(module) is not None:
+            for used in reached(module):
+                users.setdefault(used, set()).add(room_of(module))
+    alone = {
+        m: sorted(u)
+        for m, u in users.items()
+        if m.startswith("pipeline.runtime.servers.") and room_of(m) is None
+        and m not in core and len(u) < 2
+    }  # fmt: skip
+    assert alone == {}, "move these into the one room that uses them"
 
 
-def test_each_hook_module_declares_in_at_most_150_lines():
-    """A hook says what its server differs by; its server's own parts (an engine's cache, a
-    thread's life) are modules named for it, and what hooks share is shared (issue 37)."""
-    for stem in sorted(hook_stems()):
-        lines = len((SERVERS / f"{stem}.py").read_text(encoding="utf-8").splitlines())
-        assert lines <= HOOK_LINES, f"{stem}.py has {lines} lines"
+def test_no_module_but_the_registry_and_the_format_lists_server_names():
+    """A server's name appears as a string in its own room, the registry and the format's one
+    definition; elsewhere at most the default server is named (mlx-lm, also its library's
+    name), never a list of them: adding a server touches no other module."""
+    reg = registry()
+    allowed = {"pipeline.runtime.servers.registry", "pipeline.format.manifest"}
+    found = {}
+    for name, path in MODULES.items():
+        if name in allowed:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        named = {
+            n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in reg.ROOMS
+        }
+        server = room_of(name)
+        named -= {server, reg.names()[0]} if server else {reg.names()[0]}
+        if named:
+            found[name] = sorted(named)
+    assert found == {}
+
+
+def test_the_pyproject_extras_are_the_hooks_pins():
+    import tomllib
+
+    reg = registry()
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    for server in reg.names():
+        hook = reg.hook_class(server)
+        if hook.distribution is None:
+            assert hook.extra is None, server
+            continue
+        assert extras[hook.extra] == [hook.distribution], server
 
 
 def shape(function) -> list:
@@ -299,22 +446,20 @@ def shape(function) -> list:
     return [(p.name, p.kind) for p in inspect.signature(function).parameters.values()]
 
 
-def test_every_server_the_format_names_has_one_hook_declaring_what_it_differs_by():
-    """A hook module defines `Hook`, a ServerHook for its server's name, declaring its package
-    and address, overriding only the declared points, with their signatures (so the one start-up
-    sequence can call any hook the same way)."""
+def test_every_listed_server_has_one_hook_declaring_what_it_differs_by():
+    """A room defines `Hook`, a ServerHook for its server's name, declaring its package and
+    address, overriding only the declared points, with their signatures (so the one start-up
+    sequence can call any hook the same way); no room imports runtime/serve.py (the dispatch)."""
     import importlib
 
-    from pipeline.format.manifest import SERVER_NAMES
-    from pipeline.runtime.servers import HOOKS, hook_for
     from pipeline.runtime.servers.hook import ServerHook
 
-    assert tuple(HOOKS) == SERVER_NAMES
+    reg = registry()
     points = {n for n in vars(ServerHook) if not n.startswith("_")} | set(
         ServerHook.__annotations__
     )
-    for name, module in HOOKS.items():
-        hook = hook_for(name)
+    for name, module in reg.ROOMS.items():
+        hook = reg.hook_for(name)
         assert isinstance(hook, ServerHook) and hook.name == name, module
         assert isinstance(hook.package, str) and isinstance(hook.address, tuple), module
         declared = {n for n in vars(type(hook)) if not n.startswith("_")}
@@ -325,21 +470,14 @@ def test_every_server_the_format_names_has_one_hook_declaring_what_it_differs_by
                 assert shape(ours) == shape(base), f"{module}.{point}"
         assert not hasattr(importlib.import_module(module), "run"), module
     assert importlib.import_module("pipeline.runtime.serve").__all__ == ["serve"]
+    graph = import_graph(nested=True)
+    assert not [m for m in graph if room_of(m) and "pipeline.runtime.serve" in graph[m]]
 
 
-def test_server_names_live_in_the_format_and_what_each_server_can_do_in_its_hook():
-    """No module of the serve layer but a hook lists server names: which servers have request
-    code to call and which follow an Anthropic body are read from their hooks, so adding a
-    server is one module, one registry line and its name in the format's list."""
+def test_what_each_server_can_do_is_read_from_its_hook():
     from pipeline.format.manifest import SERVER_NAMES
     from pipeline.runtime.servers.tokens import anthropic_servers, request_code_servers
 
-    for path in sorted(SERVERS.glob("*.py")):
-        if owning_hook(path.stem) or path.stem == "__init__":  # the registry: one line per hook
-            continue
-        text = path.read_text()
-        listed = [n for n in SERVER_NAMES if n != "mlx-lm" and f'"{n}"' in text]
-        assert not listed, f"{path.name} names {listed}: declare it on the hook instead"
     assert request_code_servers() == [n for n in SERVER_NAMES if n != "rapid-mlx"]
     assert anthropic_servers() == ["vllm-mlx"]
 

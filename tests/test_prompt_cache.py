@@ -556,10 +556,10 @@ def test_an_own_entry_holding_quantized_kv_is_never_the_start_of_an_unrelated_pr
 def test_omni_pool_entries_holding_4_bit_kv_serve_only_their_share():
     """mlx-omni-server hands out its best pool entry trimmed even to 0 tokens, and the prompt is
     then prefilled into its quantized layers: the hook hides such an entry from omni's own
-    checkout unless the prompt takes its share (pipeline.runtime.servers.mlx_omni.entry_usable)."""
+    checkout unless the prompt takes its share (pipeline.runtime.servers.mlx_omni.pool.entry_usable)."""
     from types import SimpleNamespace
 
-    from pipeline.runtime.servers.mlx_omni import entry_usable
+    from pipeline.runtime.servers.mlx_omni.pool import entry_usable
 
     model = llama_model(hidden=128, heads=4)
     prefix = ids(24)

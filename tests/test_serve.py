@@ -267,7 +267,7 @@ def test_a_request_mlx_lm_would_fail_in_its_thread_is_refused_alone(
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_a_logit_bias_outside_the_vocabulary_is_refused_greedy_or_not(temperature: float):
-    from pipeline.runtime.servers.mlx_lm_generation_thread import sampling_problem
+    from pipeline.runtime.servers.mlx_lm.generation_thread import sampling_problem
 
     provider = SimpleNamespace(model=SimpleNamespace(args=SimpleNamespace(vocab_size=1024)))
     sampling = SimpleNamespace(
@@ -285,7 +285,7 @@ def test_serve_hard_exits_when_the_main_thread_does_not_stop(tmp_path: Path):
     # A SIGINT handler that swallows the interrupt: the grace period's timer ends the process.
     script = (
         "import signal, time\n"
-        "from pipeline.runtime.servers.mlx_lm_generation_thread import GenerationDeath\n"
+        "from pipeline.runtime.servers.mlx_lm.generation_thread import GenerationDeath\n"
         "signal.signal(signal.SIGINT, lambda *_: None)\n"
         "GenerationDeath(grace_s=0.5).report('RuntimeError: test')\n"
         "time.sleep(30)\n"
@@ -468,9 +468,13 @@ def test_options_spelled_out_and_the_servers_own_options_pass():
 
 def test_every_option_serve_reads_is_checked_for_abbreviations():
     """Each option name the runtime reads from the server's options (`passed`, `passed_option`,
-    `in options.rest`, the vllm-mlx cache-off table) is in READ_OPTIONS or refused by its hook."""
-    from pipeline.runtime.servers.options import NOT_ABBREVIATIONS, READ_OPTIONS
-    from pipeline.runtime.servers.vllm_mlx_simple_engine import CACHE_OFF
+    `in options.rest`, the vllm-mlx cache-off table) is in READ_OPTIONS (the start-up's own and
+    every hook's `reads`, from the registry) or refused by its hook."""
+    from pipeline.runtime.servers.options import NOT_ABBREVIATIONS
+    from pipeline.runtime.servers.options import read_options
+    from pipeline.runtime.servers.vllm_mlx.simple_engine import CACHE_OFF
+
+    READ_OPTIONS = read_options()  # noqa: N806 - the table it was
 
     read = set(CACHE_OFF)
     for path in (ROOT / "pipeline" / "runtime").rglob("*.py"):

@@ -159,7 +159,7 @@ NOT_A_SIZE = (
 
 
 def test_the_budget_is_checked_on_its_own():
-    from pipeline.runtime.snapshots import snapshot_budget
+    from pipeline.runtime.servers.options import snapshot_budget
 
     options = SimpleNamespace(snapshots=Path("s"), snapshot_budget="2 lots")
     with pytest.raises(PipelineError) as exc:

@@ -13,7 +13,7 @@ from pipeline.cli.keys import add_trusted_key_option
 from pipeline.cli.parser import nonempty
 from pipeline.format.errors import PipelineError
 from pipeline.runtime.hugepages import CHOICES, DEFAULT_HUGE_PAGES
-from pipeline.runtime.servers import SERVE_NAMES
+from pipeline.runtime.servers.registry import names as server_names
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> argparse.ArgumentParser:
@@ -33,8 +33,8 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> argparse.Argum
     )
     p.add_argument(
         "--server",
-        choices=SERVE_NAMES,
-        default="mlx-lm",
+        choices=server_names(),
+        default=server_names()[0],
         help="the server to run with the bundles in its own prompt cache (default: mlx-lm, i.e. "
         "mlx_lm.server; the others need their package: docs/servers.md)",
     )

@@ -5,7 +5,8 @@ runs on 0.32, so each runs from a venv of its own: mlx-lm 0.31 over the packages
 runs this command (mlx, transformers: --system-site-packages, plus this environment's own
 site-packages when it is itself a venv), the server without its dependencies (vllm-mlx's pull in
 CUDA torch; omni's and mlx-openai-server's fail on Linux: mflux needs a CUDA mlx), what its serving
-path imports, and this project. The pins are the versions CI tests (docs/servers.md).
+path imports, and this project. The pins are the versions CI tests (docs/servers.md), declared by
+each server's hook (pipeline.runtime.servers.registry).
 """
 
 from __future__ import annotations
@@ -18,63 +19,16 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 from pipeline import __version__
 from pipeline.cli.common import add_json_option, emit_json, note, say
 from pipeline.format.errors import PipelineError, UsageError
+from pipeline.runtime.servers.registry import ROOMS, clash, hook_class, installed_apart
 
 MLX_LM = "mlx-lm>=0.31.3,<0.32"
-# what vllm-mlx's serve path, omni's chat path and mlx-openai-server's handler import
-SERVING = (
-    "fastapi", "uvicorn", "starlette>=1.0.1", "python-multipart", "psutil", "prometheus-client",
-    "loguru", "openai>=2.21,<3", "openai-harmony", "dill>=0.4,<0.5", "xxhash>=3.6,<4",
-)  # fmt: skip
-# mlx-openai-server's handler imports outlines, which imports torch: the CPU wheel
-OUTLINES = ("outlines>=1.1.1,<1.2", "torch==2.13.0")
-# what rapid-mlx's text serving path imports (not torch, torchvision, opencv, mlx-vlm, mflux)
-RAPID_SERVING = (
-    *SERVING[:9], "tiktoken", "pyyaml", "tomli-w", "rich", "tabulate", "jsonschema", "referencing",
-    "argcomplete", "websockets", "mcp", *SERVING[9:],
-)  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Recipe:
-    """One server: its pinned package (installed without dependencies), what its serving path
-    needs, and the modules that prove it imports."""
-
-    package: str
-    needs: tuple[str, ...]
-    imports: tuple[str, ...]
-
-
-RECIPES = {
-    "vllm-mlx": Recipe("vllm-mlx==0.6.0", SERVING, ("vllm_mlx.cli", "vllm_mlx.server")),
-    "mlx-omni-server": Recipe(
-        "mlx-omni-server==0.5.3", SERVING, ("mlx_omni_server.chat.mlx.chat_generator",)
-    ),
-    "mlx-openai-server": Recipe(
-        "mlx-openai-server==1.8.1",
-        SERVING + OUTLINES,
-        ("app.handler.mlx_lm", "app.utils.prompt_cache", "outlines.processors"),
-    ),
-    "rapid-mlx": Recipe(
-        "rapid-mlx==0.16.10",
-        RAPID_SERVING,
-        ("rapid_mlx.cli", "rapid_mlx.scheduler", "rapid_mlx.server"),
-    ),
-}
-HOOK_MODULES = {
-    "vllm-mlx": "vllm_mlx",
-    "mlx-omni-server": "mlx_omni",
-    "mlx-openai-server": "mlx_openai",
-    "rapid-mlx": "rapid_mlx",
-}
-# rapid-mlx ships a package named vllm_mlx of its own: the two cannot share a venv
-APART = {frozenset({"vllm-mlx", "rapid-mlx"})}
+# each server's pin, serving needs and proof are its hook's declarations (the registry's list)
 PTH_FILE = "prefix-bundles-base.pth"
 
 
@@ -92,8 +46,8 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
         "server",
         nargs="+",
         metavar="NAME",
-        help=f"one or more of {', '.join(RECIPES)} (vllm-mlx and rapid-mlx each need a venv "
-        "of their own)",
+        help=f"one or more of {', '.join(installed_apart())} (two whose packages clash each "
+        "need a venv of their own)",
     )
     p.add_argument("dir", type=Path, metavar="DIR", help="the virtual environment to make")
     p.add_argument(
@@ -136,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     if versions is None:
         raise PipelineError(
             f"server-env: {venv} was made but does not import {', '.join(servers)}: run "
-            f"{venv}/bin/python -c 'import {RECIPES[servers[0]].imports[0]}' to see why"
+            f"{venv}/bin/python -c 'import {hook_class(servers[0]).proves[0]}' to see why"
         )
     if args.json:
         return _emit(venv, servers, commands, "made", versions)
@@ -172,34 +126,38 @@ def _emit(venv: Path, servers: list[str], commands: list, status: str, versions)
 
 def checked_servers(names: list[str]) -> list[str]:
     """The server names, each known (with a did-you-mean) and none that must live apart."""
+    known = installed_apart()
     for name in names:
-        if name not in RECIPES:
-            close = difflib.get_close_matches(name, list(RECIPES), n=1)
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
             guess = f"; did you mean '{close[0]}'?" if close else ""
-            mlx_lm = "; mlx-lm needs none: it runs in this environment" if name == "mlx-lm" else ""
+            here = f"; {name} needs none: it runs in this environment" if name in ROOMS else ""
             raise UsageError(
-                f"server-env: unknown server {name!r}; choose from {', '.join(RECIPES)}"
-                f"{mlx_lm or guess}"
+                f"server-env: unknown server {name!r}; choose from {', '.join(known)}"
+                f"{here or guess}"
             )
-    for pair in APART:
-        if pair <= set(names):
-            raise UsageError(
-                "server-env: vllm-mlx and rapid-mlx cannot share a virtual environment (both ship "
-                "a package named vllm_mlx); make one for each"
-            )
-    return list(dict.fromkeys(names))
+    chosen = list(dict.fromkeys(names))
+    for i, name in enumerate(chosen):
+        for other in chosen[:i]:
+            if shared := clash(other, name):
+                a, b = sorted((other, name), key=known.index)
+                raise UsageError(
+                    f"server-env: {a} and {b} cannot share a virtual environment (both ship a "
+                    f"package named {', '.join(sorted(shared))}); make one for each"
+                )
+    return chosen
 
 
 def plan(servers: list[str], venv: Path) -> list[list[str]]:
     """The commands that make the venv, in order (`write-pth`: a file this command writes)."""
     python = str(venv / "bin" / "python")
     pip = [python, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    needs = list(dict.fromkeys(n for s in servers for n in RECIPES[s].needs))
+    needs = list(dict.fromkeys(n for s in servers for n in hook_class(s).serving))
     commands = [[sys.executable, "-m", "venv", "--system-site-packages", str(venv)]]
     if sys.prefix != sys.base_prefix:  # a venv's --system-site-packages are its base's, not ours
         commands.append(["write-pth", str(_site_packages(venv)), *_own_site_packages()])
     commands.append([*pip, MLX_LM, *needs])
-    commands.append([*pip, "--no-deps", *(RECIPES[s].package for s in servers)])
+    commands.append([*pip, "--no-deps", *(hook_class(s).distribution for s in servers)])
     commands.append([*pip, "--no-deps", *_this_project()])
     return commands
 
@@ -258,9 +216,8 @@ def _check_replaceable(venv: Path, replace: bool) -> None:
 
 def check_script(servers: list[str]) -> str:
     """Python that proves the venv: mlx-lm 0.31, each server's modules and its hook import."""
-    modules = [m for s in servers for m in RECIPES[s].imports]
-    modules += [f"pipeline.runtime.servers.{HOOK_MODULES[s]}" for s in servers]
-    names = ["mlx-lm", *(RECIPES[s].package.split("==")[0] for s in servers)]
+    modules = [m for s in servers for m in hook_class(s).proves] + [ROOMS[s] for s in servers]
+    names = ["mlx-lm", *(hook_class(s).distribution.split("==")[0] for s in servers)]
     return "\n".join(
         [
             "import importlib",

@@ -25,7 +25,7 @@ continue. A format 3 snapshot lacks it, so it cannot prove its source: it is rea
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -198,9 +198,10 @@ class ParentInfo(Record):
     stored_dtype: KVDtype | None = None
 
 
-# every server serve wraps (the registry in pipeline.runtime.servers maps each name to its hook)
-SERVER_NAMES = ("mlx-lm", "vllm-mlx", "rapid-mlx", "mlx-omni-server", "mlx-openai-server")
+# the servers a manifest may record, written once (pipeline.runtime.servers.registry lists the
+# same names, each with its room: a test holds the two equal)
 ServerName = Literal["mlx-lm", "vllm-mlx", "rapid-mlx", "mlx-omni-server", "mlx-openai-server"]
+SERVER_NAMES: tuple[str, ...] = get_args(ServerName)
 RequestApi = Literal["openai", "anthropic"]  # OpenAI chat completions or Anthropic messages
 
 

@@ -10,11 +10,15 @@ import argparse
 
 
 def serve(args: argparse.Namespace, rest: list[str], argv: list[str]) -> int:
-    """Run `args.server` (default mlx-lm) with its own options `rest`; `argv` is the whole
-    command line (to re-execute it for huge pages)."""
-    from pipeline.runtime import servers
+    """Run `args.server` (default: the registry's first) with its own options `rest`, read once
+    into its options, through the one start-up sequence; `argv` is the whole command line (to
+    re-execute it for huge pages)."""
+    from pipeline.runtime.servers.options import ServeOptions
+    from pipeline.runtime.servers.registry import hook_for, names
+    from pipeline.runtime.servers.startup import serve as start
 
-    return servers.run(getattr(args, "server", None) or "mlx-lm", args, rest, argv)
+    hook = hook_for(getattr(args, "server", None) or names()[0])
+    return start(hook, ServeOptions.from_args(args, rest, argv, hook))
 
 
 __all__ = ["serve"]

@@ -47,67 +47,6 @@ from pipeline.runtime.snapshot_store import (
 
 log = logging.getLogger("prefix-bundles")
 DEFAULT_BUDGET = 2 << 30  # bytes of KV written at a stop (and restored at the next start)
-_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from '2GiB', '512MiB', '1048576'; PipelineError naming the value otherwise."""
-    match = re.fullmatch(r"\s*([0-9]+)\s*([A-Za-z]*)\s*", text)
-    unit = match[2].upper() if match else None
-    if match is None or unit not in _UNITS:
-        raise PipelineError(
-            f"--snapshot-budget {text!r} is not a size; write bytes or a number with KiB, MiB, "
-            "GiB or TiB (e.g. 2GiB)"
-        )
-    return int(match[1]) * _UNITS[unit]
-
-
-def snapshot_budget(options: Any) -> int | None:
-    """--snapshot-budget in bytes (DEFAULT_BUDGET when not given), checked before anything is
-    loaded (serve calls it first, so a typo costs no mount); None without --snapshots, where
-    nothing is saved (a budget given then is refused, not ignored)."""
-    if options.snapshots is None:
-        if options.snapshot_budget is not None:
-            raise PipelineError("--snapshot-budget needs --snapshots DIR (the folder it saves to)")
-        return None
-    return (
-        DEFAULT_BUDGET if options.snapshot_budget is None else parse_size(options.snapshot_budget)
-    )
-
-
-def every_seconds(options: Any, hook: Any) -> float | None:
-    """--snapshot-every MINUTES in seconds (None when not given), checked before anything is
-    loaded: it needs --snapshots, a positive number, and a server whose hook calls `tick` only on
-    the thread that owns (and alone changes) its entries, right after it stored one
-    (`periodic_snapshots`: mlx_lm.server's generation thread; the others' hooks stamp entries on
-    request or worker threads that do not own the whole cache), so a save never runs beside a
-    change."""
-    text = getattr(options, "snapshot_every", None)
-    if text is None:
-        return None
-    if options.snapshots is None:
-        raise PipelineError("--snapshot-every needs --snapshots DIR (the folder it saves to)")
-    if not hook.periodic_snapshots:
-        from pipeline.runtime.servers import HOOKS, hook_for
-
-        able = [h.package for h in map(hook_for, HOOKS) if h.periodic_snapshots]
-        raise PipelineError(
-            f"--snapshot-every is not supported with --server {hook.name} yet: a save while it "
-            "serves must run on the thread that owns its prompt cache, which serve guarantees "
-            f"for {', '.join(able)} only (docs/snapshots.md); serve without it (the "
-            "snapshots are still saved at a graceful stop)"
-        )
-    try:
-        minutes = float(text)
-    except ValueError:
-        minutes = -1.0
-    if not 0 < minutes < 1e6:
-        raise PipelineError(
-            f"--snapshot-every {text!r} is not a number of minutes; pass a positive number "
-            "(e.g. 5, or 0.5 for 30 seconds)"
-        )
-    return minutes * 60
-
 
 @dataclass
 class _Periodic:
@@ -495,7 +434,7 @@ def open_snapshots(options: Any, mounted: Any, hook: Any, held: int | None = Non
     after the bundles `mounted` (what the server's options cannot use refused by `hook`'s rule
     for bundles), and make SIGTERM stop the server gracefully (as SIGINT does) so that the
     entries are saved."""
-    budget = snapshot_budget(options)
+    budget = options.snapshot_budget  # bytes, parsed with serve's options
     template = options.passed("--chat-template")
     snapshots = Snapshots(options.snapshots, budget, options.model, template, hook.name, held)
     unusable = lambda snapshot: hook.unusable(snapshot, options)  # noqa: E731
@@ -619,12 +558,9 @@ __all__ = [
     "Entry",
     "Snapshots",
     "child_snapshots",
-    "every_seconds",
     "hand_to_spawned",
     "open_snapshots",
     "parent_of_snapshots",
-    "parse_size",
     "snapshot_answer",
-    "snapshot_budget",
     "with_snapshots",
 ]

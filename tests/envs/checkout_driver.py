@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipeline.cli import main  # noqa: E402
-from pipeline.runtime.servers import lru_cache, mounted  # noqa: E402
+from pipeline.runtime.servers import entries, mounted  # noqa: E402
 
 LOG = Path(sys.argv.pop(1))
 COLD = sys.argv[1] == "--cold" and bool(sys.argv.pop(1))
@@ -30,7 +30,7 @@ def recorded(server, manager, key, tokens, fetch, batched, bundles=True):  # noq
     line = {
         "tokens": len(tokens),
         "cached": 0 if cache is None else len(tokens) - len(rest),
-        "offset": None if cache is None else lru_cache.held_offset(cache),
+        "offset": None if cache is None else entries.held_offset(cache),
         "from_bundle": from_bundle,
     }
     with LOG.open("a") as out:

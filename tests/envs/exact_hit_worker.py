@@ -27,15 +27,16 @@ def main() -> None:
     a = list(range(1, 21))
     mounted = Mounted(Path("."), PromptCacheManager(), MountResult())
     out = {}
-    from pipeline.runtime.servers import mlx_openai, vllm_mlx_simple_engine
+    from pipeline.runtime.servers.mlx_openai import model_process
+    from pipeline.runtime.servers.vllm_mlx import simple_engine
 
-    trie = vllm_mlx_simple_engine.pinned_trie_class(mounted)(10, 1 << 30)
+    trie = simple_engine.pinned_trie_class(mounted)(10, 1 << 30)
     trie.keep_entries = True
     model = object()
     trie.insert_cache(model, a, rotating_entry(len(a)))
     out["vllm-mlx"] = [len(trie.fetch_nearest_cache(model, t)[1]) for t in (a, [*a, 99])]
 
-    cache = mlx_openai.pinned_cache_class(mounted)()
+    cache = model_process.pinned_cache_class(mounted)()
     cache.insert_cache(a, rotating_entry(len(a)))
     out["mlx-openai-server"] = [len(cache.fetch_nearest_cache(t)[1]) for t in (a, [*a, 99])]
     print(json.dumps(out))

@@ -11,5 +11,8 @@ root="$(cd "$(dirname "$0")/../.." && pwd)"
 dest="${1:-$root/.venv-rapid}"
 python="${PYTHON:-python3}"
 start=$(date +%s)
-"$python" "$root/build.py" server-env rapid-mlx "$dest" --replace "${@:2}"
+# the registry's second venv group: the servers whose packages clash with the first's
+read -r -a servers <<< "$(cd "$root" && "$python" -c \
+  'from pipeline.runtime.servers.registry import venv_groups; print(*venv_groups()[1])')"
+"$python" "$root/build.py" server-env "${servers[@]}" "$dest" --replace "${@:2}"
 echo "$dest ready in $(( $(date +%s) - start )) s"

@@ -4,13 +4,15 @@
 # vllm-mlx 0.6.0, mlx-omni-server 0.5.3 and mlx-openai-server 1.8.1 all pin mlx-lm <0.32: the
 # installed command `prefix-bundles server-env` makes the venv (mlx-lm 0.31 over this
 # interpreter's packages, each server without its dependencies plus what its serving path imports,
-# this project; pins in pipeline/cli/server_env.py). Quick when DEST already imports them.
+# this project; pins declared by each server's hook). Quick when DEST already imports them.
 # PYTHON picks the interpreter (default python3); `--dry-run` after DEST prints the commands.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 dest="${1:-$root/.venv-servers}"
 python="${PYTHON:-python3}"
 start=$(date +%s)
-"$python" "$root/build.py" server-env vllm-mlx mlx-omni-server mlx-openai-server "$dest" \
-  --replace "${@:2}"
+# the servers are the registry's first venv group (pipeline/runtime/servers/registry.py)
+read -r -a servers <<< "$(cd "$root" && "$python" -c \
+  'from pipeline.runtime.servers.registry import venv_groups; print(*venv_groups()[0])')"
+"$python" "$root/build.py" server-env "${servers[@]}" "$dest" --replace "${@:2}"
 echo "$dest ready in $(( $(date +%s) - start )) s"

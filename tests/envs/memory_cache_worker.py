@@ -18,7 +18,7 @@ from mlx_lm.models.cache import KVCache
 
 from pipeline.runtime.mount import MountResult
 from pipeline.runtime.prompt_cache import PromptCacheManager
-from pipeline.runtime.servers.lru_cache import held_offset
+from pipeline.runtime.servers.entries import held_offset
 from pipeline.runtime.servers.memory_cache import pinned_memory_cache_class
 from pipeline.runtime.servers.mounted import Mounted
 

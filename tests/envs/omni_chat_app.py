@@ -44,7 +44,7 @@ def main() -> None:
 
     args = parse_args(sys.argv[1:])
     hook = ChatRoute()
-    serve(hook, ServeOptions.from_args(args, args.passthrough, sys.argv[1:], hook.warm_up))
+    serve(hook, ServeOptions.from_args(args, args.passthrough, sys.argv[1:], hook))
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ def run(pool_class: type, key: str, stored: list, prompt: list[int]) -> list:
 
 
 def main() -> None:
-    from pipeline.runtime.servers.mlx_omni import model_folder, pinned_pool_class
+    from pipeline.runtime.servers.mlx_omni.pool import model_folder, pinned_pool_class
 
     key = sys.argv[1]
     mounted = Mounted(Path(key), PromptCacheManager(), MountResult())

@@ -1,8 +1,9 @@
 """What a wrapped server differs by, declared in one place: each hook module defines `Hook`, a
 subclass of `ServerHook`, and the one start-up sequence (pipeline.runtime.servers.startup.serve)
-calls its points in the order they are listed here. Everything else a server's process runs (the
-options, the mount, the validator, the lookup rule, remount, the tokenization check, usage,
-snapshots) is shared and lives in pipeline.runtime.
+calls its points in the order they are listed here, after its declarations (what server-env, the
+option table and the tests read through pipeline.runtime.servers.registry). Everything else a
+server's process runs (the options, the mount, the validator, the lookup rule, remount, the
+tokenization check, snapshots) is shared and lives in pipeline.runtime.
 
 A point a hook does not define keeps the default below. No point imports its server at module
 import time: the server is imported when serve runs it (after `package` was found).
@@ -18,8 +19,16 @@ from pipeline.runtime.servers.options import ServeOptions, passed_option
 class ServerHook:
     """The declared differences of one server (the points, in the order serve calls them)."""
 
-    name: ClassVar[str]  # as the format names it (pipeline.format.manifest.SERVER_NAMES)
+    name: ClassVar[str]  # as the registry and the format name it (format.manifest.SERVER_NAMES)
     package: ClassVar[str]  # the module that must import for the server to run
+    # its tested pin ("name==version"), installed by server-env into a venv of its own (None:
+    # it runs in this environment), and the pyproject extra that installs it
+    distribution: ClassVar[str | None] = None
+    extra: ClassVar[str | None] = None
+    serving: ClassVar[tuple[str, ...]] = ()  # what its serving path imports (pip requirements)
+    proves: ClassVar[tuple[str, ...]] = ()  # modules whose import proves its venv complete
+    ships: ClassVar[tuple[str, ...]] = ()  # top-level packages its distribution installs
+    reads: ClassVar[tuple[str, ...]] = ()  # its server's options its room reads (options.passed)
     address: ClassVar[tuple[str, int]]  # where it binds when its options do not say
     unsupported: ClassVar[dict[str, str]] = {}  # server options serve refuses: {option: why}
     warm_up: ClassVar[bool] = True  # serve's --warm-up default (measured per server)
@@ -75,4 +84,10 @@ class ServerHook:
         return passed_option(list(options.rest), "--served-model-name") or str(options.model)
 
 
-__all__ = ["ServerHook"]
+# what the serving paths of the FastAPI servers import, in the order server-env installs it
+SERVING = (
+    "fastapi", "uvicorn", "starlette>=1.0.1", "python-multipart", "psutil", "prometheus-client",
+    "loguru", "openai>=2.21,<3", "openai-harmony", "dill>=0.4,<0.5", "xxhash>=3.6,<4",
+)  # fmt: skip
+
+__all__ = ["SERVING", "ServerHook"]

@@ -16,7 +16,7 @@ from typing import Any
 
 from pipeline.runtime.prompt_cache import fork_cache, is_lossy, lossy_min_tokens
 from pipeline.runtime.servers import usage, warm_up
-from pipeline.runtime.servers.lru_cache import evaluate, held_offset, server_entry
+from pipeline.runtime.servers.entries import evaluate, held_offset, server_entry
 from pipeline.runtime.servers.mounted import Mounted
 
 

@@ -85,25 +85,5 @@ class Mounted:
         fetch = with_snapshots(own, snapshots, self.covered, server, answered)
         return lookup_source(server, self.manager, BUNDLE_KEY, tokens, fetch, batched, bundles)
 
-    def validated(self) -> dict[str, str]:
-        """{bundle path: cache sha256} of what is mounted (for a process the server spawns)."""
-        return {str(b.path): b.manifest.cache.file_sha256 for b in self.result.bundles}
-
-    def keep_validated(self, validated: dict[str, str], server: str, where: str) -> None:
-        """Serve in `where` exactly what serve validated and reported (`validated()` there): a
-        bundle that changed or appeared in between is unpinned with a WARNING (a remount takes
-        it), one that is gone is named; then one line of what `where` serves."""
-        for b in list(self.result.bundles):
-            if validated.get(str(b.path)) != b.manifest.cache.file_sha256:
-                self.result.bundles.remove(b)
-                self.manager.unpin(BUNDLE_KEY, b.name)
-                log.warning(
-                    "%s: %s changed after serve validated it: not mounted in %s (SIGHUP or "
-                    "the admin endpoint mounts it)", server, b.path, where,
-                )  # fmt: skip
-        for path in sorted(set(validated) - set(self.validated())):
-            log.warning("%s: %s was validated by serve but is gone from %s", server, path, where)
-        log.info("%s: %d bundle(s) pinned in %s", server, len(self.result.bundles), where)
-
 
 __all__ = ["BUNDLE_KEY", "Mounted"]

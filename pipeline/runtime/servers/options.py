@@ -1,16 +1,20 @@
-"""serve's options as one immutable value (`ServeOptions`), and the checks made before anything is
-loaded: the server's own options (passed through), its address, the admin endpoint's. Every
-problem is a PipelineError, one line, nothing loaded."""
+"""serve's options as one immutable typed value (`ServeOptions`: paths, sizes and intervals parsed
+once, here), and the checks made before anything is loaded: the server's own options (passed
+through), its address, the admin endpoint's. Every problem is a PipelineError, one line, nothing
+loaded."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
-from dataclasses import asdict, dataclass
+import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pipeline.format.errors import PipelineError, UsageError
+
+_UNITS = {"": 1, "B": 1, "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
 
 
 @dataclass(frozen=True)
@@ -31,25 +35,33 @@ class ServeOptions:
     admin_port: int | None = None
     admin_token_file: Path | None = None
     snapshots: Path | None = None
-    snapshot_budget: str | None = None  # as given (snapshots.snapshot_budget: 2 GiB if none)
-    snapshot_every: str | None = None  # minutes, as given (checked by snapshots.every_seconds)
+    snapshot_budget: int | None = None  # bytes (DEFAULT_BUDGET with --snapshots; None without)
+    snapshot_every: float | None = None  # seconds between saves while serving (None: at a stop)
+
+    def __post_init__(self) -> None:
+        if self.snapshots is not None and self.snapshot_budget is None:  # the default, typed
+            from pipeline.runtime.snapshots import DEFAULT_BUDGET
+
+            object.__setattr__(self, "snapshot_budget", DEFAULT_BUDGET)
 
     @classmethod
     def from_args(
-        cls, args: argparse.Namespace, rest: list[str], argv: list[str], warm_up: bool
+        cls, args: argparse.Namespace, rest: list[str], argv: list[str], hook: Any
     ) -> ServeOptions:
-        """serve's parsed command line; `warm_up`: the hook's default where none was given."""
+        """serve's parsed command line for `hook`'s server (its warm-up default where none was
+        given); a bad size or interval is refused here, before anything loads."""
         from pipeline.runtime.mount import model_bundles_dir
 
         given = lambda name, default=None: getattr(args, name, default)  # noqa: E731
         chosen = given("warm_up")
+        every = every_seconds(args, hook)  # refused before the budget, as serve always did
         return cls(
-            server=given("server") or "mlx-lm",
+            server=hook.name,
             model=Path(args.model),
             bundles=Path(given("bundles") or model_bundles_dir(args.model)),
             rest=tuple(rest),
             argv=tuple(argv),
-            warm_up=warm_up if chosen is None else bool(chosen),
+            warm_up=hook.warm_up if chosen is None else bool(chosen),
             strict=bool(given("strict")),
             verify_full=bool(given("verify_full")),
             lockfile=given("lockfile"),
@@ -58,26 +70,70 @@ class ServeOptions:
             admin_port=given("admin_port"),
             admin_token_file=given("admin_token_file"),
             snapshots=given("snapshots"),
-            snapshot_budget=given("snapshot_budget"),
-            snapshot_every=given("snapshot_every"),
+            snapshot_budget=snapshot_budget(args),
+            snapshot_every=every,
         )
 
     def passed(self, name: str) -> str | None:
         """The value of a server option passed through, if any."""
         return passed_option(list(self.rest), name)
 
-    def to_json(self) -> str:
-        """For a process the server spawns (mlx-openai-server's model process)."""
-        return json.dumps(asdict(self), default=str)
 
-    @classmethod
-    def from_json(cls, text: str) -> ServeOptions:
-        values = json.loads(text)
-        for name in ("model", "bundles", "lockfile", "admin_token_file", "snapshots"):
-            values[name] = None if values[name] is None else Path(values[name])
-        values["trusted_keys"] = tuple(Path(p) for p in values["trusted_keys"])
-        values["rest"], values["argv"] = tuple(values["rest"]), tuple(values["argv"])
-        return cls(**values)
+def parse_size(text: str) -> int:
+    """Bytes from '2GiB', '512MiB', '1048576'; PipelineError naming the value otherwise."""
+    match = re.fullmatch(r"\s*([0-9]+)\s*([A-Za-z]*)\s*", text)
+    unit = match[2].upper() if match else None
+    if match is None or unit not in _UNITS:
+        raise PipelineError(
+            f"--snapshot-budget {text!r} is not a size; write bytes or a number with KiB, MiB, "
+            "GiB or TiB (e.g. 2GiB)"
+        )
+    return int(match[1]) * _UNITS[unit]
+
+
+def snapshot_budget(args: Any) -> int | None:
+    """--snapshot-budget in bytes (DEFAULT_BUDGET when not given); None without --snapshots,
+    where nothing is saved (a budget given then is refused, not ignored)."""
+    text = getattr(args, "snapshot_budget", None)
+    if getattr(args, "snapshots", None) is None:
+        if text is not None:
+            raise PipelineError("--snapshot-budget needs --snapshots DIR (the folder it saves to)")
+        return None
+    from pipeline.runtime.snapshots import DEFAULT_BUDGET
+
+    return DEFAULT_BUDGET if text is None else parse_size(text)
+
+
+def every_seconds(args: Any, hook: Any) -> float | None:
+    """--snapshot-every MINUTES in seconds (None when not given): it needs --snapshots, a
+    positive number, and a server whose hook calls `tick` only on the thread that owns (and
+    alone changes) its entries, right after it stored one (`periodic_snapshots`), so a save never
+    runs beside a change."""
+    text = getattr(args, "snapshot_every", None)
+    if text is None:
+        return None
+    if getattr(args, "snapshots", None) is None:
+        raise PipelineError("--snapshot-every needs --snapshots DIR (the folder it saves to)")
+    if not hook.periodic_snapshots:
+        from pipeline.runtime.servers.registry import hook_class, names
+
+        able = [h.package for h in map(hook_class, names()) if h.periodic_snapshots]
+        raise PipelineError(
+            f"--snapshot-every is not supported with --server {hook.name} yet: a save while it "
+            "serves must run on the thread that owns its prompt cache, which serve guarantees "
+            f"for {', '.join(able)} only (docs/snapshots.md); serve without it (the "
+            "snapshots are still saved at a graceful stop)"
+        )
+    try:
+        minutes = float(text)
+    except ValueError:
+        minutes = -1.0
+    if not 0 < minutes < 1e6:
+        raise PipelineError(
+            f"--snapshot-every {text!r} is not a number of minutes; pass a positive number "
+            "(e.g. 5, or 0.5 for 30 seconds)"
+        )
+    return minutes * 60
 
 
 def passed_option(rest: list[str], name: str) -> str | None:
@@ -90,14 +146,18 @@ def passed_option(rest: list[str], name: str) -> str | None:
     return None
 
 
-# every server option serve reads (to check bundles, ports, the warm-up against it) besides
-# those a hook refuses: spelled out, since argparse-based servers take any unambiguous prefix
-READ_OPTIONS = (
-    "--adapter-path", "--api-key", "--chat-template", "--chat-template-file",
-    "--continuous-batching", "--draft-model", "--enable-mtp", "--host", "--kv-bits",
-    "--log-level", "--max-kv-size", "--port", "--served-model-name", "--specprefill-draft-model",
-    "--workers",
-)  # fmt: skip
+# the server options the start-up sequence itself reads (each hook adds its own `reads`): spelled
+# out, since argparse-based servers take any unambiguous prefix
+CORE_READS = ("--chat-template", "--host", "--log-level", "--port", "--served-model-name")
+
+
+def read_options() -> frozenset[str]:
+    """Every server option serve reads: the start-up's own and each listed hook's `reads`."""
+    from pipeline.runtime.servers.registry import hook_class, names
+
+    return frozenset(CORE_READS).union(*(hook_class(n).reads for n in names()))
+
+
 # the servers' own options that begin one of those: exact options, never abbreviations
 NOT_ABBREVIATIONS = frozenset({"--model", "--specprefill"})
 
@@ -106,7 +166,7 @@ def refuse_options(rest: list[str], server: str, options: dict[str, str]) -> Non
     """PipelineError for a passed-through server option this hook cannot honour, and for an
     abbreviation of one serve reads or refuses (the server would take `--kv-bit 4` as
     `--kv-bits 4` while serve checked the bundles against no --kv-bits)."""
-    names = {*READ_OPTIONS, *options}
+    names = {*read_options(), *options}
     for arg in rest:
         flag = arg.split("=", 1)[0]
         if arg == "--":
@@ -191,7 +251,7 @@ def check_admin(options: ServeOptions) -> None:
 
 def server_port(options: ServeOptions) -> tuple[int, str]:
     """The port the server listens on (its --port, else its hook's default), and which it is."""
-    from pipeline.runtime.servers import hook_for
+    from pipeline.runtime.servers.registry import hook_for
 
     text = options.passed("--port")
     if text is not None:
@@ -227,7 +287,11 @@ __all__ = [
     "check_admin",
     "install_hint",
     "check_port",
-    "READ_OPTIONS",
+    "CORE_READS",
+    "read_options",
+    "every_seconds",
+    "parse_size",
+    "snapshot_budget",
     "passed_option",
     "port_number",
     "refuse_options",

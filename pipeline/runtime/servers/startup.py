@@ -45,19 +45,15 @@ from pipeline.runtime.servers.options import (
 )
 from pipeline.runtime.servers.tokens import model_type, request_parity
 from pipeline.runtime.snapshot_store import private_folder
-from pipeline.runtime.snapshots import snapshot_budget
 
 log = logging.getLogger("prefix-bundles")
 __all__ = [
     "describe",
-    "exit_on_refusal",
     "hard_exit",
     "hub_cache_or_none",
     "log_request",
     "mount_for",
     "passed_option",
-    "refusals_end_serve",
-    "refuse_in_spawned",
     "serve",
 ]
 
@@ -72,8 +68,7 @@ def serve(hook: ServerHook, options: ServeOptions) -> int:
             "lists the servers that support it); serve without --snapshots"
         )
     with hangups_held(hook.live):
-        every = snapshot_interval(hook, options)
-        snapshot_budget(options)  # a bad --snapshot-budget is refused before anything loads
+        every = getattr(options, "snapshot_every", None)  # parsed and checked with the options
         if options.snapshots is not None and os.path.lexists(options.snapshots):
             private_folder(options.snapshots, create=False)  # before anything loads (created later)
         require(hook.package, hook.name)
@@ -172,15 +167,6 @@ def open_snapshots(hook: ServerHook, options: ServeOptions, mounted: Mounted) ->
     return open_folder(options, mounted, hook)
 
 
-def snapshot_interval(hook: ServerHook, options: ServeOptions) -> float | None:
-    """--snapshot-every in seconds, checked before anything is loaded (None: not given)."""
-    if getattr(options, "snapshot_every", None) is None:
-        return None
-    from pipeline.runtime.snapshots import every_seconds
-
-    return every_seconds(options, hook)
-
-
 def setup_logging(level: str | None) -> None:
     logging.basicConfig(
         level=getattr(logging, (level or "INFO").upper(), logging.INFO),
@@ -193,10 +179,12 @@ def mount_for(
     chat_template: str | None = None,
     unusable: Callable[[MountedBundle], str | None] | None = None,
     live: bool = True,
+    stop: Callable[[], None] | None = None,
 ) -> Mounted:
     """Validate and mount the bundles for the model, drop those the server would not use
     (`unusable` says why), log them; PipelineError under --strict. `live`: this process serves
-    from them, so SIGHUP and --admin-port re-mount them (live_remount)."""
+    from them, so SIGHUP and --admin-port re-mount them (live_remount); `stop`: the admin
+    endpoint's graceful stop (default: this process's, `stop_serve`)."""
     check_mlx_lm()
     manager = PromptCacheManager()
     # the weights the server will load: every mount (remounts too) checks bundles against these
@@ -223,7 +211,8 @@ def mount_for(
         )
     if live:
         served = (identity, state)
-        live_remount(options, result, manager, read_options, unusable or (lambda b: None), served)
+        unused = unusable or (lambda b: None)
+        live_remount(options, result, manager, read_options, unused, served, stop or stop_serve)
     return Mounted(options.model, manager, result, chat_template, options.strict, state=state)
 
 
@@ -345,6 +334,7 @@ def live_remount(
     options: Callable[[], dict],
     unusable: Callable[[MountedBundle], str | None],
     served: tuple[ModelIdentity, tuple[str, ...]],
+    stop: Callable[[], None],
 ) -> None:
     """A new bundle version goes live without a restart: SIGHUP re-reads the bundles (`kill
     -HUP <pid>` after a deploy) with startup's rules and options, against the weights the server
@@ -358,7 +348,7 @@ def live_remount(
     remounter = Remounter(result, manager, BUNDLE_KEY, reload, unusable)
     if serve_options.admin_port is not None:
         token = read_token(serve_options.admin_token_file)
-        start_admin(serve_options.admin_port, token, remounter, stop_serve)
+        start_admin(serve_options.admin_port, token, remounter, stop)
 
     def logged(done: Any) -> None:
         if done.exception() is None:
@@ -406,45 +396,8 @@ def remount_read(
 
 
 def stop_serve() -> None:
-    """A graceful stop of serve, as SIGTERM gives it (the admin endpoint's POST /v1/stop): to this
-    process, or from a server's spawned model process (mlx-openai-server's, where the endpoint
-    runs) to serve's, whose stop orders that process to save and close."""
-    import multiprocessing
-
-    spawned = multiprocessing.parent_process() is not None
-    os.kill(os.getppid() if spawned else os.getpid(), signal.SIGTERM)
-
-
-def exit_on_refusal() -> None:
-    """serve exits 1 when a model process it spawned refused to start (`refuse_in_spawned`
-    sends SIGUSR1, after its one `error:` line)."""
-    if hasattr(signal, "SIGUSR1") and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGUSR1, lambda signum, frame: hard_exit())
-
-
-@contextlib.contextmanager
-def refusals_end_serve() -> Iterator[None]:
-    """In a spawned model process: a refusal (PipelineError) reaches the operator as serve's own
-    would, one `error:` line, and serve (its parent) exits 1 before the server reports the child
-    it lost (mlx-openai-server: four tracebacks); then this process ends."""
-    try:
-        yield
-    except PipelineError as exc:
-        refuse_in_spawned(exc)
-
-
-def refuse_in_spawned(exc: PipelineError) -> None:
-    """`refusals_end_serve`'s line, its parent's exit, then this process's."""
-    import time
-
-    sys.stderr.write(f"error: {exc}\n")  # the parent's CLI never sees this process's errors
-    sys.stderr.flush()
-    parent = os.getppid()
-    os.kill(parent, signal.SIGUSR1)
-    deadline = time.monotonic() + 10
-    while os.getppid() == parent and time.monotonic() < deadline:
-        time.sleep(0.05)  # the parent exits first: it never waits on this process
-    os._exit(1)
+    """A graceful stop of serve, as SIGTERM gives it (the admin endpoint's POST /v1/stop)."""
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def hub_cache_or_none(scan: Callable[[], Any]) -> Callable[[], Any]:

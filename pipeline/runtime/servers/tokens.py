@@ -21,11 +21,9 @@ from pipeline.format.errors import PipelineError
 
 
 def hook_of(server: str) -> Any:
-    """The hook of a server named as the format names it; PipelineError for another name."""
-    from pipeline.runtime.servers import HOOKS, hook_for
+    """The hook of a server the registry lists; PipelineError for another name."""
+    from pipeline.runtime.servers.registry import hook_for
 
-    if server not in HOOKS:
-        raise PipelineError(f"unknown server {server!r}; choose one of {', '.join(HOOKS)}")
     return hook_for(server)
 
 
@@ -39,10 +37,10 @@ def has_request_code(server: str) -> bool:
 
 
 def request_code_servers() -> list[str]:
-    """The servers `request_ids` can ask, as the format orders them."""
-    from pipeline.runtime.servers import HOOKS
+    """The servers `request_ids` can ask, in the registry's order."""
+    from pipeline.runtime.servers.registry import names
 
-    return [name for name in HOOKS if has_request_code(name)]
+    return [name for name in names() if has_request_code(name)]
 
 
 def anthropic_servers() -> list[str]:

@@ -1,5 +1,6 @@
-"""Cached-token usage fields for a server whose responses carry none (vllm-mlx 0.6: its Usage model
-has no `prompt_tokens_details`, its Anthropic usage leaves `cache_read_input_tokens` null).
+"""Cached-token usage fields for a server whose responses carry none or count them wrongly (an
+OpenAI Usage model without `prompt_tokens_details`, Anthropic usage whose `input_tokens` counts
+the reads too): the middleware, the per-request record, and the worker binding the engines use.
 
 A request's served tokens are counted where its cache lookup runs, on the server's generation
 worker thread, into the `Reuse` of that request: an HTTP middleware creates one per request in
@@ -16,10 +17,10 @@ the lookup, so they carry the count too.
 
 from __future__ import annotations
 
-import inspect
 import json
 import threading
-import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,7 @@ class Reuse:
     cached: int = 0
     looked_up: bool = False
     prompt: int | None = None  # the prompt's length as the lookup saw it (None: no lookup saw it)
-    # vllm-mlx SimpleEngine: the ids of the system prefix its snapshot cache keys (None: none)
+    # the ids of the system prefix an engine's own snapshot cache keys (None: none)
     system_ids: list[int] | None = None
 
 
@@ -58,74 +59,19 @@ def note_prompt(prompt: int) -> None:
         reuse.prompt = prompt
 
 
-def note_system_ids(ids: list[int]) -> None:
-    """In the request's context: the system prefix the server's own snapshot cache would keep."""
-    reuse = CURRENT.get()
-    if reuse is not None:
-        reuse.system_ids = list(ids)
+def worker_reuse() -> Reuse | None:
+    """On the generation worker: the running request's Reuse (None: no request bound)."""
+    return getattr(_worker, "reuse", None)
 
 
-def worker_system_ids() -> list[int] | None:
-    """On the generation worker: the running request's system prefix ids (note_system_ids)."""
-    reuse = getattr(_worker, "reuse", None)
-    return None if reuse is None else reuse.system_ids
-
-
-def bind_runs(engine_class: type, method: str) -> None:
-    """engine_class.<method>(func, ...) (an async runner that calls func on the worker thread)
-    binds the calling request's Reuse to the worker thread while func runs."""
-    original = getattr(engine_class, method)
-
-    async def run(self: Any, func: Any, *args: Any, **kwargs: Any) -> Any:
-        reuse = CURRENT.get()
-        if reuse is None:
-            return await original(self, func, *args, **kwargs)
-
-        def bound(*fargs: Any, **fkwargs: Any) -> Any:
-            _worker.reuse = reuse
-            try:
-                return func(*fargs, **fkwargs)
-            finally:
-                _worker.reuse = None
-
-        return await original(self, bound, *args, **kwargs)
-
-    setattr(engine_class, method, run)
-
-
-def bind_requests(core_class: type, scheduler_class: type) -> None:
-    """For an engine whose lookup runs when its scheduler admits a request (vllm-mlx's
-    continuous batching): core_class.add_request (async, in the request's context) files the
-    request's Reuse under its request id; scheduler_class.add_request (on the worker) binds it
-    while the request is admitted."""
-    pending: dict[str, Reuse] = {}
-    add = core_class.add_request
-    signature = inspect.signature(add)
-
-    async def add_request(self: Any, *args: Any, **kwargs: Any) -> Any:
-        reuse = CURRENT.get()
-        if reuse is None:
-            return await add(self, *args, **kwargs)
-        bound = signature.bind(self, *args, **kwargs)
-        request_id = bound.arguments.get("request_id") or str(uuid.uuid4())
-        bound.arguments["request_id"] = request_id
-        pending[request_id] = reuse
-        try:
-            return await add(*bound.args, **bound.kwargs)
-        finally:
-            pending.pop(request_id, None)
-
-    admit = scheduler_class.add_request
-
-    def admit_request(self: Any, request: Any) -> Any:
-        _worker.reuse = pending.get(getattr(request, "request_id", None))
-        try:
-            return admit(self, request)
-        finally:
-            _worker.reuse = None
-
-    core_class.add_request = add_request
-    scheduler_class.add_request = admit_request
+@contextmanager
+def on_worker(reuse: Reuse | None) -> Iterator[None]:
+    """Bind a request's Reuse to this (worker) thread while the request's work runs here."""
+    _worker.reuse = reuse
+    try:
+        yield
+    finally:
+        _worker.reuse = None
 
 
 def add_middleware(app: Any, counts: bool = True) -> None:

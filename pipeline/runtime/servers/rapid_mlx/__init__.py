@@ -18,7 +18,7 @@ import sys
 from typing import Any
 
 from pipeline.runtime.servers import warm_up
-from pipeline.runtime.servers.hook import ServerHook
+from pipeline.runtime.servers.hook import SERVING, ServerHook
 from pipeline.runtime.servers.memory_cache import install_memory_cache, memory_entries
 from pipeline.runtime.servers.mounted import Mounted
 from pipeline.runtime.servers.options import ServeOptions
@@ -30,6 +30,14 @@ REFUSED_ROUTES = ("/v1/cache/import",)
 
 class Hook(ServerHook):
     name, package, address, snapshots = SERVER, "rapid_mlx", ("127.0.0.1", 8000), True
+    distribution, extra = "rapid-mlx==0.16.10", "rapid-mlx"
+    serving = (  # its text serving path (not torch, torchvision, opencv, mlx-vlm, mflux)
+        *SERVING[:9], "tiktoken", "pyyaml", "tomli-w", "rich", "tabulate", "jsonschema",
+        "referencing", "argcomplete", "websockets", "mcp", *SERVING[9:],
+    )  # fmt: skip
+    proves = ("rapid_mlx.cli", "rapid_mlx.scheduler", "rapid_mlx.server")
+    ships = ("rapid_mlx", "vllm_mlx")  # a vllm_mlx package of its own
+    reads = ("--api-key",)
     messages_route = True
     unsupported = {
         "--models-config": "serve mounts bundles for the one model folder given as --model",

@@ -1,5 +1,5 @@
 """vllm-mlx's SimpleEngine (its default engine) answering from the pinned bundles: vllm-mlx-only
-code, installed by the vllm-mlx hook (vllm_mlx.py) when it runs without --continuous-batching.
+code, installed by the vllm-mlx hook (this room's __init__.py) when it runs without --continuous-batching.
 
 SimpleEngine answers chat requests from a system-prompt snapshot cache and, with
 `--prefix-trie-cache`, from mlx-lm's `LRUPromptCache` (a token trie consulted on the generation
@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.runtime.servers import usage, warm_up
-from pipeline.runtime.servers.lru_cache import lru_entries, pinned_lru_class, server_entry
+from pipeline.runtime.servers.entries import server_entry
+from pipeline.runtime.servers.lru_cache import lru_entries, pinned_lru_class
 from pipeline.runtime.servers.mounted import Mounted
+from pipeline.runtime.servers.vllm_mlx import usage_binding
 
 SERVER = "vllm-mlx"
 CACHE_OFF = {  # options under which SimpleEngine 0.6.0 builds a fresh cache for every request
@@ -46,7 +48,7 @@ def SNAPSHOT_SLACK(system: int) -> int:  # noqa: N802 - a rule, named as the con
 def snapshot_tokens(tokens: list[int]) -> int:
     """How many leading tokens SimpleEngine's system-prompt snapshot would serve for this
     request (0: it keeps none for it): its system prefix, when the prompt extends it."""
-    system = usage.worker_system_ids()
+    system = usage_binding.worker_system_ids()
     if not system or len(tokens) <= len(system) or tokens[: len(system)] != system:
         return 0
     return len(system)
@@ -68,7 +70,7 @@ def follow_system_snapshots(engine_module: Any, engine_class: type, seen: System
                 ids = encoded[(id(tokenizer), text)] = encode_prompt(tokenizer, text)
                 if len(encoded) > 16:
                     encoded.pop(next(iter(encoded)))
-            usage.note_system_ids(ids)
+            usage_binding.note_system_ids(ids)
             seen.note(text, ids)
         return text
 
@@ -76,7 +78,7 @@ def follow_system_snapshots(engine_module: Any, engine_class: type, seen: System
 
     def restore_snapshot(cls: type, prompt_cache: list, snapshot: list) -> Any:
         result = restore(cls, prompt_cache, snapshot)
-        system = usage.worker_system_ids()
+        system = usage_binding.worker_system_ids()
         if system:  # a snapshot hit serves the system prefix
             usage.record(len(system))
         return result
@@ -177,7 +179,7 @@ def install(mounted: Mounted, snapshots: Any) -> Callable[..., list]:
 
     follow_system_snapshots(simple, SimpleEngine, seen)
     # cached tokens in its responses: counted by the trie lookup on the generation worker
-    usage.bind_runs(SimpleEngine, "_run_blocking_serialized")
+    usage_binding.bind_runs(SimpleEngine, "_run_blocking_serialized")
 
     def listed(mounted: Mounted, snapshots: Any) -> list:
         tries = [t for t in trie_class.instances if t.model_key is not None]

@@ -3,7 +3,7 @@ accepted.
 
 The hook replaces names in mlx_lm.server before its main() runs: `LRUPromptCache` (a subclass
 answering from the mounted bundles and restored snapshots under the one lookup rule, handing the
-batched path only caches it can merge), and through mlx_lm_generation_thread.py `ModelProvider`
+batched path only caches it can merge), and through generation_thread.py `ModelProvider`
 (warm-up, then the port opens) and `ResponseGenerator` (a dead generation thread ends the process;
 a request whose sampling settings would kill that thread is refused alone; the prompt cache is
 told which path fetches). Everything else (options, HTTP, generation) is mlx_lm.server's.
@@ -17,9 +17,9 @@ from types import SimpleNamespace
 from typing import Any
 
 from pipeline.runtime.prompt_cache import at_least_one_left
-from pipeline.runtime.servers import mlx_lm_generation_thread as generation_thread
 from pipeline.runtime.servers.hook import ServerHook
 from pipeline.runtime.servers.lru_cache import lru_entries, pinned_lru_class
+from pipeline.runtime.servers.mlx_lm import generation_thread
 from pipeline.runtime.servers.mounted import Mounted
 from pipeline.runtime.servers.options import ServeOptions
 from pipeline.runtime.servers.startup import hub_cache_or_none
@@ -32,6 +32,7 @@ SERVER = "mlx_lm.server"
 class Hook(ServerHook):
     name, package, address, snapshots = "mlx-lm", "mlx_lm.server", ("127.0.0.1", 8080), True
     periodic_snapshots = True  # its generation thread alone stores entries (tested, real server)
+    reads = ("--adapter-path", "--draft-model", "--kv-bits")
 
     def refused(self, options: ServeOptions) -> dict[str, str]:
         if options.snapshots is None:

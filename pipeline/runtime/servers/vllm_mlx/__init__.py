@@ -1,6 +1,6 @@
 """`serve --server vllm-mlx`: vllm-mlx 0.6.0 with bundles pinned in the prompt cache of the
 engine its options run: SimpleEngine (its default: a prefix trie and system-prompt snapshots,
-vllm_mlx_simple_engine.py) or, with `--continuous-batching`, BatchedEngine (its scheduler's
+simple_engine.py) or, with `--continuous-batching`, BatchedEngine (its scheduler's
 memory-aware prefix cache, memory_cache.py, shared with rapid-mlx). vllm-mlx's own on-disk prefix
 cache is neither loaded nor written under serve.
 """
@@ -13,12 +13,12 @@ from types import SimpleNamespace
 from typing import Any
 
 from pipeline.runtime.servers import usage, warm_up
-from pipeline.runtime.servers import vllm_mlx_simple_engine as simple_engine
-from pipeline.runtime.servers.hook import ServerHook
+from pipeline.runtime.servers.hook import SERVING, ServerHook
 from pipeline.runtime.servers.memory_cache import install_memory_cache, memory_entries
 from pipeline.runtime.servers.mounted import Mounted
 from pipeline.runtime.servers.options import ServeOptions
 from pipeline.runtime.servers.tokens import is_anthropic
+from pipeline.runtime.servers.vllm_mlx import simple_engine, usage_binding
 
 log = logging.getLogger("prefix-bundles")
 SERVER = "vllm-mlx"
@@ -33,6 +33,9 @@ BATCHED_UNSUPPORTED = {  # with --continuous-batching: prefix caches other than 
 
 class Hook(ServerHook):
     name, package, address, snapshots = SERVER, "vllm_mlx", ("127.0.0.1", 8000), True
+    distribution, extra, serving = "vllm-mlx==0.6.0", "vllm-mlx", SERVING
+    proves, ships = ("vllm_mlx.cli", "vllm_mlx.server"), ("vllm_mlx",)
+    reads = ("--api-key", "--continuous-batching", "--max-kv-size", *simple_engine.CACHE_OFF)
     messages_route = True
     unsupported = {
         "--models-config": "serve mounts bundles for the one model folder given as --model",
@@ -86,7 +89,7 @@ class Hook(ServerHook):
             from vllm_mlx.engine_core import EngineCore
 
             cache_class = install_memory_cache(scheduler, mounted, SERVER, snapshots)
-            usage.bind_requests(EngineCore, scheduler.Scheduler)
+            usage_binding.bind_requests(EngineCore, scheduler.Scheduler)
             self.listed = lambda m, s: memory_entries(cache_class, m, s, SERVER)
         else:
             self.listed = simple_engine.install(mounted, snapshots)
