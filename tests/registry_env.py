@@ -32,6 +32,7 @@ class Registry:
     host: str  # 127.0.0.1:PORT
     storage: Path  # the filesystem driver's root folder
     pid: int
+    ca: Path | None = None  # the CA that signed its certificate, when it speaks TLS
 
     def repo(self, name: str = "fleet/bundles") -> str:
         """The --repo value for a repository on this registry."""
@@ -86,8 +87,59 @@ def write_htpasswd(path: Path, users: dict[str, str]) -> None:
         )
 
 
+def make_tls(folder: Path) -> tuple[Path, Path, Path]:
+    """(CA certificate, server certificate for 127.0.0.1 signed by it, its key), PEM files."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    day = datetime.timedelta(days=1)
+
+    def issue(subject: str, key, issuer, signer, ca: bool) -> x509.Certificate:
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+            .issuer_name(issuer)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - day)
+            .not_valid_after(now + day)
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+        )
+        if not ca:
+            loopback = x509.IPAddress(ipaddress.ip_address("127.0.0.1"))
+            builder = builder.add_extension(x509.SubjectAlternativeName([loopback]), False)
+        return builder.sign(signer, hashes.SHA256())
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test registry CA")])
+    ca = issue("test registry CA", ca_key, ca_name, ca_key, True)
+    cert = issue("127.0.0.1", key, ca_name, ca_key, False)
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = folder / "ca.pem", folder / "registry.pem", folder / "registry.key"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return paths
+
+
 def write_config(
-    folder: Path, port: int, users: dict[str, str] | None, token: TokenService | None = None
+    folder: Path,
+    port: int,
+    users: dict[str, str] | None,
+    token: TokenService | None = None,
+    tls: tuple[Path, Path, Path] | None = None,
 ) -> Path:
     auth = ""
     if token:
@@ -104,18 +156,25 @@ def write_config(
         "log:\n  level: warn\n  accesslog:\n    disabled: true\n"
         f"storage:\n  filesystem:\n    rootdirectory: {folder / 'storage'}\n"
         "  delete:\n    enabled: true\n"
-        f"http:\n  addr: 127.0.0.1:{port}\n" + auth
+        f"http:\n  addr: 127.0.0.1:{port}\n"
+        + (f"  tls:\n    certificate: {tls[1]}\n    key: {tls[2]}\n" if tls else "")
+        + auth
     )
     return config
 
 
-def _wait_ready(host: str, process: subprocess.Popen, log: Path) -> None:
+def _wait_ready(host: str, process: subprocess.Popen, log: Path, ca: Path | None = None) -> None:
+    import ssl
+
+    scheme, context = (
+        ("https", ssl.create_default_context(cafile=str(ca))) if ca else ("http", None)
+    )
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"docker-registry exited: {log.read_text()[-2000:]}")
         try:
-            urllib.request.urlopen(f"http://{host}/v2/", timeout=1)
+            urllib.request.urlopen(f"{scheme}://{host}/v2/", timeout=1, context=context)
             return
         except urllib.error.HTTPError:
             return  # 401 with auth: it is up
@@ -126,14 +185,19 @@ def _wait_ready(host: str, process: subprocess.Popen, log: Path) -> None:
 
 @contextmanager
 def registry(
-    folder: Path, users: dict[str, str] | None = None, token: TokenService | None = None
+    folder: Path,
+    users: dict[str, str] | None = None,
+    token: TokenService | None = None,
+    tls: bool = False,
 ) -> Iterator[Registry]:
     """A running registry storing under folder/storage (basic auth for `users`, or bearer
-    tokens from `token`); stopped (by its PID) on exit."""
+    tokens from `token`; with `tls`, HTTPS only, its CA at Registry.ca); stopped (by its PID)
+    on exit."""
     require_tools(BINARY)
     folder.mkdir(parents=True, exist_ok=True)
     port = free_port()
-    config = write_config(folder, port, users, token)
+    certs = make_tls(folder / "tls") if tls else None
+    config = write_config(folder, port, users, token, certs)
     log = folder / "registry.log"
     with open(log, "wb") as out:
         process = subprocess.Popen(
@@ -141,8 +205,8 @@ def registry(
         )
     host = f"127.0.0.1:{port}"
     try:
-        _wait_ready(host, process, log)
-        yield Registry(host, folder / "storage", process.pid)
+        _wait_ready(host, process, log, certs and certs[0])
+        yield Registry(host, folder / "storage", process.pid, certs and certs[0])
     finally:
         os.kill(process.pid, signal.SIGTERM)
         try:

@@ -16,12 +16,11 @@ from pathlib import Path
 import pytest
 from registry_env import registry
 from test_oci import no_docker_config  # noqa: F401 - an autouse fixture: no machine credentials
-from test_oci_fastpath import BLOB, DIGEST, Quiet, reply, serving
+from test_oci_transport import BLOB, DIGEST, PROXY_VARS, Quiet, reply, serving
 
 from pipeline.cli import main
 from pipeline.distribute import oci_auth, oci_tags
 from pipeline.distribute.oci import Registry, parse_repo
-from pipeline.distribute.oci_plain import PROXY_VARS
 from pipeline.distribute.untrusted import may_carry_credentials
 from pipeline.format.errors import PipelineError
 
@@ -153,11 +152,8 @@ def endless(handler, status: int, sent: list) -> None:
         pass
 
 
-@pytest.mark.parametrize("transport", ["plain", "httpx"])
 @pytest.mark.parametrize("status", [404, 500, 307])
-def test_an_error_or_redirect_body_is_read_no_further_than_its_message_needs(
-    status: int, transport: str
-):
+def test_an_error_or_redirect_body_is_read_no_further_than_its_message_needs(status: int):
     """The body of an error (or a redirect) was read whole: an endless one filled memory (httpx
     reads a redirect's body whole when it follows it: redirects are followed here)."""
     sent: list = []
@@ -185,8 +181,6 @@ def test_an_error_or_redirect_body_is_read_no_further_than_its_message_needs(
     with serving(Front) as front:
         registry = client(front)
         registry.sleep = lambda s: None
-        if transport == "httpx":
-            registry.plain = None  # as for a TLS registry or one behind a proxy
         try:
             with pytest.raises(PipelineError):
                 registry.get_manifest("shop.V1.tiny-0123456789ab")
@@ -285,7 +279,7 @@ def test_what_a_registry_names_that_cannot_be_used_is_one_line():
         registry = client(front)
         registry.sleep = lambda s: None
         try:
-            with pytest.raises(PipelineError, match="Content-Length 'abc', not a size"):
+            with pytest.raises(PipelineError, match="Content-Length .*not a size"):
                 registry.has_blob(DIGEST)
             with pytest.raises(
                 PipelineError, match=r"opened an upload \(HTTP 202\) with no Location"
@@ -295,7 +289,6 @@ def test_what_a_registry_names_that_cannot_be_used_is_one_line():
             with pytest.raises(PipelineError, match="a token that cannot be sent in a header"):
                 registry.get_blob(DIGEST, len(BLOB))
             mode["now"] = ""
-            registry.plain = None  # as for a TLS registry or one behind a proxy: httpx
             with pytest.raises(PipelineError, match="failed after 4 tries"):
                 registry.get_blob(DIGEST, len(BLOB))
         finally:
@@ -381,22 +374,19 @@ def dripping(sent: list):
     return Front
 
 
-@pytest.mark.parametrize("transport", ["plain", "httpx"])
-def test_a_body_that_drips_ends_in_one_line_not_a_hang(transport: str, monkeypatch):
+def test_a_body_that_drips_ends_in_one_line_not_a_hang(monkeypatch):
     """A byte every few seconds stays under any socket timeout: the pull hung (hours for a tag
     list, days for a block). Past 60 s plus 1 s per 256 KiB the connection is shut (a blob is
     then resumed, up to its tries); here scaled to 0.5 s plus 1 s per 4 MiB of what is expected
     (a Content-Length of 10**15 claimed for the 1 MiB blob allowed ~120 years)."""
-    from pipeline.distribute import oci_plain
+    from pipeline.distribute import oci_http
 
-    monkeypatch.setattr(oci_plain, "SLOWEST_START_S", 0.5)
-    monkeypatch.setattr(oci_plain, "SLOWEST_RATE", 4 << 20)
+    monkeypatch.setattr(oci_http, "SLOWEST_START_S", 0.5)
+    monkeypatch.setattr(oci_http, "SLOWEST_RATE", 4 << 20)
     sent: list = []
     with serving(dripping(sent)) as front:
         registry = client(front)
         registry.sleep = lambda s: None
-        if transport == "httpx":
-            registry.plain = None  # as for a TLS registry or one behind a proxy
         try:
             start = time.monotonic()
             with pytest.raises(PipelineError, match="failed after 4 tries"):

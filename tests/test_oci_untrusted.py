@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from registry_env import Registry, corrupt, registry
 from test_oci import no_docker_config  # noqa: F401 - an autouse fixture: no machine credentials
-from test_oci_fastpath import Quiet, reply, serving
+from test_oci_transport import Quiet, reply, serving
 
 from pipeline.cli import main
 from pipeline.distribute import oci_auth, oci_push

@@ -2,8 +2,9 @@
 
 About ten endpoints of the distribution spec: blob HEAD, upload (POST then PUT) and cross-repo
 mount, blob GET (digest and size checked while it streams), manifest PUT/GET by tag or digest, the
-tag list. Plain HTTP for loopback hosts (or when asked), TLS verified otherwise (the system store,
-or a CA bundle file). Credentials and the basic/bearer challenge live in oci_auth. Transport
+tag list, over one transport (oci_http: httpx). TLS verified by the system store or a CA bundle
+file; plain HTTP when asked (--plain-http), or on loopback when the port answers in plain HTTP
+(HTTPS is tried first, as Docker does; never with a CA bundle given). Credentials and the basic/bearer challenge live in oci_auth. Transport
 errors, 429 and 5xx are retried with backoff; what still fails is one PipelineError line.
 """
 
@@ -22,18 +23,17 @@ from typing import Any
 from pipeline.distribute.artifact import MAX_MANIFEST_BYTES
 from pipeline.distribute.meter import Meter
 from pipeline.distribute.oci_auth import Challenge, auth_header, credentials
-from pipeline.distribute.oci_http import lib
-from pipeline.distribute.oci_plain import (
-    CHUNK,
+from pipeline.distribute.oci_http import (
     MAX_REDIRECTS,
     REDIRECTS,
+    TLS_ANSWER,
     Body,
-    PlainHTTP,
-    Unserved,
+    client,
+    httpx,
     paced,
-    usable,
+    probe_plain,
+    tls_failure,
 )
-from pipeline.distribute.oci_plain import Response as PlainResponse
 from pipeline.distribute.oci_tags import list_tags
 from pipeline.distribute.untrusted import read_capped, same_origin
 from pipeline.format.errors import PipelineError
@@ -100,30 +100,50 @@ class Registry:
 
     def __init__(self, ref: RepoRef, *, plain_http: bool = False, ca_bundle: str | None = None):
         self.ref = ref
-        scheme = "http" if plain_http or ref.loopback else "https"
-        self.base = f"{scheme}://{ref.host}/v2/{ref.name}"
-        # plain HTTP builds no TLS context (loading the CA store costs ~0.3 s)
-        self.verify = False if scheme == "http" else ca_bundle or True
-        self._client: Any = None  # httpx, made when first needed (a token realm, TLS)
-        self.plain = PlainHTTP(60.0) if usable(self.base) else None
+        if plain_http and ca_bundle:
+            raise PipelineError(
+                "--plain-http and --ca-bundle contradict each other (a CA bundle verifies TLS); "
+                "pass one"
+            )
+        self.plain_asked, self.ca_bundle = plain_http, ca_bundle
+        self._base: str | None = None  # decided at the first request (loopback: probed)
+        self._client: Any = None
         self.creds = credentials(ref.host)
         self.header: dict[str, str] = {}
         self.sleep: Callable[[float], None] = time.sleep
         self.meter = Meter()  # seconds hashing and writing what streams in (the benchmark)
 
     @property
+    def base(self) -> str:
+        """http(s)://HOST/v2/NAME: HTTPS unless --plain-http; on loopback, plain HTTP when the
+        port answers in it (a local rehearsal), never when a CA bundle was given."""
+        if self._base is None:
+            origin = f"https://{self.ref.host}"
+            if self.plain_asked:
+                origin = f"http://{self.ref.host}"
+            elif self.ref.loopback and probe_plain(self.client, origin):
+                if self.ca_bundle:
+                    raise PipelineError(
+                        f"registry {self.ref.host}: it answers in plain HTTP, not TLS, but "
+                        f"--ca-bundle {self.ca_bundle} was given; serve the registry over TLS, "
+                        "or drop --ca-bundle"
+                    )
+                origin = f"http://{self.ref.host}"
+                self.close()  # the TLS client: plain HTTP builds no TLS context
+            self._base = f"{origin}/v2/{self.ref.name}"
+        return self._base
+
+    @property
     def client(self) -> Any:
         if self._client is None:
-            httpx = lib()
-            timeout = httpx.Timeout(60.0, connect=10.0)
-            self._client = httpx.Client(verify=self.verify, timeout=timeout)
+            plain = self.plain_asked or (self._base or "").startswith("http://")
+            self._client = client(False if plain else self.ca_bundle or True)
         return self._client
 
     def close(self) -> None:
         if self._client is not None:
             self._client.close()
-        if self.plain is not None:
-            self.plain.close()
+            self._client = None
 
     # --- requests: retries, the auth challenge, one line on failure ----------------------------
 
@@ -147,7 +167,14 @@ class Registry:
                 if r.status_code == 401 and mine and self._authorize(r, doing):
                     r.close()
                     r = self._once(method, url, extra, stream, kw)
-            except lib().RequestError as exc:
+            except httpx.RequestError as exc:
+                if (why := tls_failure(exc)) is not None:  # no retry changes either
+                    raise self.tls_error(doing, why, exc) from None
+                if "Content-Length" in str(exc):  # h11 refuses it before we see it: no retry
+                    raise PipelineError(
+                        f"registry {self.ref.host}: {doing}: it answered with a Content-Length "
+                        f"that is not a size ({exc}); check the registry"
+                    ) from None
                 last = f"{exc.__class__.__name__}: {' '.join(str(exc).split())[:120]}"
                 continue
             if r.status_code != 429 and r.status_code < 500:
@@ -163,14 +190,12 @@ class Registry:
     def _once(self, method: str, url: str, extra: dict, stream: bool, kw: dict) -> Any:
         # a URL the registry named on another origin (an upload Location) gets no credentials
         headers = {**(self.header if same_origin(url, self.base) else {}), **extra}
-        if self.plain is not None:
-            r = self.plain.send(method, url, headers, stream=True, **kw)
-        else:
-            content = kw.get("content")
-            if content is not None and not isinstance(content, bytes):  # buffers: httpx wants bytes
-                kw = {**kw, "content": b"".join(content)}
-            request = self.client.build_request(method, url, headers=headers, **kw)
-            r = self.client.send(request, stream=True)
+        content = kw.get("content")
+        if content is not None and not isinstance(content, bytes):  # buffers, sent in order
+            headers["content-length"] = str(sum(len(b) for b in content))
+            kw = {**kw, "content": list(content)}
+        request = self.client.build_request(method, url, headers=headers, **kw)
+        r = self.client.send(request, stream=True)
         if r.status_code >= 400 or not stream:
             small_body(r)  # for the message: no more than MAX_SMALL_BODY is read
         if not stream:
@@ -186,8 +211,39 @@ class Registry:
         self.header = header
         return True
 
+    def tls_error(self, doing: str, why: str, exc: BaseException) -> PipelineError:
+        if why == "plain":
+            return self.wrong_scheme(doing, "answers in plain HTTP, not TLS")
+        given = f"--ca-bundle {self.ca_bundle}" if self.ca_bundle else "the system's CAs"
+        return PipelineError(
+            f"registry {self.ref.host}: {doing}: its TLS certificate is not trusted by {given} "
+            f"({' '.join(str(exc).split())[:120]}); pass --ca-bundle FILE with the CA that "
+            "signed it"
+        )
+
+    def _speaks_tls(self, r: Any) -> bool:
+        """Whether a 400 over plain HTTP came from a TLS port (as Go's servers answer it; a HEAD
+        has no body to say so: /v2/ is asked)."""
+        if not self.base.startswith("http://"):
+            return False
+        if TLS_ANSWER in small_body(r):
+            return True
+        try:
+            with self.client.stream("GET", self.base.split("/v2/", 1)[0] + "/v2/") as probe:
+                return probe.status_code == 400 and TLS_ANSWER in small_body(probe)
+        except httpx.RequestError:
+            return False
+
+    def wrong_scheme(self, doing: str, what: str) -> PipelineError:
+        fix = "pass --plain-http" if what.endswith("not TLS") else "drop --plain-http"
+        if not self.ref.loopback and fix == "pass --plain-http":
+            fix += " (and only where the network between is trusted)"
+        return PipelineError(f"registry {self.ref.host}: {doing}: its port {what}; {fix}")
+
     def failed(self, doing: str, r: Any) -> PipelineError:
         where = f"registry {self.ref.host}: {doing}"
+        if r.status_code == 400 and self._speaks_tls(r):
+            return self.wrong_scheme(doing, "speaks TLS (HTTPS), not plain HTTP")
         if r.status_code in (401, 403):
             who = f"as {self.creds.username!r}" if self.creds else "without credentials"
             return PipelineError(
@@ -277,7 +333,7 @@ class Registry:
                         sink(chunk)
                     n += len(chunk)
                 break
-            except lib().RequestError:
+            except httpx.RequestError:
                 if attempt == RETRIES - 1:
                     raise PipelineError(
                         f"registry {self.ref.host}: {doing} failed after {RETRIES} tries (the "
@@ -314,11 +370,8 @@ class Registry:
             if r.status_code not in (200, 206):
                 raise self.failed(doing, r)
             skip = start if r.status_code == 200 else 0  # the server ignored the Range
-            if isinstance(r, PlainResponse):  # paced by what is expected, not what is claimed
-                pieces = r.chunks(memoryview(bytearray(CHUNK)), size)
-            else:
-                pieces = paced(r.iter_bytes(), size)
-            for chunk in pieces:
+            # paced by what is expected, not by the length the server claims
+            for chunk in paced(r.iter_bytes(), size):
                 if skip:
                     cut, skip = min(skip, len(chunk)), skip - min(skip, len(chunk))
                     chunk = chunk[cut:]
@@ -327,16 +380,8 @@ class Registry:
 
     @contextmanager
     def _open_blob(self, url: str, headers: dict[str, str]) -> Iterator[Any]:
-        """A blob GET's response: read in place on plain HTTP (oci_plain), else by httpx."""
-        if self.plain is not None:
-            try:
-                r = self.plain.send("GET", url, headers, stream=True, follow=True)
-            except Unserved:  # redirected to TLS: httpx follows it
-                pass
-            else:
-                with r:
-                    yield r
-                return
+        """A blob GET's response, its redirects followed here (httpx would read each redirect's
+        body whole); credentials go to the same origin only."""
         for _ in range(MAX_REDIRECTS + 1):  # followed here: httpx reads each redirect's body whole
             with self.client.stream("GET", url, headers=headers) as r:
                 target = r.headers.get("location")
@@ -351,7 +396,7 @@ class Registry:
                     small_body(r)
                 yield r
                 return
-        raise lib().TooManyRedirects(f"more than {MAX_REDIRECTS} redirects")
+        raise httpx.TooManyRedirects(f"more than {MAX_REDIRECTS} redirects")
 
     def get_blob(self, digest: str, size: int) -> bytes:
         parts: list[bytes] = []
@@ -417,7 +462,7 @@ class Registry:
         """(the body, whether it goes past cap): reading stops one chunk past the cap."""
         try:
             body = read_capped(pieces(r, cap + 1), cap)
-        except lib().RequestError as exc:
+        except httpx.RequestError as exc:
             raise PipelineError(
                 f"registry {self.ref.host}: {doing} failed (the connection broke: "
                 f"{exc.__class__.__name__}); retry: nothing was published"
@@ -433,8 +478,6 @@ class Registry:
 def pieces(r: Any, expected: int) -> Iterator[Any]:
     """A response's body as it comes, of which at most `expected` bytes will be taken: paced
     by that (a body that drips ends), not by the length the server claims."""
-    if isinstance(r, PlainResponse):
-        return r.iter_bytes(expected=expected)
     return paced(r.iter_bytes(), expected)
 
 
@@ -445,7 +488,7 @@ def small_body(r: Any) -> bytes:
     if body is None:
         try:
             body = read_capped(pieces(r, MAX_SMALL_BODY + 1), MAX_SMALL_BODY)[:MAX_SMALL_BODY]
-        except lib().RequestError:
+        except httpx.RequestError:
             body = b""  # a broken answer: its message is its status
         r.small_body = body
     return body

@@ -20,7 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from pipeline.distribute.oci_plain import paced
+from pipeline.distribute.oci_http import paced
 from pipeline.distribute.untrusted import Unfit, may_carry_credentials, parse_as, read_capped
 from pipeline.format.errors import PipelineError
 from pipeline.format.regular_files import FileProblem, read_regular

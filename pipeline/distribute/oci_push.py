@@ -31,7 +31,7 @@ from pipeline.distribute.artifact import (
 from pipeline.distribute.blocks import Source, read_layout
 from pipeline.distribute.meter import Meter
 from pipeline.distribute.oci import Registry, in_parallel, parse_repo
-from pipeline.distribute.oci_plain import Body
+from pipeline.distribute.oci_http import Body
 from pipeline.distribute.pinned import Pinned
 from pipeline.distribute.prehash import Prehash
 from pipeline.distribute.push import CheckedBundle

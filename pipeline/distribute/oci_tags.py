@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import re
 from typing import Annotated, Any
+from urllib.parse import urljoin
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pipeline.distribute.artifact import MAX_MANIFEST_BYTES
-from pipeline.distribute.oci_plain import URL
 from pipeline.distribute.untrusted import Unfit, parse_as, same_origin
 from pipeline.format.errors import PipelineError
 
@@ -56,7 +56,7 @@ def list_tags(registry: Any) -> list[str]:
             )
         found.update(tags)  # a tag on two pages (added while paging) counts once
         nxt = NEXT.match(link)
-        url = str(URL(url).join(nxt.group(1))) if nxt else ""
+        url = urljoin(url, nxt.group(1)) if nxt else ""
         if url and not same_origin(url, registry.base):
             raise PipelineError(
                 f"{where}: its Link header sends the next page to another origin "

@@ -1,11 +1,14 @@
-"""What makes a pull fast without dropping a check: the served model's cache classes remembered by
-their exact inputs (no mlx-lm import), and blob bodies read in place over plain HTTP."""
+"""The one transport (httpx) and what makes a pull fast without dropping a check: the served
+model's cache classes remembered by their exact inputs (no mlx-lm import); blobs redirected to a
+store; TLS on loopback against a real docker-registry with a CA made here; a wrong scheme is one
+line. Also the loopback fakes the hostile-registry tests share (Quiet, reply, serving)."""
 
 from __future__ import annotations
 
 import hashlib
 import http.server
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -17,7 +20,6 @@ from types import SimpleNamespace
 import pytest
 
 from pipeline.distribute.oci import Registry, parse_repo
-from pipeline.distribute.oci_plain import PROXY_VARS
 from pipeline.format import served_identity
 from pipeline.format.cache_state import model_cache_classes
 from pipeline.format.errors import PipelineError
@@ -25,6 +27,7 @@ from pipeline.format.fingerprint import model_config
 from pipeline.runtime.mount import identity_for as mount_identity
 
 REPO = Path(__file__).resolve().parents[1]
+PROXY_VARS = ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")
 
 
 @pytest.fixture(autouse=True)
@@ -157,8 +160,7 @@ def test_a_blob_follows_a_redirect_without_the_credentials_and_keeps_its_connect
                 self.end_headers()
 
         with serving(Front) as front:
-            client = Registry(parse_repo(f"oci://{front}/fleet/bundles"))
-            assert client.plain is not None
+            client = Registry(parse_repo(f"oci://{front}/fleet/bundles"), plain_http=True)
             client.header = {"authorization": "Bearer secret"}
             try:
                 assert client.get_blob(DIGEST, len(BLOB)) == BLOB
@@ -177,15 +179,6 @@ def test_a_blob_follows_a_redirect_without_the_credentials_and_keeps_its_connect
     assert len(registry_conns) == 1 and len(store_conns) == 1  # kept alive
 
 
-def test_with_a_proxy_set_blobs_go_through_httpx(monkeypatch):
-    monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
-    client = Registry(parse_repo("oci://127.0.0.1:5000/fleet/bundles"))
-    try:
-        assert client.plain is None
-    finally:
-        client.close()
-
-
 def test_a_request_without_a_body_still_says_its_length():
     """An upload session is opened with an empty POST: Content-Length 0, as httpx sends it
     (registries behind a proxy answer 411 without it)."""
@@ -200,7 +193,7 @@ def test_a_request_without_a_body_still_says_its_length():
             self.end_headers()
 
     with serving(Front) as front:
-        client = Registry(parse_repo(f"oci://{front}/fleet/bundles"))
+        client = Registry(parse_repo(f"oci://{front}/fleet/bundles"), plain_http=True)
         try:
             r = client.request("POST", f"{client.base}/blobs/uploads/", "opening", (202,))
         finally:
@@ -239,41 +232,79 @@ def test_block_digests_computed_ahead_are_the_blocks_and_a_changed_file_gets_non
         ahead.close()
 
 
-def test_plain_http_needs_no_httpx(tmp_path: Path):
-    """A plain-HTTP registry is served without importing httpx (its import cost a pull's start
-    ~30-45 ms): a blob GET, a Location resolved against its request and a repeated challenge
-    header, in a fresh process."""
+# --- TLS on loopback: a real docker-registry with a certificate for 127.0.0.1 -----------------
 
-    class Front(Quiet):
-        def do_GET(self):
-            self.send_response(200)
-            self.send_header("content-length", str(len(BLOB)))
-            self.send_header("WWW-Authenticate", 'Basic realm="a"')
-            self.send_header("www-authenticate", 'Bearer realm="b"')
-            self.send_header("Location", "../uploads/1?_state=x")
-            self.end_headers()
-            self.wfile.write(BLOB)
 
-    with serving(Front) as front:
-        code = (
-            "import sys\n"
-            "from pipeline.distribute.oci import Registry, parse_repo\n"
-            f"c = Registry(parse_repo('oci://{front}/fleet/bundles'))\n"
-            f"assert c.get_blob({DIGEST!r}, {len(BLOB)}) == bytes(range(256)) * 4096\n"
-            "r = c.request('GET', c.base + '/blobs/x/y', 'asking', (200,))\n"
-            "print(c._location(r))\n"
-            "print(r.headers.get('Www-Authenticate'))\n"
-            "print('LOCATION' in r.headers, r.headers['Content-Length'])\n"
-            "print(sorted(m for m in ('httpx', 'httpx2') if m in sys.modules))\n"
+@pytest.fixture
+def no_credentials(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "no-docker-config"))
+    monkeypatch.delenv("PREFIX_BUNDLES_REGISTRY_USER", raising=False)
+    monkeypatch.delenv("PREFIX_BUNDLES_REGISTRY_PASSWORD", raising=False)
+
+
+def test_a_tls_registry_on_loopback_round_trips_with_its_ca_bundle(
+    shop_bundle: Path, tiny_model: Path, tmp_path: Path, no_credentials, capsys
+):
+    """HTTPS is tried first on loopback (it was always plain HTTP there: this registry answered
+    400 and push said only 'HTTP 400'), verified with --ca-bundle."""
+    import shutil
+
+    from registry_env import registry
+
+    from pipeline.cli import main
+
+    model = Path(shutil.copytree(tiny_model, tmp_path / "deploy" / "tiny"))
+    with registry(tmp_path / "registry", tls=True) as reg:
+        ca = ["--ca-bundle", str(reg.ca)]
+        assert main(["push", str(shop_bundle), "--repo", reg.repo(), *ca]) == 0
+        assert main(["pull", "--repo", reg.repo(), "--model", str(model), *ca]) == 0
+        out = capsys.readouterr().out
+        local = model / "prefix-bundles" / "shop" / "1" / shop_bundle.name
+        assert f"-> {local}" in out
+        assert (local / "cache.safetensors").read_bytes() == (
+            shop_bundle / "cache.safetensors"
+        ).read_bytes()
+
+
+def test_a_wrong_scheme_or_an_untrusted_certificate_is_one_line(
+    shop_bundle: Path, tmp_path: Path, no_credentials, capsys
+):
+    """A TLS port asked in plain HTTP, a plain port given a CA bundle, a certificate no CA given
+    vouches for: each one line saying so (none retried as if the registry were down)."""
+    from registry_env import registry
+
+    from pipeline.cli import main
+
+    push = ["push", str(shop_bundle), "--repo"]
+    with registry(tmp_path / "tls", tls=True) as reg:
+        host, ca = reg.host, str(reg.ca)
+        blob = r"checking blob sha256:[0-9a-f]{12}"
+        assert main([*push, reg.repo(), "--plain-http"]) == 1
+        assert re.fullmatch(
+            f"error: registry {host}: {blob}: its port speaks TLS \\(HTTPS\\), not plain HTTP; "
+            "drop --plain-http\n",
+            capsys.readouterr().err,
         )
-        env = {"PREFIX_BUNDLES_CACHE_DIR": str(tmp_path / "memo"), "PATH": "/usr/bin:/bin"}
-        out = subprocess.run(
-            [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True
+        assert main([*push, reg.repo()]) == 1
+        err = capsys.readouterr().err
+        assert re.match(
+            f"error: registry {host}: {blob}: its TLS certificate is not trusted by the system's "
+            "CAs \\(",
+            err,
         )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.splitlines() == [
-        f"http://{front}/v2/fleet/bundles/blobs/uploads/1?_state=x",
-        'Basic realm="a", Bearer realm="b"',
-        f"True {len(BLOB)}",
-        "[]",
-    ]
+        assert err.endswith("pass --ca-bundle FILE with the CA that signed it\n")
+        assert err.count("\n") == 1
+        assert main([*push, reg.repo(), "--ca-bundle", str(tmp_path / "none.pem")]) == 1
+        assert capsys.readouterr().err == (
+            f"error: --ca-bundle {tmp_path / 'none.pem'}: cannot be read as PEM CA certificates "
+            "(No such file or directory); pass the file holding the CA that signed the "
+            "registry's certificate\n"
+        )
+        assert main([*push, reg.repo(), "--plain-http", "--ca-bundle", ca]) == 1
+        assert "--plain-http and --ca-bundle contradict each other" in capsys.readouterr().err
+    with registry(tmp_path / "plain") as reg:
+        assert main([*push, reg.repo(), "--ca-bundle", ca]) == 1
+        assert capsys.readouterr().err == (
+            f"error: registry {reg.host}: it answers in plain HTTP, not TLS, but --ca-bundle "
+            f"{ca} was given; serve the registry over TLS, or drop --ca-bundle\n"
+        )
