@@ -3,10 +3,10 @@ never an entry with nothing left to process, never a lossy entry for a short ove
 batched path handed only caches it can merge.
 
 A hook's subclass of its server's prompt cache reaches it through `Mounted.answer`
-(pipeline.runtime.servers.startup: restored snapshots first, then this rule); what differs per
-server is only how its own cache is asked. mlx-omni-server's pool is the exception: omni checks
-an entry out by its own scan, so its hook applies the same rule's parts where omni decides
-(`mlx_omni.usable_tokens`, the bundle's `manager.fetch`, `log_request`).
+(pipeline.runtime.servers.mounted: restored snapshots first, then this rule); what differs per
+server is only how its own cache is asked. A pool that checks entries out by its own scan
+(mlx-omni-server's: servers/mlx_omni/pool.py) applies the same rule's parts where it decides
+(which own entry a prompt may take, the bundle's `manager.fetch`, `log_request`).
 """
 
 from __future__ import annotations
