@@ -18,7 +18,7 @@ from pipeline import hubnet
 from pipeline.cli import main
 from pipeline.cli.reports import PullReport, PushReport
 from pipeline.distribute import hub
-from pipeline.distribute.pull import BUSY, HELD_BACK, HELD_BACK_FAILED
+from pipeline.distribute.publish import BUSY, HELD_BACK, HELD_BACK_FAILED
 from pipeline.distribute.push import HELD_BACK as push_held_back
 from pipeline.format.bundle_folder import CACHE_FILE
 from pipeline.runtime import mount

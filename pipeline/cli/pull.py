@@ -13,7 +13,7 @@ from pipeline.cli.push import add_registry_options, transfer_of, transfer_progre
 from pipeline.cli.reports import PulledBundle, PullReport, PullTotals, refusal_of
 
 if TYPE_CHECKING:
-    from pipeline.distribute.pull import PullResult
+    from pipeline.distribute.publish import PullResult
 
 BY_TAG = "by tag: the lockfile records no digest for it (push --lockfile records one)"
 
@@ -82,7 +82,7 @@ def _locked(args: argparse.Namespace) -> dict[str, str | None] | None:
     """--lockfile: {repo path: artifact digest or None} of exactly the folders it names."""
     if not args.lockfile:
         return None
-    from pipeline.distribute.pull import locked_selection
+    from pipeline.distribute.selection import locked_selection
     from pipeline.format.errors import PipelineError
 
     if args.prefix:

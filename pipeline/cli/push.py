@@ -15,8 +15,8 @@ from pipeline.cli.reports.fleet import Transfer
 from pipeline.format.errors import PipelineError
 
 if TYPE_CHECKING:
+    from pipeline.distribute.checked import CheckedBundle
     from pipeline.distribute.prehash import Prehash
-    from pipeline.distribute.push import CheckedBundle
 
 
 def add_parser(sub: argparse._SubParsersAction, parents: list) -> None:
@@ -88,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace, prehash: Prehash | None) -> int:
-    from pipeline.distribute.push import HELD_BACK, check_bundle, push
+    from pipeline.distribute.checked import check_bundle
+    from pipeline.distribute.push import HELD_BACK, push
 
     checked: list[CheckedBundle | PushedBundle] = []  # in argument order; PushedBundle: refused
     oci = prehash is not None

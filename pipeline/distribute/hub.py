@@ -5,35 +5,15 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
-from pipeline.format.bundle_folder import FINGERPRINT_CHARS
+from pipeline.distribute.selection import RemoteBundle
 from pipeline.format.errors import PipelineError
 from pipeline.format.names import is_model_folder, is_name, parse_version
 from pipeline.hubnet import require_hub
 
 REPO_TYPE = "model"  # bundles live in a (private) model repo: the hub's plain file store
 REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*\Z")
-
-
-@dataclass(frozen=True)
-class RemoteBundle:
-    """A bundle folder in the hub repo: <name>/<version>/<slug>-<fingerprint[:12]>/."""
-
-    name: str
-    version: int
-    folder: str
-    files: tuple[str, ...]
-
-    @property
-    def path(self) -> str:
-        return f"{self.name}/{self.version}/{self.folder}"
-
-    @property
-    def fingerprint(self) -> str:
-        """The model fingerprint prefix the folder names."""
-        return self.folder[-FINGERPRINT_CHARS:]
 
 
 def remote_bundles(files: list[str]) -> list[RemoteBundle]:

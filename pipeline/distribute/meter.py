@@ -1,5 +1,5 @@
-"""What a push or pull reports while it runs: bytes done of each artifact (for a progress bar) and
-seconds per phase (for the benchmark). No printing: the CLI gives a callback that does.
+"""What a push or pull reports while it runs: bytes done of each artifact (for a progress bar),
+seconds per phase (for the benchmark), and the bytes that moved and were already there. No printing: the CLI gives a callback that does.
 """
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 # callback(label, done bytes, total bytes, reused bytes, elapsed seconds)
 Report = Callable[[str, int, int, int, float], None]
@@ -59,3 +60,17 @@ class Meter:
                 self.seconds[name] = self.seconds.get(name, 0.0) + spent
                 if cpu:
                     self.cpu[name] = self.cpu.get(name, 0.0) + used
+
+
+@dataclass
+class Transfer:
+    """Bytes and blobs that moved, and those the other side already had."""
+
+    moved_bytes: int = 0
+    moved_blobs: int = 0
+    reused_bytes: int = 0
+    reused_blobs: int = 0
+
+    def add(self, other: Transfer) -> None:
+        for k in ("moved_bytes", "moved_blobs", "reused_bytes", "reused_blobs"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))

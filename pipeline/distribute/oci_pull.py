@@ -8,7 +8,7 @@ token-range blocks, each block taken from a bundle already in the destination fo
 has the same bytes, else downloaded. Then the hub form's last steps: every target locked, the one
 validator (which checks each rebuilt file against the BLAKE3 manifest.json pins, in its own read
 of it: the file is read once after it is written, not twice), an atomic publish of all or none
-(pipeline.distribute.pull.publish_staged).
+(pipeline.distribute.publish.publish_staged).
 """
 
 from __future__ import annotations
@@ -29,22 +29,18 @@ from pipeline.distribute.artifact import (
     tag_of,
 )
 from pipeline.distribute.blocks import Layout, Target, layout
-from pipeline.distribute.hub import RemoteBundle
 from pipeline.distribute.local_bundles import LocalBlocks, up_to_date
-from pipeline.distribute.meter import Meter
+from pipeline.distribute.meter import Meter, Transfer
 from pipeline.distribute.oci import Registry, in_parallel, parse_repo
-from pipeline.distribute.oci_push import Transfer
-from pipeline.distribute.pull import (
-    PulledBundle,
-    PullResult,
+from pipeline.distribute.publish import PulledBundle, PullResult, disk_error, publish_staged
+from pipeline.distribute.resume import Resume
+from pipeline.distribute.selection import (
+    RemoteBundle,
     check_found,
-    disk_error,
     near_model,
     parse_wanted,
-    publish_staged,
     select,
 )
-from pipeline.distribute.resume import Resume
 from pipeline.format.bundle_folder import (
     CACHE_FILE,
     FINGERPRINT_CHARS,

@@ -29,28 +29,14 @@ from pipeline.distribute.artifact import (
     tag_of,
 )
 from pipeline.distribute.blocks import Source, read_layout
-from pipeline.distribute.meter import Meter
+from pipeline.distribute.checked import CheckedBundle
+from pipeline.distribute.meter import Meter, Transfer
 from pipeline.distribute.oci import Registry, in_parallel, parse_repo
 from pipeline.distribute.oci_http import Body
 from pipeline.distribute.pinned import Pinned
 from pipeline.distribute.prehash import Prehash
-from pipeline.distribute.push import CheckedBundle
 from pipeline.format.bundle_folder import CACHE_FILE
 from pipeline.format.errors import PipelineError
-
-
-@dataclass
-class Transfer:
-    """Bytes and blobs that moved, and those the other side already had."""
-
-    moved_bytes: int = 0
-    moved_blobs: int = 0
-    reused_bytes: int = 0
-    reused_blobs: int = 0
-
-    def add(self, other: Transfer) -> None:
-        for k in ("moved_bytes", "moved_blobs", "reused_bytes", "reused_blobs"):
-            setattr(self, k, getattr(self, k) + getattr(other, k))
 
 
 @dataclass(frozen=True)
