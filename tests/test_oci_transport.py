@@ -308,3 +308,21 @@ def test_a_wrong_scheme_or_an_untrusted_certificate_is_one_line(
             f"error: registry {reg.host}: it answers in plain HTTP, not TLS, but --ca-bundle "
             f"{ca} was given; serve the registry over TLS, or drop --ca-bundle\n"
         )
+
+
+def test_pulling_from_a_repository_that_does_not_exist_is_one_line(
+    tiny_model: Path, tmp_path: Path, no_credentials, capsys
+):
+    """Its tag list answers 404, whose body was read for the message: reading it again for the
+    list was a traceback (httpx's StreamConsumed)."""
+    from registry_env import registry
+
+    from pipeline.cli import main
+
+    with registry(tmp_path / "registry") as reg:
+        assert main(["pull", "--repo", reg.repo("fleet/none"), "--model", str(tiny_model)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        f"error: registry repo {reg.repo('fleet/none')}: no bundle for this model"
+    )
+    assert err.count("\n") == 1

@@ -477,7 +477,10 @@ class Registry:
 
 def pieces(r: Any, expected: int) -> Iterator[Any]:
     """A response's body as it comes, of which at most `expected` bytes will be taken: paced
-    by that (a body that drips ends), not by the length the server claims."""
+    by that (a body that drips ends), not by the length the server claims; an error's body,
+    already read for its message (small_body), is that."""
+    if getattr(r, "small_body", None) is not None:  # a stream is read once
+        return iter([r.small_body])
     return paced(r.iter_bytes(), expected)
 
 
