@@ -116,7 +116,7 @@ def test_unsupported_option_is_refused_before_anything_is_mounted(tiny_model: Pa
     python = servers_python()
     args = serve_args(python, tiny_model, tmp_path, 1, "--mllm")
     proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1] == (
         "error: serve --server vllm-mlx: --mllm is not supported: bundles hold text-model caches; "
         "multimodal routing is not hooked"

@@ -84,6 +84,6 @@ def test_prefix_caches_the_hook_does_not_fill_are_refused_with_one_line(
         args = batching(tiny_model, shop_bundle.parents[2], free_port(), option)
         proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=300)
         lines = proc.stderr.strip().splitlines()
-        assert proc.returncode == 1 and lines[-1].startswith(
+        assert proc.returncode == 2 and lines[-1].startswith(
             f"error: serve --server vllm-mlx: {option} is not supported: with --continuous-batching"
         ), proc.stderr[-2000:]

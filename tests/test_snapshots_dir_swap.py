@@ -188,5 +188,5 @@ def test_a_bad_budget_is_refused_before_the_mount(
 
     monkeypatch.setattr(startup, "mount_for", mount_for)
     args = ["serve", "--model", str(tiny_model), "--snapshots", str(tmp_path / "s")]
-    assert main([*args, "--snapshot-budget", "2 lots"]) == 1
+    assert main([*args, "--snapshot-budget", "2 lots"]) == 2  # usage
     assert capsys.readouterr().err == f"error: {NOT_A_SIZE}\n"

@@ -60,7 +60,7 @@ def test_the_cli_refuses_it_with_one_line(tmp_path: Path, tiny_model: Path, caps
     from pipeline.cli import main
 
     args = ["serve", "--server", "rapid-mlx", "--model", str(tiny_model), "--snapshots"]
-    assert main([*args, str(tmp_path / "s"), "--snapshot-every", "5"]) == 1
+    assert main([*args, str(tmp_path / "s"), "--snapshot-every", "5"]) == 2  # usage
     assert capsys.readouterr().err == f"error: {UNSUPPORTED.format('rapid-mlx')}\n"
     assert not (tmp_path / "s").exists()  # refused before the folder was made
 

@@ -84,7 +84,7 @@ def parse_size(text: str) -> int:
     match = re.fullmatch(r"\s*([0-9]+)\s*([A-Za-z]*)\s*", text)
     unit = match[2].upper() if match else None
     if match is None or unit not in _UNITS:
-        raise PipelineError(
+        raise UsageError(
             f"--snapshot-budget {text!r} is not a size; write bytes or a number with KiB, MiB, "
             "GiB or TiB (e.g. 2GiB)"
         )
@@ -97,7 +97,7 @@ def snapshot_budget(args: Any) -> int | None:
     text = getattr(args, "snapshot_budget", None)
     if getattr(args, "snapshots", None) is None:
         if text is not None:
-            raise PipelineError("--snapshot-budget needs --snapshots DIR (the folder it saves to)")
+            raise UsageError("--snapshot-budget needs --snapshots DIR (the folder it saves to)")
         return None
     from pipeline.runtime.snapshots import DEFAULT_BUDGET
 
@@ -113,12 +113,12 @@ def every_seconds(args: Any, hook: Any) -> float | None:
     if text is None:
         return None
     if getattr(args, "snapshots", None) is None:
-        raise PipelineError("--snapshot-every needs --snapshots DIR (the folder it saves to)")
+        raise UsageError("--snapshot-every needs --snapshots DIR (the folder it saves to)")
     if not hook.periodic_snapshots:
         from pipeline.runtime.servers.registry import hook_class, names
 
         able = [h.package for h in map(hook_class, names()) if h.periodic_snapshots]
-        raise PipelineError(
+        raise UsageError(
             f"--snapshot-every is not supported with --server {hook.name} yet: a save while it "
             "serves must run on the thread that owns its prompt cache, which serve guarantees "
             f"for {', '.join(able)} only (docs/snapshots.md); serve without it (the "
@@ -129,7 +129,7 @@ def every_seconds(args: Any, hook: Any) -> float | None:
     except ValueError:
         minutes = -1.0
     if not 0 < minutes < 1e6:
-        raise PipelineError(
+        raise UsageError(
             f"--snapshot-every {text!r} is not a number of minutes; pass a positive number "
             "(e.g. 5, or 0.5 for 30 seconds)"
         )
