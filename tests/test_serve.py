@@ -834,3 +834,17 @@ def test_a_remount_that_replaces_a_4_bit_bundle_does_not_bring_lossy_reuse_back(
     assert "server's own cache" not in last or "is used" not in last, last
     assert cached(warm) <= 1 and ("bundle shop@2 covers" in last or cached(warm) == 0), last
     assert warm["choices"][0]["message"] == cold["choices"][0]["message"]
+
+
+def test_a_ctrl_c_is_said_as_it_comes_and_the_mount_names_its_imports(
+    shop_bundle: Path, tiny_model: Path, tmp_path: Path
+):
+    """SIGINT (Ctrl-C) stops serve with a line saying so (there was none: a stop that saves
+    snapshots read as a hang); the mount summary says what of its time was one-time imports."""
+    log = tmp_path / "serve.log"
+    with server_process(tiny_model, shop_bundle.parents[2], log) as (proc, _port):
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=60)
+    text = log.read_text()
+    assert code in (0, 130) and "- INFO - SIGINT: stopping\n" in text, text[-2000:]
+    assert " ms of it the one-time imports a load needs)" in text

@@ -210,7 +210,12 @@ def main(argv: list[str] | None = None) -> int:
         err(f"{exc.filename or 'I/O'}: {exc.strerror or exc}")
         return 1
     except KeyboardInterrupt:
-        err("interrupted; no partial bundle was left in place")
+        said = (
+            "the server stopped"
+            if args.command == "serve"
+            else "no partial bundle was left in place"
+        )
+        err(f"interrupted; {said}")
         return 130
 
 
