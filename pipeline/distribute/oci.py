@@ -121,7 +121,7 @@ class Registry:
             origin = f"https://{self.ref.host}"
             if self.plain_asked:
                 origin = f"http://{self.ref.host}"
-            elif self.ref.loopback and probe_plain(self.client, origin):
+            elif self.ref.loopback and probe_plain(origin):
                 if self.ca_bundle:
                     raise PipelineError(
                         f"registry {self.ref.host}: it answers in plain HTTP, not TLS, but "
@@ -129,14 +129,13 @@ class Registry:
                         "or drop --ca-bundle"
                     )
                 origin = f"http://{self.ref.host}"
-                self.close()  # the TLS client: plain HTTP builds no TLS context
             self._base = f"{origin}/v2/{self.ref.name}"
         return self._base
 
     @property
     def client(self) -> Any:
         if self._client is None:
-            plain = self.plain_asked or (self._base or "").startswith("http://")
+            plain = self.base.startswith("http://")  # plain HTTP builds no TLS context
             self._client = client(False if plain else self.ca_bundle or True)
         return self._client
 
