@@ -1,4 +1,6 @@
-"""Case: fleet distribution through a real OCI registry (Debian's docker-registry on loopback).
+"""Case: fleet distribution through a real OCI registry (Debian's docker-registry on loopback,
+behind TLS as fleets run it: a CA made here signs its certificate for 127.0.0.1; ours verifies
+with --ca-bundle, curl with --cacert).
 
 A first version of ~1 GB (float32 bench model, ~4k tokens) pushed and pulled by
 `pipeline.distribute` (token-range blocks, every block hashed, the rebuilt file checked against
@@ -59,6 +61,10 @@ class Registry:
 
     def __init__(self, folder: Path) -> None:
         import socket
+        import ssl
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from registry_env import make_tls  # the tests' CA and certificate for 127.0.0.1
 
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
@@ -66,12 +72,14 @@ class Registry:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         self.host, self.storage = f"127.0.0.1:{port}", folder / "storage"
+        self.ca, cert, key = make_tls(folder / "tls")
         config = folder / "config.yml"
         config.write_text(
             "version: 0.1\nlog:\n  level: warn\n  accesslog:\n    disabled: true\n"
             f"storage:\n  filesystem:\n    rootdirectory: {self.storage}\n"
-            f"http:\n  addr: {self.host}\n"
+            f"http:\n  addr: {self.host}\n  tls:\n    certificate: {cert}\n    key: {key}\n"
         )
+        context = ssl.create_default_context(cafile=str(self.ca))
         log = open(folder / "registry.log", "wb")  # noqa: SIM115 (closed in stop)
         self.log = log
         self.process = subprocess.Popen(
@@ -80,7 +88,7 @@ class Registry:
         deadline = time.monotonic() + 20
         while True:
             try:
-                urllib.request.urlopen(f"http://{self.host}/v2/", timeout=1)
+                urllib.request.urlopen(f"https://{self.host}/v2/", timeout=1, context=context)
                 break
             except (urllib.error.URLError, OSError):
                 if time.monotonic() > deadline or self.process.poll() is not None:
@@ -90,6 +98,10 @@ class Registry:
 
     def repo(self, name: str = "bench/bundles") -> str:
         return f"oci://{self.host}/{name}"
+
+    def args(self) -> dict[str, str]:
+        """What our worker needs to reach it: the repo and the CA that verifies it."""
+        return {"repo": self.repo(), "ca": str(self.ca)}
 
     def stored_bytes(self) -> int:
         blobs = self.storage / "docker/registry/v2/blobs"
@@ -126,15 +138,17 @@ def worker(task: str, args: dict[str, Any]) -> dict[str, Any]:
     meter = Meter()
     start, cpu0 = time.perf_counter(), time.process_time()
     if task == "push":
+        from pipeline.distribute.checked import check_bundle
         from pipeline.distribute.oci_push import push_oci
         from pipeline.distribute.prehash import Prehash
-        from pipeline.distribute.push import check_bundle
 
         prehash = Prehash([Path(args["bundle"])])  # as push does: block digests meanwhile
         try:
             with meter.phase("validate", cpu=True):  # push validates the bundle's integrity first
                 checked = check_bundle(Path(args["bundle"]), trust_memo=True)  # as push does
-            result = push_oci([checked], args["repo"], meter=meter, prehash=prehash)
+            result = push_oci(
+                [checked], args["repo"], meter=meter, prehash=prehash, ca_bundle=args["ca"]
+            )
         finally:
             prehash.close()
         bundle_bytes = result.artifacts[0].total_bytes
@@ -143,7 +157,12 @@ def worker(task: str, args: dict[str, Any]) -> dict[str, Any]:
             from pipeline.distribute.oci_pull import pull_oci
 
         result = pull_oci(
-            args["repo"], Path(args["model"]), Path(args["bundles"]), [args["prefix"]], meter=meter
+            args["repo"],
+            Path(args["model"]),
+            Path(args["bundles"]),
+            [args["prefix"]],
+            meter=meter,
+            ca_bundle=args["ca"],
         )
         if result.refused or result.failed or not result.pulled:
             raise RuntimeError(f"pull published nothing: {result.refused or result.failed}")
@@ -188,10 +207,23 @@ def run_ours(task: str, args: dict[str, Any]) -> dict[str, Any]:
 
 def curl_push(reg: Registry, path: Path, digest: str) -> float:
     """POST an upload session, then PUT the whole file with its digest (one blob)."""
-    base = f"http://{reg.host}/v2/bench/curl/blobs/uploads/"
+    base = f"https://{reg.host}/v2/bench/curl/blobs/uploads/"
     start = time.perf_counter()
     head = subprocess.run(
-        ["curl", "-sS", "-f", "-X", "POST", "-D", "-", "-o", "/dev/null", base],
+        [
+            "curl",
+            "-sS",
+            "-f",
+            "--cacert",
+            str(reg.ca),
+            "-X",
+            "POST",
+            "-D",
+            "-",
+            "-o",
+            "/dev/null",
+            base,
+        ],  # fmt: skip
         capture_output=True,
         text=True,
         check=True,
@@ -200,10 +232,10 @@ def curl_push(reg: Registry, path: Path, digest: str) -> float:
         x.split(":", 1)[1].strip() for x in head.splitlines() if x.lower().startswith("location:")
     )
     if location.startswith("/"):
-        location = f"http://{reg.host}{location}"
+        location = f"https://{reg.host}{location}"
     sep = "&" if "?" in location else "?"
     subprocess.run(
-        ["curl", "-sS", "-f", "-X", "PUT", "-H", "Expect:", "-H",
+        ["curl", "-sS", "-f", "--cacert", str(reg.ca), "-X", "PUT", "-H", "Expect:", "-H",
          "Content-Type: application/octet-stream", "-T", str(path), "-o", "/dev/null",
          f"{location}{sep}digest={digest}"],
         check=True,
@@ -213,8 +245,8 @@ def curl_push(reg: Registry, path: Path, digest: str) -> float:
 
 def curl_pull(reg: Registry, digest: str, out: Path) -> float:
     start = time.perf_counter()
-    url = f"http://{reg.host}/v2/bench/curl/blobs/{digest}"
-    subprocess.run(["curl", "-sS", "-f", "-o", str(out), url], check=True)
+    url = f"https://{reg.host}/v2/bench/curl/blobs/{digest}"
+    subprocess.run(["curl", "-sS", "-f", "--cacert", str(reg.ca), "-o", str(out), url], check=True)
     seconds = time.perf_counter() - start
     if out.stat().st_size == 0:
         raise RuntimeError("curl downloaded nothing")
@@ -287,10 +319,10 @@ def one_rep(ctx: Context, rep: int, base: Path, digest: str) -> dict[str, Any]:
                     out[f"curl_{way}_cpu"] = {"client": cpu, "registry": registry_cpu}
                 continue
             before = reg.stored_bytes()
-            push = metered(reg, run_ours, "push", {"bundle": str(base), "repo": reg.repo()})
+            push = metered(reg, run_ours, "push", {"bundle": str(base), **reg.args()})
             out["storage_growth"] = reg.stored_bytes() - before
             pulled = folder / "pulled"
-            args = {"repo": reg.repo(), "model": str(MODEL_F32), "bundles": str(pulled)}
+            args = {**reg.args(), "model": str(MODEL_F32), "bundles": str(pulled)}
             pull = metered(reg, run_ours, "pull", {**args, "prefix": "oci-base"})
             shutil.rmtree(pulled)
             for way, (result, cpu, registry_cpu) in (("push", push), ("pull", pull)):
@@ -313,15 +345,15 @@ def incremental_moves(ctx: Context, bundles: dict[str, Path]) -> dict[str, Any]:
     folder = ctx.work / "oci-registry"
     reg = Registry(folder)
     pulled = folder / "pulled"
-    args = {"repo": reg.repo(), "model": str(MODEL_F32), "bundles": str(pulled)}
+    args = {**reg.args(), "model": str(MODEL_F32), "bundles": str(pulled)}
     try:
-        run_ours("push", {"bundle": str(bundles["base"]), "repo": reg.repo()})
+        run_ours("push", {"bundle": str(bundles["base"]), **reg.args()})
         run_ours("pull", {**args, "prefix": "oci-base"})
         out = {}
         for name in ("append", "sibling"):
             ctx.note(f"oci: {name} after the base")
             before = reg.stored_bytes()
-            push = run_ours("push", {"bundle": str(bundles[name]), "repo": reg.repo()})
+            push = run_ours("push", {"bundle": str(bundles[name]), **reg.args()})
             growth = reg.stored_bytes() - before
             pull = run_ours("pull", {**args, "prefix": f"oci-{name}"})
             reused = json.loads((bundles[name] / "manifest.json").read_text())["parent"]
