@@ -52,8 +52,17 @@ def stub_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     (room / "__init__.py").write_text(textwrap.dedent(ROOM))
     monkeypatch.syspath_prepend(str(room.parent))
     monkeypatch.setitem(registry.ROOMS, "stub-server", "stub_server")
+    parser_cache().cache_clear()  # the command line reads the registry when it is built
     yield sys.modules.get("stub_server") or __import__("stub_server")
     sys.modules.pop("stub_server", None)
+    parser_cache().cache_clear()
+
+
+def parser_cache():
+    """The CLI's parser, built once per process (pipeline.cli._parser)."""
+    import pipeline.cli
+
+    return pipeline.cli._parser
 
 
 def test_serve_runs_a_sixth_server_through_the_one_start_up(
