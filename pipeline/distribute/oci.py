@@ -1,101 +1,49 @@
-"""A thin OCI distribution client over httpx: blobs, manifests and tags of one repository.
+"""A thin OCI distribution client over httpx: one repository of one registry.
 
-About ten endpoints of the distribution spec: blob HEAD, upload (POST then PUT) and cross-repo
-mount, blob GET (digest and size checked while it streams), manifest PUT/GET by tag or digest, the
-tag list, over one transport (oci_http: httpx). TLS verified by the system store or a CA bundle
-file; plain HTTP when asked (--plain-http), or on loopback when the port answers in plain HTTP
-(HTTPS is tried first, as Docker does; never with a CA bundle given). Credentials and the basic/bearer challenge live in oci_auth. Transport
-errors, 429 and 5xx are retried with backoff; what still fails is one PipelineError line.
+About ten endpoints of the distribution spec: the blob calls (oci_blobs: HEAD, upload, mount,
+GET), manifest PUT/GET by tag or digest and the tag list (oci_tags), over one transport
+(oci_http: httpx). TLS verified by the system store or a CA bundle file; plain HTTP when asked
+(--plain-http), or on loopback when the port answers in plain HTTP (HTTPS is tried first, as
+Docker does; never with a CA bundle given). Credentials and the basic/bearer challenge live in
+oci_auth. Transport errors, 429 and 5xx are retried with backoff; what still fails is one
+PipelineError line.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from pipeline.distribute.artifact import MAX_MANIFEST_BYTES
 from pipeline.distribute.meter import Meter
 from pipeline.distribute.oci_auth import Challenge, auth_header, credentials
+from pipeline.distribute.oci_blobs import BlobCalls
 from pipeline.distribute.oci_http import (
-    MAX_REDIRECTS,
-    REDIRECTS,
+    RETRIES,
     TLS_ANSWER,
-    Body,
     client,
+    error_detail,
     httpx,
-    paced,
+    pieces,
     probe_plain,
+    small_body,
     tls_failure,
 )
+from pipeline.distribute.oci_ref import TRANSFERS, RepoRef, in_parallel, is_oci, parse_repo
 from pipeline.distribute.oci_tags import list_tags
 from pipeline.distribute.untrusted import read_capped, same_origin
 from pipeline.format.errors import PipelineError
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
-RETRIES = 4
-TRANSFERS = 4  # blobs in flight at once: a registry spends a few requests on each blob
 BACKOFF_S = 0.5
-LOOPBACK = ("127.0.0.1", "localhost", "::1", "[::1]")
-REPO_URL = re.compile(
-    r"^oci://(?P<host>[A-Za-z0-9.-]+(?::[0-9]{1,5})?|\[[0-9a-fA-F:]+\](?::[0-9]{1,5})?)"
-    r"/(?P<name>[a-z0-9]+(?:[._-][a-z0-9]+)*(?:/[a-z0-9]+(?:[._-][a-z0-9]+)*)*)\Z"
-)
-MAX_SMALL_BODY = 64 << 10  # what is read of a body only its message needs (an error, a PUT's)
 TAG = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,127}\Z")
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}\Z")
-SIZE = re.compile(r"^[0-9]{1,19}\Z")  # a Content-Length: ASCII digits only
 
 
-@dataclass(frozen=True)
-class RepoRef:
-    """oci://HOST[:PORT]/NAMESPACE/NAME, parsed."""
-
-    host: str
-    name: str
-
-    @property
-    def url(self) -> str:
-        return f"oci://{self.host}/{self.name}"
-
-    @property
-    def loopback(self) -> bool:
-        return self.host.rsplit(":", 1)[0] in LOOPBACK or self.host.startswith("[::1]")
-
-
-def in_parallel(fn: Callable[[Any], Any], items: Iterable[Any]) -> list[Any]:
-    """fn over items, TRANSFERS at a time, results in order; the first failure cancels what has
-    not started and is raised once the running ones end."""
-    with ThreadPoolExecutor(TRANSFERS) as pool:
-        futures = [pool.submit(fn, x) for x in items]
-        try:
-            return [f.result() for f in futures]
-        except BaseException:
-            pool.shutdown(wait=True, cancel_futures=True)
-            raise
-
-
-def is_oci(repo: str) -> bool:
-    return repo.startswith("oci://")
-
-
-def parse_repo(repo: str) -> RepoRef:
-    m = REPO_URL.match(repo)
-    if not m:
-        raise PipelineError(
-            f"--repo {repo!r} is not an OCI repository; pass it as oci://HOST[:PORT]/NAMESPACE/NAME "
-            "(lower-case path components)"
-        )
-    return RepoRef(m["host"], m["name"])
-
-
-class Registry:
+class Registry(BlobCalls):
     """One repository of one registry, with its credentials and the token they earned."""
 
     def __init__(self, ref: RepoRef, *, plain_http: bool = False, ca_bundle: str | None = None):
@@ -146,6 +94,10 @@ class Registry:
 
     # --- requests: retries, the auth challenge, one line on failure ----------------------------
 
+    def pause(self, attempt: int) -> None:
+        """The wait before a retry: BACKOFF_S, doubled each time."""
+        self.sleep(BACKOFF_S * 2 ** (attempt - 1))
+
     def request(self, method: str, url: str, doing: str, ok: tuple[int, ...], **kw: Any) -> Any:
         """One request (retried, authorized); a status outside `ok` is a PipelineError."""
         r = self._send(method, url, doing, **kw)
@@ -159,7 +111,7 @@ class Registry:
         last = ""
         for attempt in range(RETRIES):
             if attempt:
-                self.sleep(BACKOFF_S * 2 ** (attempt - 1))
+                self.pause(attempt)
             try:
                 r = self._once(method, url, extra, stream, kw)
                 mine = same_origin(url, self.base)  # another origin's challenge is not answered
@@ -180,7 +132,7 @@ class Registry:
                 return r
             small_body(r)
             r.close()
-            last = f"HTTP {r.status_code}{_error_detail(r)}"
+            last = f"HTTP {r.status_code}{error_detail(r)}"
         raise PipelineError(
             f"registry {self.ref.host}: {doing} failed after {RETRIES} tries ({last}); check that "
             "the registry is up and reachable, then retry"
@@ -250,157 +202,8 @@ class Registry:
                 "login' (read from ~/.docker/config.json) or set PREFIX_BUNDLES_REGISTRY_USER "
                 "and PREFIX_BUNDLES_REGISTRY_PASSWORD"
             )
-        detail = _error_detail(r)
+        detail = error_detail(r)
         return PipelineError(f"{where}: HTTP {r.status_code}{detail}")
-
-    # --- blobs -------------------------------------------------------------------------------------
-
-    def has_blob(self, digest: str) -> int | None:
-        """The blob's size when the repository has it, else None."""
-        r = self.request(
-            "HEAD", f"{self.base}/blobs/{digest}", f"checking blob {digest[:19]}", (200, 404)
-        )
-        if r.status_code != 200:
-            return None
-        length = r.headers.get("content-length", "0")  # none given: there, size unsaid
-        if not SIZE.match(length):
-            raise PipelineError(
-                f"registry {self.ref.host}: checking blob {digest[:19]}: it answered with "
-                f"Content-Length {' '.join(length.split())[:40]!r}, not a size; check the registry"
-            )
-        return int(length)
-
-    def mount(self, digest: str, source: str) -> bool:
-        """Cross-repository mount of a blob from `source` (a repository name on this registry)."""
-        url = f"{self.base}/blobs/uploads/"
-        r = self.request(
-            "POST",
-            url,
-            f"mounting {digest[:19]}",
-            (201, 202),
-            params={"mount": digest, "from": source},
-        )
-        if r.status_code == 202:  # not mounted: an upload session was opened instead; drop it
-            self._send("DELETE", self._location(r), "cancelling an upload")
-        return r.status_code == 201
-
-    def upload(self, digest: str, data: Body) -> None:
-        """A monolithic upload: POST opens the session, PUT sends the bytes and the digest
-        (`data`: bytes, or buffers sent one after another)."""
-        size = len(data) if isinstance(data, bytes) else sum(len(b) for b in data)
-        doing = f"uploading blob {digest[:19]} ({size:,} bytes)"
-        r = self.request("POST", f"{self.base}/blobs/uploads/", doing, (202,))
-        location = self._location(r)
-        sep = "&" if "?" in location else "?"
-        self.request(
-            "PUT",
-            f"{location}{sep}digest={digest}",
-            doing,
-            (201,),
-            content=data,
-            headers={"content-type": "application/octet-stream"},
-        )
-
-    def _location(self, r: Any) -> str:
-        location = r.headers.get("location")
-        if not location:
-            raise PipelineError(
-                f"registry {self.ref.host}: it opened an upload (HTTP {r.status_code}) with no "
-                "Location to send it to; check that it is an OCI registry"
-            )
-        return str(r.url.join(location))
-
-    def stream_blob(self, digest: str, size: int, sink: Callable[[bytes], None]) -> None:
-        """GET a blob into sink, checking its size and sha256 as it streams (nothing is kept: each
-        piece the sink gets may be a view of a buffer reused for the next).
-
-        A broken connection is retried from the byte where it broke (a Range request): no byte
-        reaches the sink twice and every byte that does is hashed."""
-        doing = f"downloading blob {digest[:19]} ({size:,} bytes)"
-        h, n = hashlib.sha256(), 0
-        for attempt in range(RETRIES):
-            if attempt:
-                self.sleep(BACKOFF_S * 2 ** (attempt - 1))
-            try:
-                for chunk in self._blob_chunks(digest, size, doing, n):
-                    if n + len(chunk) > size:
-                        n += len(chunk)
-                        break
-                    with self.meter.phase("hash"):
-                        h.update(chunk)
-                    with self.meter.phase("write"):
-                        sink(chunk)
-                    n += len(chunk)
-                break
-            except httpx.RequestError:
-                if attempt == RETRIES - 1:
-                    raise PipelineError(
-                        f"registry {self.ref.host}: {doing} failed after {RETRIES} tries (the "
-                        "connection broke); pull again to resume: nothing was published"
-                    ) from None
-        got = "sha256:" + h.hexdigest()
-        if n != size or got != digest:
-            raise PipelineError(
-                f"registry {self.ref.host}: blob {digest} of {self.ref.name} is not what its "
-                f"manifest lists (got {n:,} bytes, {got[:19]}.., expected {size:,} bytes): the "
-                "registry's copy is damaged or was altered; push the bundle again. Nothing was "
-                "published"
-            )
-
-    def _blob_chunks(
-        self, digest: str, size: int, doing: str, start: int = 0, answered: bool = False
-    ) -> Iterator[Any]:
-        """The blob's bytes from `start` on (a Range request when start > 0), in pieces that
-        may be views of one buffer: each is valid until the next is asked for. A 401 is answered
-        once, and only from the registry's own origin (not a store it redirected to)."""
-        headers = {**self.header, "range": f"bytes={start}-"} if start else self.header
-        with self._open_blob(f"{self.base}/blobs/{digest}", headers) as r:
-            mine = same_origin(str(r.url), self.base)
-            if r.status_code == 401 and mine and not answered and self._authorize(r, doing):
-                yield from self._blob_chunks(digest, size, doing, start, answered=True)
-                return
-            if r.status_code == 404:
-                raise PipelineError(
-                    f"registry {self.ref.host}: blob {digest} of {self.ref.name} is missing "
-                    f"(HTTP 404{_error_detail(r)}): the artifact lists it, the "
-                    "registry lost it (deleted, or garbage-collected while still listed); push "
-                    "the bundle again. Nothing was published"
-                )
-            if r.status_code not in (200, 206):
-                raise self.failed(doing, r)
-            skip = start if r.status_code == 200 else 0  # the server ignored the Range
-            # paced by what is expected, not by the length the server claims
-            for chunk in paced(r.iter_bytes(), size):
-                if skip:
-                    cut, skip = min(skip, len(chunk)), skip - min(skip, len(chunk))
-                    chunk = chunk[cut:]
-                if chunk:
-                    yield chunk
-
-    @contextmanager
-    def _open_blob(self, url: str, headers: dict[str, str]) -> Iterator[Any]:
-        """A blob GET's response, its redirects followed here (httpx would read each redirect's
-        body whole); credentials go to the same origin only."""
-        for _ in range(MAX_REDIRECTS + 1):  # followed here: httpx reads each redirect's body whole
-            with self.client.stream("GET", url, headers=headers) as r:
-                target = r.headers.get("location")
-                if r.status_code in REDIRECTS and target:
-                    small_body(r)
-                    target = str(r.url.join(target))
-                    if not same_origin(target, url):
-                        headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
-                    url = target
-                    continue
-                if r.status_code >= 400:
-                    small_body(r)
-                yield r
-                return
-        raise httpx.TooManyRedirects(f"more than {MAX_REDIRECTS} redirects")
-
-    def get_blob(self, digest: str, size: int) -> bytes:
-        parts: list[bytes] = []
-        self.stream_blob(digest, size, lambda chunk: parts.append(bytes(chunk)))
-        return b"".join(parts)
 
     # --- manifests and tags -------------------------------------------------------------------
 
@@ -474,32 +277,5 @@ class Registry:
         return list_tags(self)
 
 
-def pieces(r: Any, expected: int) -> Iterator[Any]:
-    """A response's body as it comes, of which at most `expected` bytes will be taken: paced
-    by that (a body that drips ends), not by the length the server claims; an error's body,
-    already read for its message (small_body), is that."""
-    if getattr(r, "small_body", None) is not None:  # a stream is read once
-        return iter([r.small_body])
-    return paced(r.iter_bytes(), expected)
-
-
-def small_body(r: Any) -> bytes:
-    """A response's body as far as a message needs it: at most MAX_SMALL_BODY bytes (a longer
-    one is cut, and its connection dropped when the response closes); kept on the response."""
-    body = getattr(r, "small_body", None)
-    if body is None:
-        try:
-            body = read_capped(pieces(r, MAX_SMALL_BODY + 1), MAX_SMALL_BODY)[:MAX_SMALL_BODY]
-        except httpx.RequestError:
-            body = b""  # a broken answer: its message is its status
-        r.small_body = body
-    return body
-
-
-def _error_detail(r: Any) -> str:
-    try:
-        errors = json.loads(small_body(r)).get("errors") or []
-        text = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors)
-    except Exception:
-        text = ""
-    return f" ({' '.join(text.split())[:160]})" if text else ""
+# the reference and the pool live in oci_ref; importers of this module's client find them here
+__all__ = ["TRANSFERS", "Registry", "RepoRef", "in_parallel", "is_oci", "parse_repo"]

@@ -10,11 +10,13 @@ any socket timeout).
 
 from __future__ import annotations
 
+import json
 import ssl
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
+from pipeline.distribute.untrusted import read_capped
 from pipeline.format.errors import PipelineError
 
 try:
@@ -22,6 +24,7 @@ try:
 except ImportError:  # huggingface_hub 1.x
     import httpx  # type: ignore[no-redef]
 
+RETRIES = 4  # a request, or a blob from where it broke
 MAX_REDIRECTS = 5
 REDIRECTS = (301, 302, 303, 307, 308)
 # the slowest body taken: 60 s plus 1 s per 256 KiB (a socket timeout bounds one wait, not a body
@@ -31,6 +34,7 @@ Body = bytes | Sequence[Any]  # bytes, or buffers sent one after another (views 
 # what OpenSSL says when the other end answers a ClientHello in plain HTTP
 NOT_TLS = {"WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "HTTP_REQUEST"}
 TLS_ANSWER = b"Client sent an HTTP request to an HTTPS server"  # Go's net/http, on a TLS port
+MAX_SMALL_BODY = 64 << 10  # what is read of a body only its message needs (an error, a PUT's)
 
 
 def client(verify: bool | str) -> Any:
@@ -89,4 +93,44 @@ def paced(chunks: Iterable[Any], expected: int) -> Iterator[Any]:
         yield chunk
 
 
-__all__ = ["Body", "client", "httpx", "paced", "probe_plain"]
+def pieces(r: Any, expected: int) -> Iterator[Any]:
+    """A response's body as it comes, of which at most `expected` bytes will be taken: paced
+    by that (a body that drips ends), not by the length the server claims; an error's body,
+    already read for its message (small_body), is that."""
+    if getattr(r, "small_body", None) is not None:  # a stream is read once
+        return iter([r.small_body])
+    return paced(r.iter_bytes(), expected)
+
+
+def small_body(r: Any) -> bytes:
+    """A response's body as far as a message needs it: at most MAX_SMALL_BODY bytes (a longer
+    one is cut, and its connection dropped when the response closes); kept on the response."""
+    body = getattr(r, "small_body", None)
+    if body is None:
+        try:
+            body = read_capped(pieces(r, MAX_SMALL_BODY + 1), MAX_SMALL_BODY)[:MAX_SMALL_BODY]
+        except httpx.RequestError:
+            body = b""  # a broken answer: its message is its status
+        r.small_body = body
+    return body
+
+
+def error_detail(r: Any) -> str:
+    try:
+        errors = json.loads(small_body(r)).get("errors") or []
+        text = "; ".join(f"{e.get('code')}: {e.get('message')}" for e in errors)
+    except Exception:
+        text = ""
+    return f" ({' '.join(text.split())[:160]})" if text else ""
+
+
+__all__ = [
+    "Body",
+    "client",
+    "error_detail",
+    "httpx",
+    "paced",
+    "pieces",
+    "probe_plain",
+    "small_body",
+]
