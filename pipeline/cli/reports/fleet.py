@@ -125,6 +125,10 @@ class PullReport(Report):
     Any refused or failed bundle: nothing is published, the exit is 1 and the document is still
     printed. An error before any bundle is downloaded (no bundle for this model, hub
     unreachable) is only the `error:` line.
+
+    Changed in pull/3: a bundle already here as the OCI artifact has it is `up-to-date` (left as
+    it is, no blob moved; totals.up_to_date counts them), and each bundle of an OCI pull carries
+    its own `transfer` (bytes moved, its artifact manifest included, and reused).
     """
 
     schema_: Literal["pull/3"] = Field("pull/3", alias="schema")
