@@ -326,3 +326,18 @@ def test_pulling_from_a_repository_that_does_not_exist_is_one_line(
         f"error: registry repo {reg.repo('fleet/none')}: no bundle for this model"
     )
     assert err.count("\n") == 1
+
+
+@pytest.mark.parametrize("command", ["push", "pull"])
+@pytest.mark.parametrize("option", [["--plain-http"], ["--ca-bundle", "ca.pem"]])
+def test_registry_options_with_a_hub_repo_are_one_line_not_ignored(
+    command: str, option: list[str], shop_bundle: Path, tiny_model: Path, capsys
+):
+    from pipeline.cli import main
+
+    where = [str(shop_bundle)] if command == "push" else ["--model", str(tiny_model)]
+    assert main([command, *where, "--repo", "org/bundles", *option]) == 1
+    assert capsys.readouterr().err == (
+        f"error: {option[0]} is for an oci:// registry; org/bundles is a hub repo (the hub "
+        "client reads HF_ENDPOINT and the system's CAs): drop it\n"
+    )

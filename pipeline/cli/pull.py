@@ -9,7 +9,12 @@ from typing import TYPE_CHECKING
 
 from pipeline.cli.common import add_json_option, emit_json, err, note, say
 from pipeline.cli.keys import add_trusted_key_option, trusted_keys
-from pipeline.cli.push import add_registry_options, transfer_of, transfer_progress
+from pipeline.cli.push import (
+    add_registry_options,
+    hub_refuses_registry_options,
+    transfer_of,
+    transfer_progress,
+)
 from pipeline.cli.reports import PulledBundle, PullReport, PullTotals, refusal_of
 
 if TYPE_CHECKING:
@@ -63,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         from pipeline.distribute.pull import pull
 
+        hub_refuses_registry_options(args)
         keys = trusted_keys(args)
         result = pull(args.repo, args.model, args.bundles, args.revision, args.prefix, keys, locked)
     for line in result.notes:

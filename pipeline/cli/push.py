@@ -67,16 +67,30 @@ def add_registry_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--plain-http",
         action="store_true",
-        help="OCI: talk plain HTTP to a registry that is not on loopback (loopback always is)",
+        help="OCI: talk plain HTTP to the registry (default HTTPS; on loopback HTTPS is tried "
+        "first and plain HTTP used where the port speaks it)",
     )
     p.add_argument(
         "--ca-bundle", type=Path, metavar="FILE", help="OCI: a PEM file of CAs to verify TLS with"
     )
 
 
+def hub_refuses_registry_options(args: argparse.Namespace) -> None:
+    """--plain-http and --ca-bundle name how to reach a registry: for a hub repo, one line."""
+    given = [
+        o for o, v in (("--plain-http", args.plain_http), ("--ca-bundle", args.ca_bundle)) if v
+    ]
+    if given:
+        raise PipelineError(
+            f"{given[0]} is for an oci:// registry; {args.repo} is a hub repo (the hub client "
+            "reads HF_ENDPOINT and the system's CAs): drop it"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     oci = args.repo.startswith("oci://")
     if not oci:
+        hub_refuses_registry_options(args)
         return _run(args, None)
     from pipeline.distribute.prehash import Prehash
 
