@@ -66,7 +66,12 @@ def test_a_fleet_pull_after_one_bump_moves_only_the_new_blocks_then_nothing(
     with registry(tmp_path / "registry") as reg:
         assert main(["push", *map(str, first), "--repo", reg.repo()]) == 0
         capsys.readouterr()
-        assert [b.status for b in pull(reg.repo(), model, capsys).bundles] == ["pulled"] * 3
+        first_pull = pull(reg.repo(), model, capsys)
+        assert [b.status for b in first_pull.bundles] == ["pulled"] * 3
+        # support@1 takes the blocks it shares with support-agent@1 (pulled first) from the
+        # file this pull rebuilt: each blob the registry holds moved once
+        assert first_pull.transfer.moved_bytes == reg.stored_bytes()
+        assert first_pull.transfer.reused_blobs > 0
 
         define(root, tiny_model, "support", base + MORE, version=2)
         v2 = build_bundle(root, "support", check=False)
