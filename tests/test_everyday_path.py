@@ -184,7 +184,10 @@ def test_build_then_verify_and_match_read_builds_folder(
     shutil.copytree(shop_bundle, tmp_path / "bundles/shop/1" / shop_bundle.name)
     assert main(["verify", "--model", str(model)]) == 0
     err = capsys.readouterr().err
-    assert f"note: no {model}/prefix-bundles: reading bundles/, where build wrote bundles for this model" in err
+    assert (
+        f"note: no {model}/prefix-bundles: reading bundles/, where build wrote bundles for this model"
+        in err
+    )
     messages = '[{"role": "user", "content": "hi"}]'
     assert main(["match", "--model", str(model), "--messages", messages, "--min-share", "0"]) == 0
     assert "* shop@1" in capsys.readouterr().out
@@ -235,3 +238,25 @@ def test_the_first_bundle_mounted_is_not_charged_the_imports(shop_bundle: Path, 
     assert proc.returncode == 0, proc.stderr
     imports, first, total = json.loads(proc.stdout)
     assert first < imports and imports + first <= total
+
+
+def test_a_bad_build_model_is_one_error_line(tmp_path: Path, tiny_model: Path, capsys) -> None:
+    """`build --model nosuch` with two definitions: one line naming the folder (it was one per
+    definition, then '2 of 2 failed; the others were built' when none were)."""
+    from conftest import write_definition
+
+    for name in ("shop", "other"):
+        write_definition(tmp_path, tiny_model, name)
+    root = ["--prefixes", str(tmp_path / "prefixes"), "--bundles", str(tmp_path / "bundles")]
+    assert main([*root, "build", "--model", str(tmp_path / "nosuch")]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: model folder {tmp_path / 'nosuch'} ")
+
+
+def test_when_every_definition_fails_none_is_said_built() -> None:
+    from pipeline.builder.batch import BuildFailures
+
+    said = str(BuildFailures([("a", ValueError()), ("b", ValueError())], 2))
+    assert said == "2 of 2 definitions failed (a, b); fix the errors above and build again"
+    said = str(BuildFailures([("a", ValueError())], 2))
+    assert "the others were built" in said

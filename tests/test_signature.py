@@ -442,8 +442,8 @@ def test_keygen_never_overwrites_and_needs_a_password_or_the_flag(
     monkeypatch.delenv("PREFIX_BUNDLES_KEY_PASSWORD", raising=False)
     assert main(["keygen", "--secret-key", str(tmp_path / "e.key")]) == 1  # stdin is no terminal
     assert capsys.readouterr().err == (
-        "error: the secret key is encrypted and no terminal can ask for its password; set "
-        "PREFIX_BUNDLES_KEY_PASSWORD\n"
+        "error: no terminal can ask for the new key's password; set PREFIX_BUNDLES_KEY_PASSWORD, "
+        "or pass --unencrypted for a key without one (nothing was written)\n"
     )
     assert not (tmp_path / "e.key").exists() and not (tmp_path / "e.pub").exists()
 

@@ -189,10 +189,10 @@ def test_a_link_in_the_folder_is_never_followed(tmp_path: Path, tiny_model: Path
     (root / ".staging-1-2").symlink_to(outside)
     assert main(["prune", "--snapshots", str(root)]) == 0
     out, err = capsys.readouterr()
-    size = sum(map(len, files(good).values())) / 1e6
+    size = sum(map(len, files(good).values())) / 2**20
     assert out.splitlines() == [
         f"would delete {good}",
-        f"1 snapshot set, {size:,.1f} MB; pass --apply to delete",
+        f"1 snapshot set, {size:,.1f} MiB; pass --apply to delete",
     ]
     assert f"warning: {root / 'set-7'} is a symbolic link (never followed); skipped" in err
     snaps = restore(root, tiny_model, caplog)

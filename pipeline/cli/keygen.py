@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
 def _new_password() -> str:
     from pipeline.cli.keys import PASSWORD_ENV, password
 
-    first = password("Password for the new secret key: ")
+    first = password("Password for the new secret key: ", new=True)
     if PASSWORD_ENV not in os.environ and first != password("Password (again): "):
         raise PipelineError("the passwords differ; nothing was written")
     if not first:
