@@ -46,6 +46,11 @@ class Meter:
             elapsed = time.perf_counter() - self.started
             self.report(self.label, self.done, self.total, self.reused, elapsed)
 
+    def add(self, name: str, seconds: float) -> None:
+        """Add seconds timed elsewhere (per piece, without the lock) to `seconds[name]`."""
+        with self.lock:
+            self.seconds[name] = self.seconds.get(name, 0.0) + seconds
+
     @contextmanager
     def phase(self, name: str, cpu: bool = False) -> Iterator[None]:
         """Add the time spent inside to `seconds[name]`; with `cpu`, the process's CPU time

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -93,7 +94,7 @@ class BlobCalls:
         A broken connection is retried from the byte where it broke (a Range request): no byte
         reaches the sink twice and every byte that does is hashed."""
         doing = f"downloading blob {digest[:19]} ({size:,} bytes)"
-        h, n = hashlib.sha256(), 0
+        h, n, clock, spent = hashlib.sha256(), 0, time.perf_counter, [0.0, 0.0]
         for attempt in range(RETRIES):
             if attempt:
                 self.pause(attempt)
@@ -102,10 +103,13 @@ class BlobCalls:
                     if n + len(chunk) > size:
                         n += len(chunk)
                         break
-                    with self.meter.phase("hash"):
-                        h.update(chunk)
-                    with self.meter.phase("write"):
-                        sink(chunk)
+                    # timed here, summed once per blob: a TLS body comes in 16 KiB records, and
+                    # a locked meter phase per piece cost ~0.27 s of CPU per GB
+                    t0 = clock()
+                    h.update(chunk)
+                    t1 = clock()
+                    sink(chunk)
+                    spent[0], spent[1] = spent[0] + t1 - t0, spent[1] + clock() - t1
                     n += len(chunk)
                 break
             except httpx.RequestError:
@@ -114,6 +118,8 @@ class BlobCalls:
                         f"registry {self.ref.host}: {doing} failed after {RETRIES} tries (the "
                         "connection broke); pull again to resume: nothing was published"
                     ) from None
+        self.meter.add("hash", spent[0])
+        self.meter.add("write", spent[1])
         got = "sha256:" + h.hexdigest()
         if n != size or got != digest:
             raise PipelineError(
