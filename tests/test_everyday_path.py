@@ -260,3 +260,48 @@ def test_when_every_definition_fails_none_is_said_built() -> None:
     assert said == "2 of 2 definitions failed (a, b); fix the errors above and build again"
     said = str(BuildFailures([("a", ValueError())], 2))
     assert "the others were built" in said
+
+
+def test_a_captured_request_whose_developer_turn_the_template_drops_becomes_a_bundle(
+    tmp_path: Path, tiny_model: Path, capsys
+) -> None:
+    """The tiny model's template (as Qwen3's) drops a developer turn: the server sends the tools
+    block alone before the conversation. `new --from-request` says so and marks the turn, build
+    makes that prefix, and match finds the request warm (build refused it: 'add a user turn')."""
+    import json
+
+    from conftest import TOOLS
+
+    body = {
+        "messages": [
+            {"role": "developer", "content": "You are a careful support agent for ACME."},
+            {"role": "user", "content": "Where is my order?"},
+        ],
+        "tools": TOOLS,
+    }
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps(body), encoding="utf-8")
+    root = ["--prefixes", str(tmp_path / "prefixes"), "--bundles", str(tmp_path / "bundles")]
+    new = ["--prefixes", str(tmp_path / "prefixes"), "new", "cap", "--model", str(tiny_model)]
+    assert main([*new, "--from-request", str(request)]) == 0
+    err = capsys.readouterr().err
+    assert (
+        "note: messages.0 (developer): the model's chat template drops it, as the server does"
+        in err
+    )
+    toml = (tmp_path / "prefixes" / "cap.toml").read_text()
+    assert "dropped_by_template = true" in toml
+    assert main([*root, "build", "cap"]) == 0
+    capsys.readouterr()
+    bundles = ["--bundles", str(tmp_path / "bundles")]
+    assert main([*bundles, "match", "--model", str(tiny_model), "--prompt-file", str(request)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].endswith("(100.0%), at least --min-share 50%")
+    # the mark is checked: a turn the template renders is never hidden behind it
+    toml = toml.replace('role = "developer"', 'role = "system"').replace(
+        "version = 1", "version = 2"
+    )
+    (tmp_path / "prefixes" / "cap.toml").write_text(toml, encoding="utf-8")
+    assert main([*root, "build", "cap", "--force"]) == 1
+    assert "marked dropped_by_template, but the template renders the system content" in (
+        capsys.readouterr().err
+    )

@@ -114,6 +114,7 @@ def definition_from_request(
             f"{where}: the request has no system part; pass --prefix-messages N to make its first "
             "N messages the prefix"
         )
+    dropped = _dropped_turns(model_dir, messages, tools, notes)
     extra = {"api": "anthropic"} if anthropic else {}
     if servers:
         extra["servers"] = servers
@@ -126,8 +127,37 @@ def definition_from_request(
             )
     if tools_text is not None and not _is_unicode(tools_text):
         raise DefinitionError(f"{where}: tools hold text that is not Unicode; fix the request")
-    path = _write_definition(prefix_dir, name, model_dir, messages, tools_text, extra, where)
+    path = _write_definition(
+        prefix_dir, name, model_dir, messages, tools_text, extra, where, dropped
+    )
     return FromRequest(path, "anthropic" if anthropic else "openai", notes)
+
+
+def _dropped_turns(
+    model_dir: Path, messages: list[tuple[str, str]], tools: list | None, notes: list[str]
+) -> set[int]:
+    """The captured turns the model's template drops before a user turn, as the server the
+    request was captured from does (Qwen3's templates drop a developer turn): marked
+    dropped_by_template, with a note, so the prefix is what that server sends and build makes it
+    (it refused the turn it could not see in the render)."""
+    from pipeline.builder.render import special_tokens
+    from pipeline.builder.template import render
+
+    template = model_chat_template(model_dir)
+    if template is None:  # _write_definition says so
+        return set()
+    turns = [{"role": role, "content": text} for role, text in messages]
+    sent = render(
+        template, [*turns, {"role": "user", "content": "?"}], tools=tools,
+        special_tokens=special_tokens(model_dir),
+    )  # fmt: skip
+    dropped = {i for i, (_, text) in enumerate(messages) if text.strip() not in sent}
+    for i in sorted(dropped):
+        notes.append(
+            f"messages.{i} ({messages[i][0]}): the model's chat template drops it, as the server "
+            "does: kept as dropped_by_template, the prefix is what the server sends"
+        )
+    return dropped
 
 
 def _is_unicode(text: str) -> bool:
@@ -202,6 +232,7 @@ def _write_definition(
     tools: str | None,
     extra: dict[str, Any],
     source: str | None = None,
+    dropped: set[int] = frozenset(),
 ) -> Path:
     """Write prefixes/<name>.toml (+ one file per message and tools.json in prefixes/<name>/)
     pinned to the model's template; `extra` holds top-level keys (api, servers); `source`: what
@@ -245,6 +276,8 @@ def _write_definition(
             (stage / name / file).write_text(text, encoding="utf-8")
             lines += ["", "[[prefix.messages]]", f"role = {toml_string(role)}"]
             lines.append(f'content_files = ["{name}/{file}"]')
+            if i in dropped:
+                lines.append("dropped_by_template = true")
         model = _toml_value(_model_ref(model_dir, repo_root))
         lines += ["", "[[models]]", f"path = {model}", ""]
         (stage / path.name).write_text("\n".join(lines), encoding="utf-8")

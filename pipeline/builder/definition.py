@@ -47,6 +47,10 @@ class MessageSpec(Strict):
     role: Role
     content: str | None = None
     content_files: list[str] = Field(default_factory=list)
+    # the pinned template drops this turn (Qwen3's drop a developer turn), as the server it was
+    # captured from does: rendered with the others, so the prefix is what that server sends, and
+    # build checks it stays dropped instead of refusing a turn it cannot see (`new --from-request`)
+    dropped_by_template: bool = False
 
     @model_validator(mode="after")
     def _one_source(self) -> MessageSpec:

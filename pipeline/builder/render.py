@@ -56,8 +56,15 @@ def template_text(definition: LoadedDefinition, model_dir: Path) -> tuple[str, s
 def check_rendered(definition: LoadedDefinition, text: str) -> None:
     """Refuse a render that lost part of the prefix (a folded or dropped turn, ignored tools)."""
     for i, message in enumerate(definition.messages):
+        role = message["role"]
+        if definition.spec.prefix.messages[i].dropped_by_template:
+            if message["content"].strip() in text:
+                raise TemplateError(
+                    f"{definition.path}: prefix.messages.{i}: marked dropped_by_template, but the "
+                    f"template renders the {role} content; remove dropped_by_template"
+                )
+            continue
         if message["content"].strip() not in text:
-            role = message["role"]
             raise TemplateError(
                 f"{definition.path}: prefix.messages.{i}: the {role} content does not appear in "
                 f"the rendered prefix (the template folds or drops a {role} turn when nothing "
