@@ -847,4 +847,10 @@ def test_a_ctrl_c_is_said_as_it_comes_and_the_mount_names_its_imports(
         code = proc.wait(timeout=60)
     text = log.read_text()
     assert code in (0, 130) and "- INFO - SIGINT: stopping\n" in text, text[-2000:]
+    tokens = json.loads((shop_bundle / "manifest.json").read_text())["tokens"]["count"]
+    assert (
+        f"a request is served from a bundle when it opens with that bundle's prompt: shop@1 "
+        f"({tokens:,} tokens); 'prefix-bundles match --model {tiny_model} --prompt-file "
+        "REQUEST.json' says how many tokens"
+    ) in text
     assert " ms of it the one-time imports a load needs)" in text

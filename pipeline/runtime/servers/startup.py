@@ -95,6 +95,8 @@ def serve(hook: ServerHook, options: ServeOptions) -> int:
             )
             log.info("no warm-up (%s)", why)
         log.info("%s", try_it(hook, options))
+        if mounted.result.bundles:
+            log.info("%s", reuse_hint(mounted, options))
         if hook.live:  # from here the process ends without the interpreter teardown (cli.serve)
             SERVED.set()
         if snapshots is None:
@@ -173,6 +175,18 @@ def try_it(hook: ServerHook, options: ServeOptions) -> str:
     return (
         f'{hook.name}: clients send "model": {json.dumps(model)} to {url}; once the port opens, try: '
         f"curl -s {url} -H 'Content-Type: application/json' -d {shlex.quote(json.dumps(body))}"
+    )
+
+
+def reuse_hint(mounted: Mounted, options: ServeOptions) -> str:
+    """What a request must open with to be served from a bundle, and how to check one (the curl
+    above shares only the template's opening with them: cached_tokens 1 told nothing)."""
+    named = ", ".join(f"{b.name} ({len(b.tokens):,} tokens)" for b in mounted.result.bundles)
+    return (
+        f"a request is served from a bundle when it opens with that bundle's prompt: {named}; "
+        f"'prefix-bundles match --model {options.model} --prompt-file REQUEST.json' says how many "
+        "tokens of a request come from which bundle, and each reply's usage reports them "
+        "(cached_tokens)"
     )
 
 
