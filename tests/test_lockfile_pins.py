@@ -136,8 +136,8 @@ def test_oci_pull_lockfile_folder_absent_from_the_registry_is_one_line(
         fp = shop_bundle.name[-FINGERPRINT_CHARS:]
         assert capsys.readouterr().err == (
             f"error: registry repo oci://{reg.host}/fleet/bundles: no bundle shop/1/{shop_bundle.name}, "
-            f"which the lockfile pins for this model (fingerprint {fp}); push it ('python "
-            "build.py push ... --lockfile'), or pull with the lockfile of what was pushed: "
+            f"which the lockfile pins for this model (fingerprint {fp}); push it ('prefix-bundles "
+            "push ... --lockfile'), or pull with the lockfile of what was pushed: "
             "nothing was published\n"
         )
     assert published(model) == []

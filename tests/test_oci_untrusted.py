@@ -171,7 +171,7 @@ CASES = {
     ),
     "manifest nested 3,000 deep": (
         nested_manifest,
-        "not a prefix-bundle artifact ({manifest_json}); push it with 'python build.py push "
+        "not a prefix-bundle artifact ({manifest_json}); push it with 'prefix-bundles push "
         "--repo oci://...'",
     ),
 }

@@ -172,7 +172,7 @@ def parse_manifest(body: bytes, where: str) -> Parsed:
         m = parse_as(ImageManifest, body, MAX_MANIFEST_BYTES)
     except Unfit as exc:
         raise PipelineError(
-            f"{where}: not a prefix-bundle artifact ({exc}); push it with 'python build.py push "
+            f"{where}: not a prefix-bundle artifact ({exc}); push it with 'prefix-bundles push "
             "--repo oci://...'; nothing was published"
         ) from None
     config, layers = m.config.blob(), [d.blob() for d in m.layers]

@@ -22,7 +22,7 @@ from pipeline.format.signature import PublicKey
 
 OFFLINE_FIX = (
     "pull where the hub is reachable (HF_HUB_OFFLINE unset, network up), or copy the bundles into "
-    "{bundles} by hand and run 'python build.py verify --model {model}'"
+    "{bundles} by hand and run 'prefix-bundles verify --model {model}'"
 )
 
 

@@ -140,7 +140,7 @@ def check_found(
     if absent:
         raise PipelineError(
             f"{where}: no bundle {absent[0]}, which the lockfile pins for this model (fingerprint "
-            f"{fp}); push it ('python build.py push ... --lockfile'), or pull with the lockfile of "
+            f"{fp}); push it ('prefix-bundles push ... --lockfile'), or pull with the lockfile of "
             "what was pushed: nothing was published"
         )
     missing = sorted(set(wanted or {}) - {b.name for b in chosen})
@@ -148,11 +148,11 @@ def check_found(
         asked = ", ".join(f"{n}@{wanted[n]}" if wanted[n] else n for n in missing)
         raise PipelineError(
             f"{where}: no bundle of {asked} for this model (fingerprint {fp}); build and push it "
-            f"('python build.py build --model {result.model}', then push)"
+            f"('prefix-bundles build --model {result.model}', then push)"
         )
     if not chosen:
         raise PipelineError(
             f"{where}: no bundle for this model (fingerprint {fp}) among {len(result.skipped)} "
-            f"bundle(s); build and push them ('python build.py build --model {result.model}', "
+            f"bundle(s); build and push them ('prefix-bundles build --model {result.model}', "
             "then push)"
         )
