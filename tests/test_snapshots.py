@@ -327,7 +327,9 @@ def test_serve_saves_after_the_servers_graceful_stop(monkeypatch: pytest.MonkeyP
     for name in ("require", "refuse_options", "check_port", "check_admin", "setup_logging"):
         monkeypatch.setattr(startup, name, lambda *a, **k: None)
     monkeypatch.setattr(startup, "ensure_huge_pages", lambda *a, **k: None)
-    mount = SimpleNamespace(covered=len, loaded_as_fingerprinted=lambda: True)
+    mount = SimpleNamespace(
+        covered=len, loaded_as_fingerprinted=lambda: True, result=SimpleNamespace(bundles=[])
+    )
     monkeypatch.setattr(startup, "mount_for", lambda *a, **k: mount)
     monkeypatch.setattr(startup, "check_tokenization", lambda *a: {})
     monkeypatch.setattr(startup, "open_snapshots", lambda *a: snaps)
