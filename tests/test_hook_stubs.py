@@ -635,8 +635,8 @@ def openai_adapter(mounted, monkeypatch, snapshots=None):
     module = types.ModuleType("app.utils.prompt_cache")
     module.LRUPromptCache = StubOpenAILRU
     monkeypatch.setitem(sys.modules, module.__name__, module)
-    from pipeline.runtime.servers.mlx_openai.saving_cache import disk_lru_entries
     from pipeline.runtime.servers.mlx_openai.model_process import pinned_cache_class
+    from pipeline.runtime.servers.mlx_openai.saving_cache import disk_lru_entries
 
     cache = pinned_cache_class(mounted, snapshots)()
     return SimpleNamespace(

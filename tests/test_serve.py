@@ -470,8 +470,7 @@ def test_every_option_serve_reads_is_checked_for_abbreviations():
     """Each option name the runtime reads from the server's options (`passed`, `passed_option`,
     `in options.rest`, the vllm-mlx cache-off table) is in READ_OPTIONS (the start-up's own and
     every hook's `reads`, from the registry) or refused by its hook."""
-    from pipeline.runtime.servers.options import NOT_ABBREVIATIONS
-    from pipeline.runtime.servers.options import read_options
+    from pipeline.runtime.servers.options import NOT_ABBREVIATIONS, read_options
     from pipeline.runtime.servers.vllm_mlx.simple_engine import CACHE_OFF
 
     READ_OPTIONS = read_options()  # noqa: N806 - the table it was

@@ -19,8 +19,8 @@ from pipeline.format.errors import PipelineError
 from pipeline.format.fingerprint import file_digests, sha256_bytes
 from pipeline.format.manifest import Manifest, manifest_bytes
 from pipeline.format.secret_key import generate
-from pipeline.runtime.snapshot_store import MARK_TEXT, SET_MARK, Entry
 from pipeline.runtime.servers.options import parse_size
+from pipeline.runtime.snapshot_store import MARK_TEXT, SET_MARK, Entry
 from pipeline.runtime.snapshots import DEFAULT_BUDGET, Snapshots
 
 TOKENS = [(7 * i + 3) % 900 + 10 for i in range(300)]

@@ -15,8 +15,8 @@ from test_snapshots import TOKENS, host, prefilled  # noqa: F401 - host: the fix
 from pipeline.format.errors import PipelineError
 from pipeline.runtime import snapshot_store
 from pipeline.runtime.servers import hook_for
-from pipeline.runtime.snapshot_store import Entry
 from pipeline.runtime.servers.options import every_seconds
+from pipeline.runtime.snapshot_store import Entry
 from pipeline.runtime.snapshots import DEFAULT_BUDGET, Snapshots
 
 pytestmark = pytest.mark.usefixtures("host")  # a host key folder of each test's own

@@ -48,6 +48,7 @@ from pipeline.runtime.snapshot_store import (
 log = logging.getLogger("prefix-bundles")
 DEFAULT_BUDGET = 2 << 30  # bytes of KV written at a stop (and restored at the next start)
 
+
 @dataclass
 class _Periodic:
     """--snapshot-every: how often, what to list (the hook's `entries`), and the last save."""
