@@ -281,6 +281,7 @@ def test_demo_json(project: Path, monkeypatch, capsys):
         "models/demo-tiny", "bundles", "shop", "built"
     )  # fmt: skip
     assert row.tokens > 50 and row.bytes > 0 and row.prefill_seconds > 0 and row.mount_ms > 0
+    assert row.build_seconds >= row.prefill_seconds  # the whole build: its phases with the prefill
 
 
 def test_server_env_dry_run_json(tmp_path: Path, capsys):
