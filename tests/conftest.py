@@ -25,6 +25,14 @@ def private_cache_folder(tmp_path_factory: pytest.TempPathFactory):
         yield
 
 
+@pytest.fixture(autouse=True)
+def working_folder_of_its_own(tmp_path_factory: pytest.TempPathFactory, monkeypatch):
+    """Each test runs in an empty folder of its own: what `just demo` left in the checkout
+    (bundles/ for the demo model, whose fingerprint the tiny test model shares) is never read by
+    a command that falls back to the project's bundles/ (serve, match, verify)."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
+
+
 # --- Generated test models (pipeline.testmodels.model) -------------------------------------------------
 
 
