@@ -166,7 +166,7 @@ def run(ctx: Context) -> dict[str, Any]:
         ctx.note(
             f"snapshots: rep {rep}: first answer after restart {w['first_s']:.3f} s with "
             f"{rows[-1]['saved']} snapshots, {c['first_s']:.3f} s without, hit {w['hit_s']:.3f} s; "
-            f"stop {rows[-1]['stop_s']:.2f} s, startup +{rows[-1]['restore_s']:.2f} s"
+            f"stop {rows[-1]['stop_s']:.2f} s, startup with them {rows[-1]['restore_s']:+.2f} s"
         )
     summary = {
         "model": model.name, **s, "rows": rows,
