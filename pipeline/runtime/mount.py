@@ -9,10 +9,12 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import mlx.core as mx
 
 from pipeline.format.bundle_folder import FINGERPRINT_CHARS, model_folder
 from pipeline.format.compat import cache_classes
@@ -31,6 +33,7 @@ from pipeline.runtime.discovery import (  # noqa: F401  (re-exported: pipeline.r
     version_key,
 )
 from pipeline.runtime.prompt_cache import PromptCacheManager
+from pipeline.runtime.shared_kv import PLAIN
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,9 @@ class MountedBundle:
     cache: list[Any]
     seconds: float
     manifest_sha256: str = ""  # of the manifest bytes validated: what snapshots depend on
+    # reads the bundle again as it was validated here (re-proved; BundleError if it changed):
+    # what the disk tier of serve --bundle-memory reads on a hit
+    read: Callable[[], list[Any]] | None = field(default=None, compare=False, repr=False)
 
     @property
     def name(self) -> str:
@@ -144,14 +150,41 @@ def mount_one(
     *,
     verify_full: bool = False,
     trusted_keys: Sequence[PublicKey] = (),
+    load: bool = True,
 ) -> MountedBundle:
-    """Validate and load one bundle, reading its cache file once."""
+    """Validate and load one bundle, reading its cache file once (`load=False`: validated in full,
+    its token ids read, no tensor loaded; `cache` is empty and `read` loads it)."""
     start = time.perf_counter()
     v = validate(
-        Path(bundle), identity, load=True, trust_memo=not verify_full, trusted_keys=trusted_keys
+        Path(bundle), identity, load=load, trust_memo=not verify_full, trusted_keys=trusted_keys
     )
     seconds = time.perf_counter() - start
-    return MountedBundle(v.path, v.manifest, v.tokens, v.cache or [], seconds, v.manifest_sha256)
+    read = _reader(v.path, identity, tuple(trusted_keys), v.manifest_sha256)
+    return MountedBundle(
+        v.path, v.manifest, v.tokens, v.cache or [], seconds, v.manifest_sha256, read
+    )
+
+
+def _reader(
+    path: Path, identity: ModelIdentity, keys: tuple[PublicKey, ...], manifest_sha256: str
+) -> Callable[[], list[Any]]:
+    """The bundle's cache, read again through the one validator (the memo vouches for a file
+    unchanged by its stat, else every byte is hashed), and only the manifest validated here:
+    BundleError when the folder was deleted, truncated, altered or replaced, even by another
+    valid bundle."""
+
+    def read() -> list[Any]:
+        v = validate(path, identity, load=True, trust_memo=True, trusted_keys=keys)
+        if v.manifest_sha256 != manifest_sha256:
+            raise BundleError(
+                str(path),
+                "was replaced since it was mounted (another manifest.json); this process serves "
+                "only what it mounted: remount (SIGHUP) to serve the new one",
+                "manifest",
+            )
+        return v.cache or []
+
+    return read
 
 
 def mount(
@@ -175,7 +208,11 @@ def mount(
     <model_dir>/prefix-bundles; anything else there is refused, never mounted), one bundle folder,
     or a list of bundle folders; the newest-only and `versions` rules apply to all of them.
     Raises BundleError for the first refused bundle unless skip_refused, which collects refusals.
-    With a manager, mounted caches are pinned into it under `model_key` (default: model_dir).
+    With a manager, mounted caches are pinned into it under `model_key` (default: model_dir), and
+    the bundles returned hold no cache of their own (the manager holds it; `read` reads it
+    again). A manager with a `bundle_memory` budget gets the bundles validated without loading
+    them; those of plain K/V layers wait on disk and are read while the budget holds them
+    (`PromptCacheManager.fill`), the others are loaded and held.
     verify_full hashes every cache file even when the memo knows it; `versions` pins
     {prefix name: version} (from a lockfile) instead of the newest, and mounts no other prefix.
     With trusted_keys every bundle must carry a valid signature by one of them (the version rules
@@ -199,9 +236,12 @@ def mount(
         began = time.perf_counter()
         cache_classes()  # imports mlx_lm once, here, not inside the first bundle's mount time
         result.import_seconds = time.perf_counter() - began
+    tiered = manager is not None and manager.bundle_memory is not None
     for path in paths:
         try:
-            mounted = mount_one(path, identity, verify_full=verify_full, trusted_keys=trusted_keys)
+            mounted = mount_one(
+                path, identity, verify_full=verify_full, trusted_keys=trusted_keys, load=not tiered
+            )
             result.bundles.append(mounted)
         except BundleError as exc:
             _refuse(result, exc, skip_refused)
@@ -209,11 +249,37 @@ def mount(
     if required and not isinstance(bundles, list):
         _require(result, Path(bundles), required, skip_refused)
     if manager is not None:
-        key = model_key or str(Path(model_dir))
-        for b in result.bundles:
-            manager.pin(key, b.tokens, b.cache, b.name)
+        _pin_all(result, manager, model_key or str(Path(model_dir)), skip_refused)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _pin_all(
+    result: MountResult, manager: PromptCacheManager, key: str, skip_refused: bool
+) -> None:
+    """Pin every mounted bundle (on disk where the budget says, when its layers are plain K/V);
+    the bundles keep no cache of their own, so what the manager does not hold is freed."""
+    tiered = manager.bundle_memory is not None
+    dropped: list[MountedBundle] = []
+    for i, b in enumerate(result.bundles):
+        if tiered and set(b.manifest.cache.classes) <= PLAIN:
+            lossy = b.manifest.cache.kv_bits is not None
+            nbytes = b.manifest.cache.nbytes
+            manager.pin_on_disk(key, b.tokens, b.name, reload=b.read, nbytes=nbytes, lossy=lossy)
+            continue
+        try:  # a bundle validated without its tensors (budget) is loaded here
+            cache = b.cache if b.cache or b.read is None else b.read()
+        except BundleError as exc:
+            dropped.append(b)
+            _refuse(result, exc, skip_refused)
+            continue
+        manager.pin(key, b.tokens, cache, b.name, reload=b.read)
+        result.bundles[i] = replace(b, cache=[])
+        del cache
+    result.bundles = [b for b in result.bundles if all(b is not d for d in dropped)]
+    if tiered:
+        manager.fill(key)
+    mx.clear_cache()  # the loaded arrays no entry holds go back to the system
 
 
 def _check_arguments(

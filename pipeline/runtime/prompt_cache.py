@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
 import threading
+import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,10 @@ import mlx.core as mx
 import numpy as np
 
 from pipeline.format.errors import PipelineError
+from pipeline.runtime import shared_kv
+from pipeline.runtime.bundle_tier import BundleTier
+
+log = logging.getLogger("prefix-bundles")
 
 # Duck-typed on purpose: importing anything under mlx_lm runs mlx_lm/__init__.py, which
 # imports transformers and jinja2 (~0.75 s); the runtime must stay thin.
@@ -39,14 +45,24 @@ class CacheHit:
 
 @dataclass(frozen=True)
 class _Entry:
-    """A cache the manager owns; its arrays are never written, only re-wrapped."""
+    """A cache the manager owns; its arrays are never written, only re-wrapped.
+
+    A pinned bundle may share: it takes its first `shared` positions from `base` in the layers
+    `shared_layers` (their arrays in `cache` then hold only its own tail; shared_kv). A bundle
+    on disk has no `cache` and a `reload` that re-proves and reads it."""
 
     tokens: np.ndarray  # token ids the cache covers, exactly
-    cache: list
+    cache: list | None
     trimmable: bool
-    nbytes: int
+    nbytes: int  # the whole cache's bytes, shared positions included
     source: str
     lossy: bool = False  # holds quantized KV: an approximation of a full-precision prefill
+    kinds: tuple = ()  # per layer, shared_kv.kind: what sharing positions requires
+    base: _Entry | None = None
+    shared: int = 0
+    shared_layers: frozenset[int] = frozenset()
+    own_bytes: int = 0  # bytes of this entry's own arrays (its tail where it shares)
+    reload: Callable[[], list] | None = field(default=None, compare=False)
 
     def min_reuse(self) -> int:
         """The fewest tokens this entry may serve (1 for an exact entry)."""
@@ -199,7 +215,27 @@ def _make_entry(tokens: Sequence[int], cache: list, source: str, label: str) -> 
     mx.eval(list(_arrays(owned)))  # lazy arrays are bound to the creating thread's stream
     nbytes = sum(layer.nbytes for layer in owned)
     trimmable = all(layer.is_trimmable() for layer in owned)
-    return _Entry(ids.copy(), owned, trimmable, nbytes, source, is_lossy(owned))
+    kinds = tuple(shared_kv.kind(layer) for layer in owned)
+    return _Entry(ids.copy(), owned, trimmable, nbytes, source, is_lossy(owned), kinds, None, 0,
+                  frozenset(), nbytes)  # fmt: skip
+
+
+def _shared_form(entry: _Entry, resident: Sequence[_Entry]) -> _Entry:
+    """The entry holding only what no resident entry holds already: the positions whose token
+    ids and K/V bits equal a resident entry's are taken from it (shared_kv.best_base)."""
+    found = shared_kv.best_base(entry, resident)
+    if found is None:
+        return entry
+    base, n, layers = found
+    own = [shared_kv.tail(x, n) if i in layers else x for i, x in enumerate(entry.cache)]
+    mx.eval(list(_arrays(own)))
+    held = sum(a.nbytes for a in _arrays(own))
+    return replace(entry, cache=own, base=base, shared=n, shared_layers=layers, own_bytes=held)
+
+
+def _on_disk(entry: _Entry) -> _Entry:
+    """The entry as a bundle on disk: its facts kept, no array held."""
+    return replace(entry, cache=None, base=None, shared=0, shared_layers=frozenset(), own_bytes=0)
 
 
 def reusable_tokens(
@@ -242,9 +278,15 @@ def _best(candidates: list[_Entry], request: np.ndarray) -> tuple[_Entry | None,
     return best, best_rank[0]
 
 
-def _hand_out(entry: _Entry, keep: int) -> list:
-    """A fresh cache over the entry's arrays covering its first `keep` tokens."""
-    return fork_cache(entry.cache, len(entry.tokens) - keep)
+def _hand_out(entry: _Entry, keep: int, rest: int = 0) -> list:
+    """A fresh cache over the entry's arrays covering its first `keep` tokens (`rest`: the
+    tokens the request will add, for which an entry that shares leaves room)."""
+    trim = len(entry.tokens) - keep
+    if entry.base is None:
+        return fork_cache(entry.cache, trim)
+    out = shared_kv.hand_out(entry, keep, rest, lambda layer: fork_cache([layer], trim)[0])
+    mx.eval(list(_arrays(out)))  # one concatenation now: usable from any thread
+    return out
 
 
 def fork_cache(cache: list, trim: int = 0) -> list:
@@ -265,9 +307,13 @@ def fork_cache(cache: list, trim: int = 0) -> list:
 class PromptCacheManager:
     """Longest-common-prefix prompt cache over pinned bundles and LRU-bounded entries."""
 
-    def __init__(self, max_entries: int = 10, max_bytes: int = 8 << 30) -> None:
-        """Bound stored entries by count and bytes; pinned bundles count against neither."""
-        if max_entries < 0 or max_bytes < 0:
+    def __init__(
+        self, max_entries: int = 10, max_bytes: int = 8 << 30, bundle_memory: int | None = None
+    ) -> None:
+        """Bound stored entries by count and bytes; pinned bundles count against neither.
+        `bundle_memory`: the most bytes pinned bundles hold in memory (None: no bound); bundles
+        pinned with a `reload` past it stay on disk and are read on a hit (BundleTier)."""
+        if max_entries < 0 or max_bytes < 0 or (bundle_memory or 0) < 0:
             raise PipelineError(
                 f"prompt cache limits must be >= 0 (max_entries={max_entries}, "
                 f"max_bytes={max_bytes}); pass 0 to keep only pinned bundles"
@@ -286,17 +332,144 @@ class PromptCacheManager:
         self._entries: OrderedDict[tuple[str, bytes], _Entry] = OrderedDict()
         self._bytes = 0
         self._counts = dict(hits=0, misses=0, hit_tokens=0, evictions=0, rejected=0)
+        self.tier = BundleTier(bundle_memory)
+        self.bundle_memory = bundle_memory
+        self._reloading = threading.Lock()  # one bundle read back from disk at a time
 
-    def pin(self, model_key: str, tokens: Sequence[int], cache: list, name: str) -> None:
-        """Mount a bundle's cache for `model_key`; never evicted, never mutated by requests."""
+    def pin(
+        self,
+        model_key: str,
+        tokens: Sequence[int],
+        cache: list,
+        name: str,
+        *,
+        reload: Callable[[], list] | None = None,
+    ) -> None:
+        """Mount a bundle's cache for `model_key`; never mutated by requests. Positions whose
+        token ids and K/V bits equal a pinned bundle's are held once (shared_kv). `reload`
+        (re-proves the bundle's files and returns its cache, PipelineError if it cannot): with
+        a bundle_memory budget the bundle may then be evicted to disk and read back on a hit."""
         model_key = _model_key(model_key)
         entry = _make_entry(tokens, cache, f"bundle:{name}", f"bundle {name}")
         if entry is None:
             raise PipelineError(f"bundle {name}: its prompt cache covers no tokens; rebuild it")
+        self._keep(model_key, name, replace(entry, reload=reload))
+
+    def pin_on_disk(
+        self,
+        model_key: str,
+        tokens: Sequence[int],
+        name: str,
+        *,
+        reload: Callable[[], list],
+        nbytes: int,
+        lossy: bool,
+    ) -> None:
+        """Mount a bundle of plain K/V layers (every layer trimmable) without reading its
+        tensors: requests find it by its token ids, and a hit reads it with `reload`."""
+        model_key = _model_key(model_key)
+        ids = token_ids(tokens)
+        if len(ids) == 0:
+            raise PipelineError(f"bundle {name}: its prompt cache covers no tokens; rebuild it")
+        entry = _Entry(ids.copy(), None, True, nbytes, f"bundle:{name}", lossy, reload=reload)
+        self.tier.check_fits(name, nbytes)
         with self._lock:
-            self._pinned.setdefault(model_key, {})[name] = entry
-            if entry.lossy:
-                self._lossy_lineage.setdefault(model_key, {})[entry.tokens.tobytes()] = entry
+            self._place(model_key, name, entry)
+
+    def fill(self, model_key: str) -> None:
+        """Read bundles on disk into memory, in the order pinned, while the budget holds them
+        (the bytes each would add, from its token ids shared with what is held)."""
+        model_key = _model_key(model_key)
+        with self._lock:
+            waiting = [e for e in self._pinned.get(model_key, {}).values() if e.cache is None]
+        for entry in waiting:
+            with self._lock:
+                resident = self._resident()
+                held = shared_kv.held_bytes(resident)
+            if self.tier.fits(entry, resident, held):
+                self._reload(model_key, entry, quiet=True)
+
+    def _keep(self, model_key: str, name: str, entry: _Entry) -> None:
+        """Hold a loaded entry (its shared form), then evict to disk what the budget cannot hold."""
+        with self._lock:
+            resident = [e for e in self._resident() if e.source != entry.source]
+        entry = _shared_form(entry, resident)  # compared outside the lock: entries never change
+        with self._lock:
+            self._place(model_key, name, entry)
+        self._fit(model_key, name)
+
+    def _place(self, model_key: str, name: str, entry: _Entry) -> None:
+        """Put an entry in the pinned set (lock held)."""
+        self._pinned.setdefault(model_key, {})[name] = entry
+        self.tier.touch((model_key, name))
+        if entry.lossy:
+            self._lossy_lineage.setdefault(model_key, {})[entry.tokens.tobytes()] = entry
+
+    def _resident(self) -> list[_Entry]:
+        """Every pinned bundle held in memory (lock held)."""
+        return [e for g in self._pinned.values() for e in g.values() if e.cache is not None]
+
+    def _fit(self, model_key: str, name: str, coming: _Entry | None = None) -> None:
+        """Evict least recently hit bundles that can be read back until the budget holds what is
+        pinned (and `coming`, by its estimate), never (model_key, name); one line each; MLX's
+        freed buffers are returned."""
+        evicted = False
+        while True:
+            with self._lock:
+                resident = self._resident()
+                if coming is None and not self.tier.over(resident):
+                    break
+                held = shared_kv.held_bytes(resident)
+                if coming is not None and self.tier.fits(coming, resident, held):
+                    break
+                pinned = {(k, n): e for k, g in self._pinned.items() for n, e in g.items()}
+                victim = self.tier.victim(pinned, (model_key, name))
+                if victim is None:
+                    break
+                self._pinned[victim[0]][victim[1]] = _on_disk(pinned[victim])
+                held = shared_kv.held_bytes(self._resident())
+            self.tier.evicted(victim[1], pinned[victim], held)
+            evicted = True
+        if evicted:
+            mx.clear_cache()
+
+    def _reload(self, model_key: str, entry: _Entry, quiet: bool = False) -> _Entry | None:
+        """A bundle on disk read back (re-proved by its `reload`) and held when the budget
+        allows; None when it cannot be read back: it is unpinned and one line says so."""
+        name = entry.source.removeprefix("bundle:")
+        with self._reloading:
+            with self._lock:
+                current = self._pinned.get(model_key, {}).get(name)
+            if current is None or current.cache is not None:
+                return current  # unpinned meanwhile, or read back by another request
+            start = time.perf_counter()
+            try:
+                cache = current.reload()
+                loaded = _make_entry(current.tokens, cache, current.source, f"bundle {name}")
+                if loaded is None or not np.array_equal(loaded.tokens, current.tokens):
+                    raise PipelineError(f"bundle {name}: its cache no longer covers its tokens")
+            except PipelineError as exc:
+                with self._lock:
+                    if self._pinned.get(model_key, {}).get(name) is current:
+                        del self._pinned[model_key][name]
+                self.tier.failed(name, exc)
+                return None
+            loaded = replace(loaded, reload=current.reload)
+            if not quiet:
+                self._fit(model_key, name, coming=current)  # room first: then it shares what stays
+            self._keep(model_key, name, loaded)
+            with self._lock:
+                kept = self._pinned.get(model_key, {}).get(name)
+                held = kept is not None and kept.cache is not None
+                if held and self.tier.over(self._resident()):  # nothing else could make room
+                    self._pinned[model_key][name] = _on_disk(kept)
+                    held = False
+            seconds = time.perf_counter() - start
+            if quiet and held:
+                self.tier.filled(name, kept)
+            elif not quiet:
+                self.tier.read(name, loaded, seconds, kept=held)
+            return kept if held else loaded
 
     def covered(self, model_key: str, tokens: Sequence[int]) -> int:
         """How many leading tokens `fetch` would serve from a pinned bundle (no copy made)."""
@@ -311,23 +484,33 @@ class PromptCacheManager:
         model_key = _model_key(model_key)
         with self._lock:
             self._pinned.get(model_key, {}).pop(name, None)
+            self.tier.forget((model_key, name))
 
     def fetch(self, model_key: str, tokens: Sequence[int]) -> CacheHit:
         """The longest reusable cached prefix of `tokens`, as a cache the caller may change with
         MLX operations (they copy first; a NumPy view of its arrays shares the bundle's memory)."""
         model_key = _model_key(model_key)
         request = token_ids(tokens)
-        with self._lock:
-            candidates = list(self._pinned.get(model_key, {}).values())
-            candidates += [e for (key, _), e in self._entries.items() if key == model_key]
-        best, keep = _best(candidates, request) if len(request) > 1 else (None, 0)
+        while True:
+            with self._lock:
+                candidates = list(self._pinned.get(model_key, {}).values())
+                candidates += [e for (key, _), e in self._entries.items() if key == model_key]
+            best, keep = _best(candidates, request) if len(request) > 1 else (None, 0)
+            if best is None or best.cache is not None:
+                break
+            best = self._reload(model_key, best)  # None: unpinned, so the next pass differs
+            if best is not None:
+                break
         if best is None:
             with self._lock:
                 self._counts["misses"] += 1
             return CacheHit(None, request.tolist(), 0, "cold")
-        cache = _hand_out(best, keep)  # built outside the lock: entries are never written
+        # built outside the lock: entries are never written
+        cache = _hand_out(best, keep, len(request) - keep)
         key = (model_key, best.tokens.tobytes())
         with self._lock:
+            if best.source.startswith("bundle:"):
+                self.tier.touch((model_key, best.source.removeprefix("bundle:")))
             if best.lossy and best.source.startswith("bundle:") and not self._provisional:
                 self._handed_out.setdefault(model_key, set()).add(key[1])
             self._counts["hits"] += 1
@@ -348,10 +531,16 @@ class PromptCacheManager:
         model_key = _model_key(model_key)
         with self._lock:
             pinned = list(self._pinned.get(model_key, {}).values())
-        if not pinned:
+        entry = None
+        for found in sorted(
+            pinned, key=lambda e: (len(e.tokens), e.nbytes, e.source), reverse=True
+        ):
+            entry = found if found.cache is not None else self._reload(model_key, found)
+            if entry is not None:
+                break
+        if entry is None:
             return None
-        entry = max(pinned, key=lambda e: (len(e.tokens), e.nbytes, e.source))
-        cache = fork_cache(entry.cache)
+        cache = _hand_out(entry, len(entry.tokens))
         logits = model(mx.array([[int(entry.tokens[-1])]]), cache=cache)
         mx.eval(logits, list(_arrays(cache)))
         return entry.source
@@ -432,8 +621,13 @@ class PromptCacheManager:
                 "max_entries": self.max_entries,
                 "max_bytes": self.max_bytes,
                 "pinned": len(pinned),
-                "pinned_bytes": sum(e.nbytes for e in pinned),
+                "pinned_bytes": sum(e.nbytes for e in pinned),  # every bundle's whole cache
+                "held_bytes": shared_kv.held_bytes(self._resident()),  # in memory, each once
+                "resident": sum(e.cache is not None for e in pinned),
+                "on_disk": sum(e.cache is None for e in pinned),
+                "bundle_memory": self.bundle_memory,
                 **self._counts,
+                **self.tier.counts,
             }
 
     def _drop(self, key: tuple[str, bytes]) -> None:
