@@ -38,8 +38,9 @@ def serving(tmp_path: Path, tiny_model: Path):
     os.chmod(public, 0o777)
     entry = Entry(TOKENS, prefilled(tiny_model, TOKENS), "test", False)
     snaps = Snapshots(root, DEFAULT_BUDGET, tiny_model, None, "mlx-lm")
-    snaps.save_every(0.0, lambda: [(1, entry)], lambda ids: 0)
-    snaps.tick()
+    snaps.spill_while_serving(0.0, lambda: [(1, entry)], lambda ids: 0, start=False)
+    snaps.changed()
+    assert snaps.spiller.spill()
     assert (root / "set-1").is_dir()
     yield root, snaps, entry, public
     snaps.close()
@@ -49,10 +50,14 @@ def names(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir())
 
 
+NEXT = "the next spill is tried after the next new entry, 0 s from now at the earliest"
+
+
 def tick_error(snaps: Snapshots, caplog) -> list[str]:
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="prefix-bundles"):
-        snaps.tick()  # the server's thread goes on
+        snaps.changed()  # the server's thread goes on
+        assert not snaps.spiller.spill()  # the spill thread goes on
     return [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
 
 
@@ -67,9 +72,7 @@ def test_a_dir_replaced_by_a_link_to_a_public_folder_is_never_written(serving, c
     shutil.rmtree(root)
     root.symlink_to(public)
     why = REPLACED.format(root=root, what=f"it is now a symbolic link to {public}")
-    assert tick_error(snaps, caplog) == [
-        f"snapshots: periodic save failed: {why}; the next save is due in 0 min"
-    ]
+    assert tick_error(snaps, caplog) == [f"snapshots: spill failed: {why}; {NEXT}"]
     assert stop_error(snaps, entry) == f"snapshots: {why}"
     assert names(public) == []  # no client prompt in the public folder
 
@@ -79,9 +82,7 @@ def test_a_dir_replaced_by_another_private_folder_is_not_written(serving, caplog
     shutil.rmtree(root)
     root.mkdir(mode=0o700)
     why = REPLACED.format(root=root, what="another folder is there now")
-    assert tick_error(snaps, caplog) == [
-        f"snapshots: periodic save failed: {why}; the next save is due in 0 min"
-    ]
+    assert tick_error(snaps, caplog) == [f"snapshots: spill failed: {why}; {NEXT}"]
     assert stop_error(snaps, entry) == f"snapshots: {why}"
     assert names(root) == []  # not even a lock: a later serve locks it and saves there
 
@@ -94,9 +95,7 @@ def test_a_removed_dir_is_said_to_be_gone_not_kept(serving, caplog, how):
     else:
         root.rename(root.with_name("moved"))
     why = GONE.format(root=root)
-    assert tick_error(snaps, caplog) == [
-        f"snapshots: periodic save failed: {why}; the next save is due in 0 min"
-    ]
+    assert tick_error(snaps, caplog) == [f"snapshots: spill failed: {why}; {NEXT}"]
     assert "stays" not in caplog.text  # the previous set is gone with the folder
     assert stop_error(snaps, entry) == f"snapshots: {why}"
     assert not root.exists()
@@ -111,9 +110,7 @@ def test_a_dir_opened_to_others_while_serving_is_not_written(serving, caplog):
         f"{root} is now open to other users (mode 0777, uid {os.getuid()}); not saved: snapshots "
         "hold client prompts; make it yours with mode 0700 again"
     )
-    assert tick_error(snaps, caplog) == [
-        f"snapshots: periodic save failed: {why}; the next save is due in 0 min"
-    ]
+    assert tick_error(snaps, caplog) == [f"snapshots: spill failed: {why}; {NEXT}"]
     assert stop_error(snaps, entry) == f"snapshots: {why}"
     assert names(root) == [".lock", "set-1"]
     os.chmod(root, 0o700)

@@ -1,8 +1,9 @@
-"""What a server learned survives its restart (`serve --snapshots DIR`): its hottest prompt-cache
-entries saved at a graceful stop, mounted at the next start through the one validator.
+"""What a server learned survives its restart or crash (`serve --snapshots DIR`): its hottest
+prompt-cache entries spilled while it serves (snapshot_spill) and saved at a graceful stop, mounted
+at the next start through the one validator.
 
-A hook lists its server's entries (`Entry`, with a recency stamp from `Snapshots.tick`) and asks
-`Snapshots.fetch` inside its lookup; this module chooses what fits the byte budget, writes and
+A hook lists its server's entries (`Entry`, with a recency stamp from `Snapshots.tick`), says
+`Snapshots.changed` after it stored one, and asks `Snapshots.fetch` inside its lookup; this module chooses what fits the byte budget, writes and
 signs it (pipeline.runtime.snapshot_store), and holds restored snapshots on a shelf that answers
 under the one reuse rule (`reusable_tokens`, `preference`) with the lossiness each snapshot
 recorded. A restored snapshot is never written (requests get copy-on-write copies), and serves a
@@ -36,6 +37,7 @@ from pipeline.runtime.prompt_cache import (
 )
 from pipeline.runtime.snapshot_key import host_key
 from pipeline.runtime.snapshot_restore import UNTRUSTED, choose_and_load
+from pipeline.runtime.snapshot_spill import Listed, Spiller
 from pipeline.runtime.snapshot_store import (
     Context,
     Entry,
@@ -47,19 +49,6 @@ from pipeline.runtime.snapshot_store import (
 
 log = logging.getLogger("prefix-bundles")
 DEFAULT_BUDGET = 2 << 30  # bytes of KV written at a stop (and restored at the next start)
-
-
-@dataclass
-class _Periodic:
-    """--snapshot-every: how often, what to list (the hook's `entries`), and the last save."""
-
-    seconds: float
-    listing: Callable[[], Sequence[tuple[int, Entry]]]
-    covered: Callable[[list[int]], int]
-    last: float
-
-    def due(self) -> bool:
-        return time.monotonic() - self.last >= self.seconds
 
 
 @dataclass
@@ -117,9 +106,9 @@ class Snapshots:
         self._shelf: list[_Shelved] = []
         self._clock = itertools.count(1)
         self._lock = threading.Lock()
-        self._saving = threading.Lock()  # one save at a time: a periodic one, the stop's
-        self._periodic: _Periodic | None = None
-        self._stopped = False  # the stop's save has begun: no periodic save after it
+        self._saving = threading.Lock()  # one save at a time: a spill, the stop's
+        self.spiller: Spiller | None = None  # spills while serving (`spill_while_serving`)
+        self._stopped = False  # the stop's save has begun: no spill after it
         # the bundles mounted now (`trust`), and every one mounted at any time in this process
         # (digest: (name, tokens)): an entry sharing its opening with one may continue it
         self._bundles: Callable[[], Sequence[Any]] = lambda: ()
@@ -134,28 +123,35 @@ class Snapshots:
         self.folder.close()
 
     def tick(self) -> int:
-        """A recency stamp: larger is more recent (the hook stamps each entry it stores). With
-        --snapshot-every, a save that is due runs here first, on the hook's thread
-        (`periodic_snapshots`)."""
-        stamp = self._next()
-        periodic = self._periodic
-        if periodic is not None and periodic.due():
-            self._save_periodic(periodic, stamp)
-        return stamp
+        """A recency stamp: larger is more recent (the hook stamps each entry it stores)."""
+        return self._next()
 
     def _next(self) -> int:
         with self._lock:
             return next(self._clock)
 
-    def save_every(
+    def spill_while_serving(
         self,
-        seconds: float,
-        listing: Callable[[], Sequence[tuple[int, Entry]]],
+        every: float,
+        listing: Callable[[], Sequence[Listed]],
         covered: Callable[[list[int]], int],
-    ) -> None:
-        """--snapshot-every: from now on, the first `tick` at least `seconds` after the last
-        save saves the set (`listing()`: the hook's entries, `covered`: what bundles hold)."""
-        self._periodic = _Periodic(seconds, listing, covered, time.monotonic())
+        start: bool = True,
+    ) -> Spiller:
+        """From now on the server's entries (`listing()`, on the thread that owns its cache, at
+        each `changed`) are spilled to DIR by a thread of their own (snapshot_spill), at most
+        every `every` seconds; `covered`: what bundles hold. `start`: run that thread (tests step
+        it with `spiller.spill()`)."""
+        write = lambda entries, why: self._spill(entries, covered, why)  # noqa: E731
+        self.spiller = Spiller(write, every, listing)
+        if start:
+            self.spiller.start()
+        return self.spiller
+
+    def changed(self) -> None:
+        """The hook stored an entry (call it on the thread that owns the server's cache, after
+        the entry's stamp is recorded): capture the entries for the next spill."""
+        if self.spiller is not None and not self._stopped:
+            self.spiller.capture()
 
     # --- startup -------------------------------------------------------------------------
     def trust(self, bundles: Callable[[], Sequence[Any]]) -> None:
@@ -206,7 +202,8 @@ class Snapshots:
         current, chosen, found = self._newest_that_mounts(held, unusable)
         if current is None:
             log.info(
-                "snapshots: none in %s yet (they are written at a graceful stop)", self.folder.root
+                "snapshots: none in %s yet (they are written while serving and at a graceful stop)",
+                self.folder.root,
             )
             return
         for v, ids in reversed(chosen.kept):  # coldest first: the hottest gets the newest stamp
@@ -329,7 +326,9 @@ class Snapshots:
 
     # --- shutdown ------------------------------------------------------------------------
     def stop_saving(self) -> None:
-        """The server has stopped: wait for a periodic save under way; none starts after."""
+        """The server has stopped: wait for a spill under way; none starts after."""
+        if self.spiller is not None:
+            self.spiller.stop()
         with self._saving:
             self._stopped = True
 
@@ -338,35 +337,20 @@ class Snapshots:
     ) -> None:
         """Write the hottest of the server's entries (stamp, entry) and the restored snapshots
         still worth keeping, within the budget, as the new set; one log line."""
+        if self.spiller is not None:
+            self.spiller.stop()
         with self._saving:
             self._stopped = True
             self._write(listed, covered, "")
 
-    def _save_periodic(self, periodic: _Periodic, now: int) -> None:
-        """A due periodic save, on the thread that called `tick` (the server waits for it). It
-        never raises: a failure is logged and the previous set stays."""
-        if not self._saving.acquire(blocking=False):
-            return  # a save is under way
-        try:
-            if self._stopped or not periodic.due():
-                return
-            periodic.last = time.monotonic()  # a failing disk is retried a period later
-            # stamp 0: the entry the hook is storing now, stamped after this tick returns
-            listed = [(stamp or now, entry) for stamp, entry in periodic.listing()]
-            every = f"{periodic.seconds / 60:g} min"
-            self._write(listed, periodic.covered, f" (periodic, every {every}; the server waited)")
-        except Exception as exc:  # noqa: BLE001 - serving goes on; the previous set is intact
-            why = (
-                str(exc).removeprefix("snapshots: ")
-                if isinstance(exc, PipelineError)
-                else f"{type(exc).__name__}: {exc}; the previous set stays"
-            )
-            log.error(
-                "snapshots: periodic save failed: %s; the next save is due in %g min",
-                why, periodic.seconds / 60,
-            )  # fmt: skip
-        finally:
-            self._saving.release()
+    def _spill(
+        self, listed: list[tuple[int, Entry]], covered: Callable[[list[int]], int], why: str
+    ) -> None:
+        """A spill's write, on the spill thread (PipelineError: nothing written, the previous set
+        stays); nothing after the stop's save began."""
+        with self._saving:
+            if not self._stopped:
+                self._write(listed, covered, why)
 
     def _write(
         self, listed: Sequence[tuple[int, Entry]], covered: Callable[[list[int]], int], why: str

@@ -47,7 +47,7 @@ def pinned_lru_class(base: type, mounted: Any, snapshots: Any, server: str) -> t
     """`base` (an mlx-lm-style LRUPromptCache) with what every hook's subclass of it shares: its
     `instances` (listed at a graceful stop), `answer` (the one rule over its own entries, the
     restored `snapshots` and the pinned bundles) and `stamped` (an entry's recency, for
-    snapshots, evaluated on the thread that stored it)."""
+    snapshots, evaluated on the thread that stored it, and the spill's capture there)."""
 
     class PinnedLRU(base):
         instances: list[Any] = []
@@ -85,9 +85,12 @@ def pinned_lru_class(base: type, mounted: Any, snapshots: Any, server: str) -> t
             return shorter
 
         def stamped(self, tokens: list[int], cache: Any) -> None:
+            """After the server stored an entry, on its thread: its recency, and a capture of
+            the entries for the next spill (snapshot_spill)."""
             if snapshots is not None:
                 evaluate(cache)
                 stamp(self, tokens, snapshots.tick())
+                snapshots.changed()
 
     return PinnedLRU
 

@@ -92,6 +92,7 @@ def pinned_memory_cache_class(
                 self.stamps[tuple(tokens)] = snapshots.tick()
                 if len(self.stamps) > 4 * len(self._entries) + 64:
                     self.stamps = {k: v for k, v in self.stamps.items() if k in self._entries}
+                snapshots.changed()  # the scheduler's thread, which alone stores: the capture
             return stored
 
         def keep(self) -> None:

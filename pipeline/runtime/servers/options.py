@@ -36,13 +36,18 @@ class ServeOptions:
     admin_token_file: Path | None = None
     snapshots: Path | None = None
     snapshot_budget: int | None = None  # bytes (DEFAULT_BUDGET with --snapshots; None without)
-    snapshot_every: float | None = None  # seconds between saves while serving (None: at a stop)
+    # the least seconds between two spills while serving (0: none, saved at a graceful stop only)
+    snapshot_every: float | None = None
 
     def __post_init__(self) -> None:
         if self.snapshots is not None and self.snapshot_budget is None:  # the default, typed
             from pipeline.runtime.snapshots import DEFAULT_BUDGET
 
             object.__setattr__(self, "snapshot_budget", DEFAULT_BUDGET)
+        if self.snapshots is not None and self.snapshot_every is None:
+            from pipeline.runtime.snapshot_spill import DEFAULT_EVERY_S
+
+            object.__setattr__(self, "snapshot_every", DEFAULT_EVERY_S)
 
     @classmethod
     def from_args(
@@ -105,33 +110,27 @@ def snapshot_budget(args: Any) -> int | None:
 
 
 def every_seconds(args: Any, hook: Any) -> float | None:
-    """--snapshot-every MINUTES in seconds (None when not given): it needs --snapshots, a
-    positive number, and a server whose hook calls `tick` only on the thread that owns (and
-    alone changes) its entries, right after it stored one (`periodic_snapshots`), so a save never
-    runs beside a change."""
+    """--snapshot-every MINUTES in seconds: the least time between two spills of the server's
+    entries while it serves (every server; 0 or off: none, saved at a graceful stop only); the
+    default (snapshot_spill.DEFAULT_EVERY_S) with --snapshots; None without --snapshots, where a
+    value given is refused."""
     text = getattr(args, "snapshot_every", None)
-    if text is None:
-        return None
     if getattr(args, "snapshots", None) is None:
-        raise UsageError("--snapshot-every needs --snapshots DIR (the folder it saves to)")
-    if not hook.periodic_snapshots:
-        from pipeline.runtime.servers.registry import hook_class, names
+        if text is not None:
+            raise UsageError("--snapshot-every needs --snapshots DIR (the folder it spills to)")
+        return None
+    if text is None:
+        from pipeline.runtime.snapshot_spill import DEFAULT_EVERY_S
 
-        able = [h.package for h in map(hook_class, names()) if h.periodic_snapshots]
-        raise UsageError(
-            f"--snapshot-every is not supported with --server {hook.name} yet: a save while it "
-            "serves must run on the thread that owns its prompt cache, which serve guarantees "
-            f"for {', '.join(able)} only (docs/snapshots.md); serve without it (the "
-            "snapshots are still saved at a graceful stop)"
-        )
+        return DEFAULT_EVERY_S
     try:
-        minutes = float(text)
+        minutes = 0.0 if text.strip().lower() == "off" else float(text)
     except ValueError:
         minutes = -1.0
-    if not 0 < minutes < 1e6:
+    if not 0 <= minutes < 1e6:
         raise UsageError(
-            f"--snapshot-every {text!r} is not a number of minutes; pass a positive number "
-            "(e.g. 5, or 0.5 for 30 seconds)"
+            f"--snapshot-every {text!r} is not a number of minutes; pass a number of 0 or more "
+            "(e.g. 5, or 0.5 for 30 seconds; 0 or off: no spill while serving)"
         )
     return minutes * 60
 

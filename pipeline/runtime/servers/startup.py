@@ -101,13 +101,14 @@ def serve(hook: ServerHook, options: ServeOptions) -> int:
             SERVED.set()
         if snapshots is None:
             return launched(hook, mounted, options, saving=False)
-        if every is not None:  # saved from the hook's `tick` on the thread that owns the entries
-            snapshots.save_every(every, lambda: listed(hook, mounted, snapshots), mounted.covered)
+        if every:  # spilled while serving: captured where the hook stores, written off its thread
+            listing = lambda: listed(hook, mounted, snapshots)  # noqa: E731
+            snapshots.spill_while_serving(every, listing, mounted.covered)
         try:
             code = launched(hook, mounted, options, saving=True)
         except KeyboardInterrupt:  # SIGTERM/SIGINT as re-raised by uvicorn after its graceful stop
             code = 0
-        snapshots.stop_saving()  # a periodic save under way ends first; none starts after
+        snapshots.stop_saving()  # a spill under way ends first; none starts after
         if mounted.loaded_as_fingerprinted():  # else what the server ran is unknown: nothing saved
             snapshots.save(hook.entries(mounted, snapshots), mounted.covered)  # the server stopped
         return code

@@ -31,7 +31,6 @@ SERVER = "mlx_lm.server"
 
 class Hook(ServerHook):
     name, package, address, snapshots = "mlx-lm", "mlx_lm.server", ("127.0.0.1", 8080), True
-    periodic_snapshots = True  # its generation thread alone stores entries (tested, real server)
     reads = ("--adapter-path", "--draft-model", "--kv-bits")
 
     def refused(self, options: ServeOptions) -> dict[str, str]:

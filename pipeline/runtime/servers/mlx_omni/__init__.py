@@ -85,8 +85,11 @@ class Hook(ServerHook):
         return 0
 
     def entries(self, mounted: Mounted, snapshots: Any) -> list[Any]:
-        """Every pool's entries (once each) for the served folder, stamped at put_cache."""
-        pooled = {id(e.cache): e.cache for p in self.pools.instances.values() for e in p._entries}
+        """Every pool's entries (once each) for the served folder, stamped at put_cache (under
+        the pools' lock: a spill's capture runs while other requests use them)."""
+        with self.pools.lock:
+            pools = list(self.pools.instances.values())
+            pooled = {id(e.cache): e.cache for p in pools for e in list(p._entries)}
         folder = mounted.model.resolve()
         ours = [c for c in pooled.values() if pool.model_folder(c.model_key) == folder]
         held = [(getattr(c, "stamp", 0), c.tokens, c.cache, f"{SERVER} prompt pool") for c in ours]

@@ -5,6 +5,7 @@ covers more, the checkout cut to what the rule keeps)."""
 
 from __future__ import annotations
 
+import threading
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -43,8 +44,15 @@ def pinned_pool_class(mounted: Mounted, snapshots: Any = None) -> type:
 
     class PinnedPromptCachePool(PromptCachePool):
         instances: dict[int, Any] = {}  # every pool that kept an entry, listed at a graceful stop
+        # omni's pools have no lock and its request threads use them: every checkout, store
+        # and listing (a spill's capture, the stop's save) holds this one
+        lock = threading.RLock()
 
         def get_cache(self, prompt_tokens: list[int], model_key: str) -> Any:
+            with PinnedPromptCachePool.lock:
+                return self._get_cache(prompt_tokens, model_key)
+
+        def _get_cache(self, prompt_tokens: list[int], model_key: str) -> Any:
             if model_folder(model_key) != folder:
                 return super().get_cache(prompt_tokens, model_key)
             self._evict_expired()
@@ -77,8 +85,11 @@ def pinned_pool_class(mounted: Mounted, snapshots: Any = None) -> type:
             if snapshots is not None:  # evaluated on the generation thread that made it
                 evaluate(cache.cache)
                 cache.stamp = snapshots.tick()
-            super().put_cache(cache)
-            PinnedPromptCachePool.instances[id(self)] = self
+            with PinnedPromptCachePool.lock:
+                super().put_cache(cache)
+                PinnedPromptCachePool.instances[id(self)] = self
+                if snapshots is not None:  # the spill's capture, on the thread that stored
+                    snapshots.changed()
 
     return PinnedPromptCachePool
 

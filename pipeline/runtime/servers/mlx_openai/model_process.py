@@ -10,9 +10,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from pipeline.format.errors import PipelineError
 from pipeline.runtime.servers import warm_up
 from pipeline.runtime.servers.mlx_openai import handover
-from pipeline.runtime.servers.mlx_openai.saving_cache import saving_lru_class
+from pipeline.runtime.servers.mlx_openai.saving_cache import (
+    deferred_lru_entries,
+    saving_lru_class,
+)
 from pipeline.runtime.servers.mounted import Mounted
 from pipeline.runtime.servers.registry import hook_for
 from pipeline.runtime.servers.startup import mount_for, setup_logging
@@ -66,10 +70,22 @@ def child_worker(model_cfg: dict[str, Any], *rest: Any) -> None:
             where = f"the handler process {os.getpid()}"
             handover.keep_validated(mounted, handed["validated"], where)
             snapshots = child_snapshots(options, mounted, hook_for(SERVER), handed.get("lock"))
-        prompt_cache.LRUPromptCache = pinned_cache_class(mounted, snapshots)
+        prompt_cache.LRUPromptCache = cache_class = pinned_cache_class(mounted, snapshots)
+        if snapshots is not None and options.snapshot_every:  # spilled while it serves
+            listing = lambda: spilled(cache_class, mounted, snapshots)  # noqa: E731
+            snapshots.spill_while_serving(options.snapshot_every, listing, mounted.covered)
         if options.warm_up:
             warm_up_handler(mounted, model_cfg.get("served_model_name") or str(options.model))
     handler_process._handler_worker(model_cfg, *rest)
+
+
+def spilled(cache_class: type, mounted: Mounted, snapshots: Any) -> list:
+    """Its cache's entries for a spill, listed on the thread that stores them (their KV read on
+    the spill thread); PipelineError (nothing spilled) once what it runs is unknown."""
+    if not mounted.loaded_as_fingerprinted():
+        raise PipelineError("the model folder changed under serve: nothing is saved")
+    caches = cache_class.instances[:1]  # one model per process: its handler's one cache
+    return [e for c in caches for e in deferred_lru_entries(c, mounted, snapshots, SERVER)]
 
 
 def warm_up_handler(mounted: Mounted, model: str) -> None:

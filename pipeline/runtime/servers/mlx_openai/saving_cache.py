@@ -33,6 +33,24 @@ def disk_lru_entries(
     return [pair for pair in listed if pair is not None]
 
 
+def deferred_lru_entries(prompt_cache: Any, mounted: Any, snapshots: Any, server: str) -> list:
+    """`disk_lru_entries` for a spill: listed on the thread that stores (its tokens, recency and
+    file, as they are now), each entry's KV read back from its own file on the spill thread (one
+    evicted meanwhile is skipped there), so the request path never reads a file."""
+    listed, read = [], prompt_cache._load_cache_from_disk
+    for cache_type, lru in prompt_cache._lru._lrus.items():
+        for tokens in list(lru):
+            entry = prompt_cache._trie.get(list(tokens))
+            recency = prompt_cache.stamps.get(tuple(tokens), 0)
+            source = f"{server} prompt cache ({cache_type})"
+
+            def load(entry=entry, tokens=tokens, recency=recency, source=source) -> Any:
+                return held_entry(recency, tokens, read(entry), source, mounted, snapshots)
+
+            listed.append(load)
+    return listed
+
+
 def saving_lru_class(base: type, mounted: Any, snapshots: Any, server: str) -> type:
     """mlx-openai-server's LRUPromptCache (`pinned_lru_class`), saving its entries when its
     handler closes it at the graceful stop its parent orders (its workers have stopped; the close
@@ -60,4 +78,4 @@ def saving_lru_class(base: type, mounted: Any, snapshots: Any, server: str) -> t
     return SavingPromptCache
 
 
-__all__ = ["disk_lru_entries", "saving_lru_class"]
+__all__ = ["deferred_lru_entries", "disk_lru_entries", "saving_lru_class"]

@@ -109,10 +109,14 @@ def pinned_trie_class(mounted: Mounted, snapshots: Any = None) -> type:
             return max(1, super().__len__())
 
         def insert_cache(self, model: Any, tokens: list[int], prompt_cache: Any, **kw: Any) -> None:
-            if self.keep_entries and not warm_up.WARMING.is_set():
+            if warm_up.WARMING.is_set():
+                return
+            if self.keep_entries:
                 self.model_key = self.key(model)
                 super().insert_cache(self.model_key, tokens, prompt_cache, **kw)
                 self.stamped(tokens, prompt_cache)
+            elif snapshots is not None:  # a request ended on the worker: its system snapshots
+                snapshots.changed()
 
         def fetch_nearest_cache(self, model: Any, tokens: list[int]) -> tuple[Any, list[int]]:
             own = super().fetch_nearest_cache
@@ -143,6 +147,7 @@ def install(mounted: Mounted, snapshots: Any) -> Callable[..., list]:
 
     def __init__(self: Any, *a: Any, **kw: Any) -> None:
         original_init(self, *a, **kw)
+        seen.engine = self  # its system-prompt snapshots, listed for a spill while it serves
         self._bundles_keep_entries = self._prefix_trie_cache_enabled
         self._prefix_trie_cache_enabled = True
 
@@ -198,7 +203,8 @@ class SystemIds:
     def __init__(self, snapshots: Any) -> None:
         self.snapshots = snapshots
         self.by_hash: dict[str, tuple[list[int], int]] = {}
-        self.kept: list[tuple[int, list[int], list]] = []
+        self.kept: list[tuple[int, list[int], list]] | None = None  # at its stop
+        self.engine: Any = None
 
     def note(self, text: str, ids: list[int]) -> None:
         if self.snapshots is None:
@@ -208,8 +214,14 @@ class SystemIds:
             self.by_hash.pop(next(iter(self.by_hash)))
 
     def keep(self, system_kv_cache: Any) -> None:
+        """At its stop (which drops them): the system-prompt snapshots it holds."""
+        self.kept = self.held(system_kv_cache)
+
+    def held(self, system_kv_cache: Any) -> list[tuple[int, list[int], list]]:
+        """(recency, ids, KVCache layers) of each system-prompt snapshot whose ids are known."""
         from mlx_lm.models.cache import KVCache
 
+        out = []
         for key, (states, count) in list(system_kv_cache.items()):
             ids, recency = self.by_hash.get(key, (None, 0))
             if ids is None or len(ids) != count:
@@ -219,11 +231,17 @@ class SystemIds:
             layers = [KVCache() for _ in states]
             for layer, state in zip(layers, states, strict=True):
                 layer.state = state
-            self.kept.append((recency, ids, layers))
+            out.append((recency, ids, layers))
+        return out
 
     def entries(self, mounted: Mounted, snapshots: Any) -> list:
+        """Those kept at its stop, else (a spill while it serves, on its worker) those it holds."""
+        held = self.kept
+        if held is None:
+            live = getattr(self.engine, "_system_kv_cache", None)
+            held = self.held(live) if live is not None else []
         source = f"{SERVER} system-prompt snapshot"
-        return [(r, server_entry(ids, c, source, mounted, snapshots)) for r, ids, c in self.kept]
+        return [(r, server_entry(ids, c, source, mounted, snapshots)) for r, ids, c in held]
 
 
 def route_text_chat_through_the_cache(engine_class: type) -> None:
