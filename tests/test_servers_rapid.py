@@ -21,9 +21,9 @@ from conftest import claude_code_request
 QUESTIONS = [f"Where is my order {n}?" for n in (12345, 777, 4242, 9, 31337, 2026, 55, 808)]
 
 
-def rapid(model: Path, bundles: Path, port: int) -> list[str]:
+def rapid(model: Path, bundles: Path, port: int, *extra: str) -> list[str]:
     serve = [str(rapid_python()), str(ROOT / "build.py"), "--bundles", str(bundles), "serve"]
-    return [*serve, "--server", "rapid-mlx", "--model", str(model), "--port", str(port)]
+    return [*serve, "--server", "rapid-mlx", "--model", str(model), "--port", str(port), *extra]
 
 
 def post(port: int, route: str, data: dict) -> tuple[int, dict]:
@@ -39,9 +39,14 @@ def post(port: int, route: str, data: dict) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read() or b"{}")
 
 
+# its prefix caches under serve: the memory-aware one (its default) and the paged one
+ENGINES = pytest.mark.parametrize("cache", [(), ("--use-paged-cache",)], ids=["memory", "paged"])
+
+
 @pytest.mark.slow
+@ENGINES
 def test_rapid_mlx_reuses_the_pinned_bundle_and_answers_as_cold(
-    shop_bundle: Path, tiny_model: Path, tmp_path: Path
+    shop_bundle: Path, tiny_model: Path, tmp_path: Path, cache: tuple[str, ...]
 ):
     count = Manifest.model_validate_json((shop_bundle / "manifest.json").read_text()).tokens.count
     home = tmp_path / "home"  # rapid-mlx's own disk cache: ~/.cache/rapid-mlx/prefix_cache
@@ -51,8 +56,12 @@ def test_rapid_mlx_reuses_the_pinned_bundle_and_answers_as_cold(
     env = {"HOME": str(home)}
     port, cold_port, empty = free_port(), free_port(), tmp_path / "none"
     empty.mkdir()
-    warm_server = (rapid(tiny_model, shop_bundle.parents[2], port), port, tmp_path / "w.log")
-    cold_server = (rapid(tiny_model, empty, cold_port), cold_port, tmp_path / "c.log")
+    warm_server = (
+        rapid(tiny_model, shop_bundle.parents[2], port, *cache),
+        port,
+        tmp_path / "w.log",
+    )
+    cold_server = (rapid(tiny_model, empty, cold_port, *cache), cold_port, tmp_path / "c.log")
     with running_together([warm_server, cold_server], env):
         cold = [chat(cold_port, body(tiny_model, q))[0] for q in QUESTIONS]
         with ThreadPoolExecutor(8) as pool:  # 8 at once on the fresh bundle

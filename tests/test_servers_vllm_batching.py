@@ -28,9 +28,14 @@ def covered(log: str) -> list[int]:
     return [int(n) for n in re.findall(r"bundle shop@1 covers (\d+) of \d+ prompt tokens", log)]
 
 
+# its prefix caches under serve: the memory-aware one (its default) and the paged one
+ENGINES = pytest.mark.parametrize("cache", [(), ("--use-paged-cache",)], ids=["memory", "paged"])
+
+
 @pytest.mark.slow
+@ENGINES
 def test_batched_requests_reuse_the_pinned_bundle_and_answer_as_a_cold_server(
-    shop_bundle: Path, tiny_model: Path, tmp_path: Path
+    shop_bundle: Path, tiny_model: Path, tmp_path: Path, cache: tuple[str, ...]
 ):
     count = Manifest.model_validate_json((shop_bundle / "manifest.json").read_text()).tokens.count
     bundles = tmp_path / "bundles"
@@ -43,7 +48,7 @@ def test_batched_requests_reuse_the_pinned_bundle_and_answer_as_a_cold_server(
     (own / "index.json").write_text(json.dumps({"version": 4, "entries": [{"file": "0.npz"}]}))
     env = {"HOME": str(home)}
     port = free_port()
-    with running(batching(tiny_model, bundles, port), port, tmp_path / "warm.log", env):
+    with running(batching(tiny_model, bundles, port, *cache), port, tmp_path / "warm.log", env):
         with ThreadPoolExecutor(8) as pool:  # 8 at once on the fresh bundle
             together = list(pool.map(lambda q: chat(port, body(tiny_model, q))[0], QUESTIONS))
         # a request parting inside the bundle, then one reusing it whole: the pin is unchanged
@@ -66,7 +71,7 @@ def test_batched_requests_reuse_the_pinned_bundle_and_answer_as_a_cold_server(
     empty = tmp_path / "none"
     empty.mkdir()
     port = free_port()
-    with running(batching(tiny_model, empty, port), port, tmp_path / "cold.log", env):
+    with running(batching(tiny_model, empty, port, *cache), port, tmp_path / "cold.log", env):
         cold = [chat(port, body(tiny_model, q))[0] for q in QUESTIONS]
     assert [r["choices"][0]["message"] for r in cold] == [
         r["choices"][0]["message"] for r in one_by_one
@@ -80,10 +85,14 @@ def test_prefix_caches_the_hook_does_not_fill_are_refused_with_one_line(
 ):
     import subprocess
 
-    for option in ("--use-paged-cache", "--disable-prefix-cache"):
+    for option, why in (
+        ("--disable-prefix-cache", "with --continuous-batching"),
+        ("--use-paged-cache", "with --snapshots"),  # its paged entries are not listed
+    ):
         args = batching(tiny_model, shop_bundle.parents[2], free_port(), option)
-        proc = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=300)
+        args[args.index("serve") + 1 : args.index("serve") + 1] = ["--snapshots", "snaps"]
+        proc = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=300)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and lines[-1].startswith(
-            f"error: serve --server vllm-mlx: {option} is not supported: with --continuous-batching"
+            f"error: serve --server vllm-mlx: {option} is not supported: {why}"
         ), proc.stderr[-2000:]

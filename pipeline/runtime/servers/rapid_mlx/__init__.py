@@ -4,7 +4,9 @@ engine) with bundles pinned in its scheduler's prefix cache.
 rapid-mlx's scheduler keeps a `MemoryAwarePrefixCache` (the interface of vllm-mlx's, with a
 radix index) and looks every admitted request up in it; the hook puts a subclass there whose
 fetch also answers from the pinned bundles through the one lookup rule (batched path: mergeable
-copies; the bundles stay outside its LRU, memory limit and subset eviction). rapid-mlx reports
+copies; the bundles stay outside its LRU, memory limit and subset eviction). With
+`--use-paged-cache` it keeps a paged `BlockAwarePrefixCache` instead: the bundles enter it as its
+blocks (paged_cache.py, shared with vllm-mlx). rapid-mlx reports
 the scheduler's `cached_tokens` in its usage itself. Its own prefix-cache persistence (restore
 at startup, save at shutdown, `RAPID_MLX_PREFIX_CACHE_AUTOLOAD`) is off under serve, and its
 `POST /v1/cache/import` is refused: neither may serve a request from a cache the validator has
@@ -22,6 +24,7 @@ from pipeline.runtime.servers.hook import SERVING, ServerHook
 from pipeline.runtime.servers.memory_cache import install_memory_cache, memory_entries
 from pipeline.runtime.servers.mounted import Mounted
 from pipeline.runtime.servers.options import ServeOptions
+from pipeline.runtime.servers.paged_cache import PAGED_WITH_SNAPSHOTS, install_paged_cache, paged
 
 log = logging.getLogger("prefix-bundles")
 SERVER = "rapid-mlx"
@@ -37,24 +40,34 @@ class Hook(ServerHook):
     )  # fmt: skip
     proves = ("rapid_mlx.cli", "rapid_mlx.scheduler", "rapid_mlx.server")
     ships = ("rapid_mlx", "vllm_mlx")  # a vllm_mlx package of its own
-    reads = ("--api-key",)
+    reads = ("--api-key", "--use-paged-cache")
     messages_route = True
+    plain = ("rapid-mlx", "serve", "{model}")
     unsupported = {
         "--models-config": "serve mounts bundles for the one model folder given as --model",
         "--mllm": "bundles hold text-model caches; multimodal routing is not hooked",
-        "--use-paged-cache": "its paged prefix cache is not hooked; bundles answer through the "
-        "default memory-aware prefix cache",
         "--no-memory-aware-cache": "its legacy prefix cache is not hooked; bundles answer through "
         "the default memory-aware prefix cache",
         "--disable-prefix-cache": "with no prefix cache rapid-mlx looks nothing up, bundles included",
     }
     # request_ids: none to call (it renders inline in its route); warm-up checks its ids through its app
 
+    def refused(self, options: ServeOptions) -> dict[str, str]:
+        with_snapshots = {"--use-paged-cache": PAGED_WITH_SNAPSHOTS}
+        return {**self.unsupported, **(with_snapshots if options.snapshots is not None else {})}
+
     def install(self, mounted: Mounted, options: ServeOptions, snapshots: Any = None) -> None:
         """Patch rapid-mlx's scheduler cache; its persistence off, its cache import refused."""
         from rapid_mlx import scheduler, server
 
-        self.cache_class = install_memory_cache(scheduler, mounted, SERVER, snapshots)
+        if paged(options.rest):
+            from rapid_mlx.paged_cache import BlockTable
+
+            install_paged_cache(scheduler, BlockTable, mounted, SERVER)
+            self.listed = lambda m, s: []  # --snapshots is refused with it
+        else:
+            cache_class = install_memory_cache(scheduler, mounted, SERVER, snapshots)
+            self.listed = lambda m, s: memory_entries(cache_class, m, s, SERVER)
         server._automatic_prefix_cache_persistence_enabled = lambda: False
         log.info(
             "%s: its own on-disk prefix cache is neither restored nor saved under serve (not "
@@ -81,7 +94,7 @@ class Hook(ServerHook):
         return 0
 
     def entries(self, mounted: Mounted, snapshots: Any) -> list[Any]:
-        return memory_entries(self.cache_class, mounted, snapshots, SERVER)
+        return self.listed(mounted, snapshots)
 
 
 def refuse_cache_import(app: Any) -> None:

@@ -1,7 +1,8 @@
 """`serve --server vllm-mlx`: vllm-mlx 0.6.0 with bundles pinned in the prompt cache of the
 engine its options run: SimpleEngine (its default: a prefix trie and system-prompt snapshots,
 simple_engine.py) or, with `--continuous-batching`, BatchedEngine (its scheduler's
-memory-aware prefix cache, memory_cache.py, shared with rapid-mlx). vllm-mlx's own on-disk prefix
+memory-aware prefix cache, memory_cache.py, or with `--use-paged-cache` its paged
+BlockAwarePrefixCache, paged_cache.py: both shared with rapid-mlx). vllm-mlx's own on-disk prefix
 cache is neither loaded nor written under serve.
 """
 
@@ -17,14 +18,13 @@ from pipeline.runtime.servers.hook import SERVING, ServerHook
 from pipeline.runtime.servers.memory_cache import install_memory_cache, memory_entries
 from pipeline.runtime.servers.mounted import Mounted
 from pipeline.runtime.servers.options import ServeOptions
+from pipeline.runtime.servers.paged_cache import PAGED_WITH_SNAPSHOTS, install_paged_cache, paged
 from pipeline.runtime.servers.tokens import is_anthropic
 from pipeline.runtime.servers.vllm_mlx import simple_engine, usage_binding
 
 log = logging.getLogger("prefix-bundles")
 SERVER = "vllm-mlx"
-BATCHED_UNSUPPORTED = {  # with --continuous-batching: prefix caches other than the one hooked
-    "--use-paged-cache": "its paged BlockAwarePrefixCache is not hooked; bundles answer through "
-    "the default memory-aware prefix cache",
+BATCHED_UNSUPPORTED = {  # with --continuous-batching: prefix caches other than the ones hooked
     "--no-memory-aware-cache": "its legacy PrefixCacheManager is not hooked; bundles answer "
     "through the default memory-aware prefix cache",
     "--disable-prefix-cache": "with no prefix cache vllm-mlx looks nothing up, bundles included",
@@ -35,8 +35,10 @@ class Hook(ServerHook):
     name, package, address, snapshots = SERVER, "vllm_mlx", ("127.0.0.1", 8000), True
     distribution, extra, serving = "vllm-mlx==0.6.0", "vllm-mlx", SERVING
     proves, ships = ("vllm_mlx.cli", "vllm_mlx.server"), ("vllm_mlx",)
-    reads = ("--api-key", "--continuous-batching", "--max-kv-size", *simple_engine.CACHE_OFF)
+    reads = ("--api-key", "--continuous-batching", "--max-kv-size", "--use-paged-cache")
+    reads += (*simple_engine.CACHE_OFF,)
     messages_route = True
+    plain = ("vllm-mlx", "serve", "{model}")
     unsupported = {
         "--models-config": "serve mounts bundles for the one model folder given as --model",
         "--mllm": "bundles hold text-model caches; multimodal routing is not hooked",
@@ -46,7 +48,10 @@ class Hook(ServerHook):
         with_batching = {
             k: f"with --continuous-batching, {v}" for k, v in BATCHED_UNSUPPORTED.items()
         }
-        return {**self.unsupported, **(with_batching if batched(options) else {})}
+        refused = {**self.unsupported, **(with_batching if batched(options) else {})}
+        if batched(options) and options.snapshots is not None:
+            refused["--use-paged-cache"] = PAGED_WITH_SNAPSHOTS
+        return refused
 
     def unusable(self, bundle: Any, options: ServeOptions) -> str | None:
         if not batched(options):
@@ -87,10 +92,15 @@ class Hook(ServerHook):
         if batched(options):
             from vllm_mlx import scheduler
             from vllm_mlx.engine_core import EngineCore
+            from vllm_mlx.paged_cache import BlockTable
 
-            cache_class = install_memory_cache(scheduler, mounted, SERVER, snapshots)
+            if paged(options.rest):
+                install_paged_cache(scheduler, BlockTable, mounted, SERVER)
+                self.listed = lambda m, s: []  # --snapshots is refused with it
+            else:
+                cache_class = install_memory_cache(scheduler, mounted, SERVER, snapshots)
+                self.listed = lambda m, s: memory_entries(cache_class, m, s, SERVER)
             usage_binding.bind_requests(EngineCore, scheduler.Scheduler)
-            self.listed = lambda m, s: memory_entries(cache_class, m, s, SERVER)
         else:
             self.listed = simple_engine.install(mounted, snapshots)
         usage.add_middleware(server.app)

@@ -1,0 +1,272 @@
+"""The paged prefix cache of the batched engines (vllm-mlx --continuous-batching and rapid-mlx,
+each with --use-paged-cache: a `BlockAwarePrefixCache` over a `PagedCacheManager`), holding the
+mounted bundles as its own blocks and answering every request through the one lookup rule: shared
+by both hooks, owned by neither.
+
+- What is held: each mounted full-precision bundle enters the engine's cache once, through its
+  own `store_cache`, under a block table of its own (`prefix-bundles:NAME@VERSION`): the engine
+  cuts it into its blocks and registers their hashes, so blocks a bundle shares with another
+  bundle or with a stored request are one block (its dedup), and its LRU never evicts them (the
+  bundle's table holds a reference). A lossy (quantized) bundle does not enter: a block cannot
+  say it is lossy, so it is answered from its pinned copy under the rule, for its share only.
+- How a request is answered: `Mounted.answer` compares the engine's own lookup (its block
+  tables, the bundles' included) with the pinned bundles; what it hands over goes to the
+  scheduler as a table whose `num_tokens` is exactly the K/V handed out (its `cached_tokens`).
+- What is trusted: a block is handed out only when it holds K/V of exactly the request's tokens
+  up to its end, fully backed (`history`: our own record of each block, made where the engine
+  stores it; vllm-mlx 0.6 keys a block by its own tokens, not its history, and keeps index entries
+  of freed blocks, so its hand-out alone is not proof).
+- A remount (or a changed model folder) that withdraws or replaces a bundle held as blocks clears
+  the engine's paged cache (its own entries too: any may continue the bundle's K/V; a request in
+  flight then stores nothing) and the bundles still mounted enter again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from pipeline.runtime.prompt_cache import fork_cache
+from pipeline.runtime.servers import usage, warm_up
+from pipeline.runtime.servers.entries import held_offset
+from pipeline.runtime.servers.mounted import BUNDLE_KEY, Mounted
+
+log = logging.getLogger("prefix-bundles")
+TABLE = "prefix-bundles:"  # the block tables the bundles are held under: TABLE + NAME@VERSION
+_ROOT = b"prefix-bundles-paged"
+PAGED_WITH_SNAPSHOTS = (
+    "with --snapshots: the entries of its paged prefix cache are not listed for snapshots; "
+    "serve without --snapshots, or without --use-paged-cache"
+)
+
+
+def chained(previous: bytes, tokens: Sequence[int]) -> bytes:
+    """The key of a block's tokens after the key of every token before it."""
+    ids = np.asarray(list(tokens), dtype=np.int64).tobytes()
+    return hashlib.blake2b(previous + ids, digest_size=16).digest()
+
+
+def pinned_paged_cache_class(mounted: Mounted, base: type, table: type, server: str) -> type:
+    """`base`, the engine's BlockAwarePrefixCache (`table`: its BlockTable), holding the mounted
+    bundles as its blocks and answering through the one lookup rule."""
+
+    class PinnedPagedCache(base):
+        instances: list[Any] = []
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.held: dict[str, str] = {}  # bundle name -> its cache file's sha256
+            self.failed: dict[str, str] = {}  # bundles that could not enter (not retried)
+            self.history: dict[int, tuple[bytes, int]] = {}  # block id -> (key, tokens)
+            self.handed: dict[str, list] = {}  # request id -> the cache its lookup handed out
+            self.epoch, self.looked_up = 0, {}  # request id -> epoch of its lookup
+            self.extract: Any = None  # the scheduler's _extract_cache_states
+            PinnedPagedCache.instances.append(self)
+
+        def fetch_cache(self, request_id: str, tokens: list[int]) -> tuple[Any, list[int]]:
+            self.hold_mounted()
+            self.handed.pop(request_id, None)
+            self.looked_up[request_id] = self.epoch
+            own = lambda t: self.own_fetch(request_id, t)  # noqa: E731
+            cache, rest, _ = mounted.answer(server, tokens, own, True)
+            covered = 0 if cache is None else len(tokens) - len(rest)
+            usage.record(covered, len(tokens))
+            if cache is None:
+                return None, list(tokens)
+            self.handed[request_id] = cache
+            return table(request_id, self.blocks_within(request_id, covered), covered), rest
+
+        def reconstruct_cache(self, block_table: Any) -> Any:
+            handed = self.handed.pop(getattr(block_table, "request_id", None), None)
+            return handed if handed is not None else super().reconstruct_cache(block_table)
+
+        def own_fetch(self, request_id: str, tokens: list[int]) -> tuple[Any, list[int]]:
+            """The engine's own lookup, cut to the blocks proven to hold these tokens' K/V."""
+            found, _ = base.fetch_cache(self, request_id, tokens)
+            if found is None or not found.block_ids:
+                return None, list(tokens)
+            cache = base.reconstruct_cache(self, found)  # rapid-mlx: the one its fetch built
+            exact, held = self.proven(tokens, found.block_ids), held_offset(cache)
+            if exact < found.num_tokens:  # the table it holds for the store is not all right
+                self.drop(request_id)
+            if exact == 0 or held != found.num_tokens:
+                return None, list(tokens)
+            return (fork_cache(cache, held - exact) if exact < held else cache), tokens[exact:]
+
+        def proven(self, tokens: Sequence[int], block_ids: Sequence[int]) -> int:
+            """How many leading tokens the blocks hold K/V of, exactly (by `history`)."""
+            key, n = _ROOT, 0
+            for block_id in block_ids:
+                record = self.history.get(block_id)
+                if record is None or n + record[1] > len(tokens):
+                    break
+                key = chained(key, tokens[n : n + record[1]])
+                if key != record[0]:
+                    break
+                n += record[1]
+            return n
+
+        def blocks_within(self, request_id: str, covered: int) -> list[int]:
+            """The ids of the blocks the engine holds for the request inside `covered` tokens."""
+            held = self.paged_cache.get_block_table(request_id)
+            ids, n = [], 0
+            for block_id in held.block_ids if held is not None else ():
+                n += self.history.get(block_id, (b"", covered + 1))[1]
+                if n > covered:
+                    break
+                ids.append(block_id)
+            return ids
+
+        def store_cache(self, request_id: str, tokens: list[int], cache_data: list) -> Any:
+            epoch = self.looked_up.pop(request_id, None)
+            if warm_up.WARMING.is_set() or epoch != self.epoch:  # nothing stored
+                self.drop(request_id)
+                return None
+            return self.store(request_id, tokens, cache_data, base.store_cache)
+
+        def store(self, table_id: str, tokens: list[int], states: list, store: Any) -> Any:
+            """The engine's `store`, its blocks recorded; released (None) when a block it reused
+            holds other tokens' K/V than these."""
+            before = set(self.paged_cache.allocated_blocks)
+            stored = store(self, table_id, tokens, states)
+            if stored is None:
+                return None
+            if not self.record(tokens, stored.block_ids, before, rows(states)):
+                log.warning(
+                    "%s: its paged cache reused a block of other tokens for %s: not stored",
+                    server, table_id,
+                )  # fmt: skip
+                self.drop(table_id)
+                return None
+            return stored
+
+        def record(
+            self, tokens: Sequence[int], block_ids: Sequence[int], before: set, backed: int
+        ) -> bool:
+            """Record the blocks a store made (a block wholly backed by K/V rows); False when
+            one it reused (allocated before) was not recorded for these tokens."""
+            key, n = _ROOT, 0
+            for block_id in block_ids:
+                count = self.paged_cache.allocated_blocks[block_id].token_count
+                key = chained(key, tokens[n : n + count])
+                if block_id in before:
+                    if self.history.get(block_id) != (key, count):
+                        return False
+                elif n + count <= backed:
+                    self.history[block_id] = (key, count)
+                else:
+                    self.history.pop(block_id, None)
+                n += count
+            return True
+
+        def drop(self, table_id: str) -> None:
+            """Release what the engine holds under a table id (its blocks' references)."""
+            self.handed.pop(table_id, None)
+            base.release_cache(self, table_id)  # vllm-mlx's frees only a stored entry's table
+            self.paged_cache.delete_block_table(table_id)
+
+        def release_cache(self, request_id: str) -> None:
+            """The scheduler's release (an aborted or unstored request)."""
+            self.handed.pop(request_id, None)
+            self.looked_up.pop(request_id, None)
+            super().release_cache(request_id)
+
+        def clear(self, *args: Any, **kwargs: Any) -> None:
+            super().clear(*args, **kwargs)
+            self.held.clear()
+            self.history.clear()
+            self.handed.clear()
+            self.epoch += 1  # requests in flight store nothing
+
+        def hold_mounted(self) -> None:
+            """The bundles mounted now (full precision) held as blocks: a withdrawn or replaced
+            one clears the cache, a new one enters (on the scheduler's thread, at a lookup)."""
+            mounted_now = mounted.loaded_as_fingerprinted()
+            bundles = {b.name: b for b in list(mounted.result.bundles)} if mounted_now else {}
+            sha = {name: b.manifest.cache.file_sha256 for name, b in bundles.items()}
+            gone = sorted(n for n, s in self.held.items() if sha.get(n) != s)
+            gone += [n for n in self.held if self.paged_cache.get_block_table(TABLE + n) is None]
+            if gone:
+                log.info(
+                    "%s: bundle(s) %s held in its paged cache were withdrawn, replaced or "
+                    "dropped: the paged cache is cleared (its own entries too: any may continue "
+                    "their K/V) and the mounted bundles enter again", server, ", ".join(gone),
+                )  # fmt: skip
+                self.clear()
+            for name, b in bundles.items():
+                if name not in self.held and self.failed.get(name) != sha[name]:
+                    if b.manifest.cache.kv_bits or self.extract is None:
+                        continue  # lossy: answered from its pinned copy, for its share only
+                    self.enter(b)
+
+        def enter(self, bundle: Any) -> None:
+            """One bundle into the engine's blocks, its K/V from the pinned copy (`fetch`)."""
+            tokens = list(bundle.tokens)
+            with mounted.manager.provisional():
+                hit = mounted.manager.fetch(BUNDLE_KEY, [*tokens, tokens[-1]])
+            name, sha = bundle.name, bundle.manifest.cache.file_sha256
+            before, stored = set(self.paged_cache.allocated_blocks), None
+            if hit.source == f"bundle:{name}" and hit.cache_hit_tokens == len(tokens):
+                stored = self.store(TABLE + name, tokens, self.extract(hit.cache), base.store_cache)
+            if stored is None or stored.num_tokens != len(tokens):
+                self.drop(TABLE + name)
+                self.failed[name] = sha
+                log.warning(
+                    "%s: bundle %s did not enter its paged cache whole; it is answered from "
+                    "its pinned copy", server, name,
+                )  # fmt: skip
+                return
+            self.held[name] = sha
+            shared = len(set(stored.block_ids) & before)
+            log.info(
+                "%s: bundle %s entered its paged cache as %d blocks (%d shared with blocks "
+                "already there)", server, name, len(stored.block_ids), shared,
+            )  # fmt: skip
+
+    return PinnedPagedCache
+
+
+def rows(states: list) -> int:
+    """How many tokens every layer of an extracted cache holds K/V rows for (0: unknown)."""
+    counts = set()
+    for layer in states or []:
+        state = layer.get("state") if isinstance(layer, dict) else None
+        keys = state[0] if isinstance(state, list | tuple) and state else None
+        shape = getattr(keys, "shape", None)
+        counts.add(int(shape[-2]) if shape is not None and len(shape) >= 3 else 0)
+    return min(counts) if counts else 0
+
+
+def install_paged_cache(scheduler: Any, table: type, mounted: Mounted, server: str) -> type:
+    """Put `pinned_paged_cache_class` in the engine's `scheduler` module; each Scheduler hands
+    its cache its own `_extract_cache_states` (how its store reads a prompt cache)."""
+    cache_class = pinned_paged_cache_class(mounted, scheduler.BlockAwarePrefixCache, table, server)
+    scheduler.BlockAwarePrefixCache = cache_class
+    original = scheduler.Scheduler.__init__
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        cache = getattr(self, "block_aware_cache", None)
+        if isinstance(cache, cache_class):
+            cache.extract = self._extract_cache_states
+
+    scheduler.Scheduler.__init__ = __init__
+    return cache_class
+
+
+def paged(rest: Sequence[str]) -> bool:
+    """--use-paged-cache among the server's options."""
+    return "--use-paged-cache" in rest
+
+
+__all__ = [
+    "PAGED_WITH_SNAPSHOTS",
+    "TABLE",
+    "install_paged_cache",
+    "paged",
+    "pinned_paged_cache_class",
+]

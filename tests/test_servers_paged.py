@@ -1,0 +1,122 @@
+"""vllm-mlx --continuous-batching and rapid-mlx, each with `--use-paged-cache` (issue 52.4): the
+bundles enter the engine's own paged prefix cache as its blocks (servers/paged_cache.py), as real
+server processes over loopback HTTP. Two bundles sharing a preamble share its blocks (the
+engine's own block stats), a conversation's next turn is served from the blocks its first turn
+stored, and a remount that withdraws a bundle leaves none of its blocks served; every answer
+equals a cold server's, every usage its lookup."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import urllib.request
+from pathlib import Path
+
+import pytest
+from servers_env import ROOT, chat, free_port, rapid_python, running_together, servers_python
+from test_servers_cache_kinds import remount
+
+from pipeline.format.validate import validate
+from pipeline.runtime.mount import identity_for
+
+from conftest import SYSTEM, TOOLS, build_bundle, write_definition
+
+BLOCK = 16  # tokens per block: the tiny bundles' shared preamble spans several
+TAIL = " Tenant B: orders ship from the Leipzig store; returns within 30 days."
+SERVERS = {  # name -> (python, the server's options)
+    "vllm-mlx": (servers_python, ["--continuous-batching", "--use-paged-cache"]),
+    "rapid-mlx": (rapid_python, ["--use-paged-cache"]),
+}
+
+
+def command(server: str, model: Path, bundles: Path, port: int, admin: int | None) -> list[str]:
+    python, options = SERVERS[server]
+    serve = [str(python()), str(ROOT / "build.py"), "--bundles", str(bundles), "serve"]
+    serve += ["--server", server, "--model", str(model), "--port", str(port)]
+    serve += ["--admin-port", str(admin)] if admin is not None else []
+    return [*serve, *options, "--paged-cache-block-size", str(BLOCK)]
+
+
+def question(model: Path, system: str, text: str, turns: list[dict] | None = None) -> dict:
+    messages = [{"role": "system", "content": system}, *(turns or [])]
+    return {
+        "model": str(model),
+        "messages": [*messages, {"role": "user", "content": text}],
+        "tools": TOOLS,
+        "max_tokens": 8,
+        "temperature": 0.0,
+    }
+
+
+def blocks(port: int) -> dict:
+    """The engine's own paged-cache stats (its /v1/status)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/status", timeout=30) as resp:
+        return json.loads(resp.read())["cache"]
+
+
+def tokens_of(bundle: Path, model: Path) -> list[int]:
+    """A bundle's token ids, as the one validator reads them."""
+    return validate(bundle, identity_for(model)).tokens
+
+
+def cached(answer: dict) -> int:
+    return answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("server", list(SERVERS))
+def test_bundles_enter_the_paged_cache_as_blocks_shared_by_a_preamble(
+    server: str, tiny_model: Path, tmp_path: Path
+):
+    write_definition(tmp_path, tiny_model)
+    write_definition(tmp_path, tiny_model, name="tenant")
+    toml = tmp_path / "prefixes" / "tenant.toml"
+    toml.write_text(toml.read_text().replace(json.dumps(SYSTEM), json.dumps(SYSTEM + TAIL)))
+    shop, tenant = build_bundle(tmp_path), build_bundle(tmp_path, "tenant")
+    shop_ids, tenant_ids = tokens_of(shop, tiny_model), tokens_of(tenant, tiny_model)
+    common = next(i for i, (a, b) in enumerate(zip(shop_ids, tenant_ids, strict=False)) if a != b)
+    per_bundle = [-(-len(ids) // BLOCK) for ids in (shop_ids, tenant_ids)]
+    shared = common // BLOCK
+    assert shared >= 2  # the preamble spans whole blocks
+
+    port, admin, cold_port, empty = free_port(), free_port(), free_port(), tmp_path / "none"
+    empty.mkdir()
+    log = tmp_path / "warm.log"
+    warm_server = (command(server, tiny_model, tmp_path / "bundles", port, admin), port, log)
+    cold_server = (command(server, tiny_model, empty, cold_port, None), cold_port, tmp_path / "c")
+    first = [question(tiny_model, s, "Where is my order 12345?") for s in (SYSTEM, SYSTEM + TAIL)]
+    with running_together([warm_server, cold_server], {"HOME": str(tmp_path / "home")}):
+        warm = [chat(port, b)[0] for b in first]
+        held = blocks(port)
+        # the next turn of the first conversation: its own blocks (sharing the bundle's) serve it
+        turn = [{"role": "user", "content": "Where is my order 12345?"}, warm[0]["choices"][0][
+            "message"]]  # fmt: skip
+        second = question(tiny_model, SYSTEM, "And order 777?", turn)
+        warm.append(chat(port, second)[0])
+        # tenant withdrawn (its bundle gone): none of its blocks serves its prompt any more
+        shutil.rmtree(tmp_path / "bundles" / "tenant")
+        assert remount(admin)["removed"] == ["tenant@1"]
+        warm.append(chat(port, first[1])[0])
+        after = blocks(port)
+        cold = [chat(cold_port, b)[0] for b in [*first, second, first[1]]]
+    text = log.read_text()
+    assert "2 bundle(s) mounted, 0 refused" in text and "Traceback" not in text, text[-3000:]
+    assert f"bundle shop@1 entered its paged cache as {per_bundle[0]} blocks (0 shared" in text
+    assert (
+        f"bundle tenant@1 entered its paged cache as {per_bundle[1]} blocks ({shared} shared"
+        in text
+    )
+    # its own stats: the bundles' blocks (and its null block), the preamble's held once
+    assert held["allocated_blocks"] - 1 >= sum(per_bundle) - shared, held
+    assert held["shared_blocks"] >= shared, held
+    assert [cached(a) for a in warm[:2]] == [len(shop_ids), len(tenant_ids)]
+    own = re.findall(r"bundle shop@1 covers \d+ of (\d+) prompt tokens; the server's own cache "
+                     r"covers (\d+), and is used", text)  # fmt: skip
+    assert own and int(own[-1][1]) > len(shop_ids) and cached(warm[2]) == int(own[-1][1])
+    assert "were withdrawn, replaced or dropped: the paged cache is cleared" in text
+    assert cached(warm[3]) == common  # from shop@1 only: the preamble it shares, nothing of tenant
+    assert after["allocated_blocks"] - 1 <= per_bundle[0] + per_bundle[1] - shared, after
+    for i, (w, c) in enumerate(zip(warm, cold, strict=True)):
+        assert w["choices"][0]["message"] == c["choices"][0]["message"], (server, i)
+        assert w["usage"]["prompt_tokens"] == c["usage"]["prompt_tokens"], (server, i)
