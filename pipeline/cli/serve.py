@@ -99,6 +99,13 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> argparse.Argum
         "default: 2GiB)",
     )
     p.add_argument(
+        "--bundle-memory",
+        metavar="SIZE",
+        help="the most memory the mounted bundles hold (e.g. 2GiB; a preamble several bundles "
+        "share counts once); the others wait on disk, validated, and are read on a hit, the "
+        "least recently hit moved back to disk (docs/servers.md; default: every bundle held)",
+    )
+    p.add_argument(
         "--snapshot-every",
         metavar="MINUTES",
         help="with --snapshots, also save the set while serving: after the first entry the "

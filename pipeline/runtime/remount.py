@@ -11,6 +11,7 @@ derived from a replaced version can serve a request whose ids differ from it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -160,7 +161,8 @@ class Remounter:
             changes.kept.append(old.name)  # the same bundle: the copy just loaded is dropped
             changes.serving.append((old.name, "unchanged"))
             return
-        self.manager.pin(self.model_key, b.tokens, b.cache, b.name)
+        self.manager.pin(self.model_key, b.tokens, b.cache, b.name, reload=b.read)
+        b = dataclasses.replace(b, cache=[])  # the manager holds it (a preamble shared: once)
         if old is not None and old.name != b.name:
             self.manager.unpin(self.model_key, old.name)
         self.current[key] = b

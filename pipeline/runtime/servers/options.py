@@ -36,6 +36,7 @@ class ServeOptions:
     admin_token_file: Path | None = None
     snapshots: Path | None = None
     snapshot_budget: int | None = None  # bytes (DEFAULT_BUDGET with --snapshots; None without)
+    bundle_memory: int | None = None  # bytes the bundles may hold in memory (None: every bundle)
     # the least seconds between two spills while serving (0: none, saved at a graceful stop only)
     snapshot_every: float | None = None
 
@@ -76,6 +77,7 @@ class ServeOptions:
             admin_token_file=given("admin_token_file"),
             snapshots=given("snapshots"),
             snapshot_budget=snapshot_budget(args),
+            bundle_memory=bundle_memory(args),
             snapshot_every=every,
         )
 
@@ -84,13 +86,13 @@ class ServeOptions:
         return passed_option(list(self.rest), name)
 
 
-def parse_size(text: str) -> int:
-    """Bytes from '2GiB', '512MiB', '1048576'; PipelineError naming the value otherwise."""
+def parse_size(text: str, option: str = "--snapshot-budget") -> int:
+    """Bytes from '2GiB', '512MiB', '1048576'; PipelineError naming the option and value otherwise."""
     match = re.fullmatch(r"\s*([0-9]+)\s*([A-Za-z]*)\s*", text)
     unit = match[2].upper() if match else None
     if match is None or unit not in _UNITS:
         raise UsageError(
-            f"--snapshot-budget {text!r} is not a size; write bytes or a number with KiB, MiB, "
+            f"{option} {text!r} is not a size; write bytes or a number with KiB, MiB, "
             "GiB or TiB (e.g. 2GiB)"
         )
     return int(match[1]) * _UNITS[unit]
@@ -107,6 +109,13 @@ def snapshot_budget(args: Any) -> int | None:
     from pipeline.runtime.snapshots import DEFAULT_BUDGET
 
     return DEFAULT_BUDGET if text is None else parse_size(text)
+
+
+def bundle_memory(args: Any) -> int | None:
+    """--bundle-memory in bytes: the most the mounted bundles hold in memory, the rest waiting
+    on disk (None when not given: every bundle is held)."""
+    text = getattr(args, "bundle_memory", None)
+    return None if text is None else parse_size(text, "--bundle-memory")
 
 
 def every_seconds(args: Any, hook: Any) -> float | None:
@@ -290,6 +299,7 @@ __all__ = [
     "read_options",
     "every_seconds",
     "parse_size",
+    "bundle_memory",
     "snapshot_budget",
     "passed_option",
     "port_number",

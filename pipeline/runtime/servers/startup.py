@@ -94,7 +94,7 @@ def serve(hook: ServerHook, options: ServeOptions) -> int:
                 else f"off by default for {hook.name}; --warm-up runs it"
             )
             log.info("no warm-up (%s)", why)
-        log.info("%s", try_it(hook, options))
+        log.info("%s", try_it(hook, options, mounted))
         if mounted.result.bundles:
             log.info("%s", reuse_hint(mounted, options))
         if hook.live:  # from here the process ends without the interpreter teardown (cli.serve)
@@ -162,20 +162,32 @@ def listed(hook: ServerHook, mounted: Mounted, snapshots: Any) -> list[Any]:
     return hook.entries(mounted, snapshots)
 
 
-def try_it(hook: ServerHook, options: ServeOptions) -> str:
-    """The line that says which model id clients send, where, and one curl to try it."""
+def try_it(hook: ServerHook, options: ServeOptions, mounted: Mounted | None = None) -> str:
+    """The line that says which model id clients send, where, and one curl to try it: with a
+    bundle mounted that records its request, that request (servers/try_request.py), saying how
+    many tokens the reuse rule takes from the bundle; else a one-turn "Hello"."""
     import json
     import shlex
+
+    from pipeline.runtime.servers.try_request import try_request
 
     host = options.passed("--host") or hook.address[0]
     port = options.passed("--port") or hook.address[1]
     where = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     model = hook.clients_send(options)
-    body = {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}
     url = f"http://{where}:{port}/v1/chat/completions"
+    said = f'{hook.name}: clients send "model": {json.dumps(model)} to {url}; once the port opens'
+    curl = "curl -s {} -H 'Content-Type: application/json' -d {}"
+    tried = try_request(hook, mounted, model, str(port)) if mounted is not None else None
+    if tried is None:
+        body = {"model": model, "messages": [{"role": "user", "content": "Hello"}]}
+        data = shlex.quote(json.dumps({**body, "max_tokens": 16}))
+        return f"{said}, try: {curl.format(url, data)}"
+    route = f"http://{where}:{port}{tried.route}"
     return (
-        f'{hook.name}: clients send "model": {json.dumps(model)} to {url}; once the port opens, try: '
-        f"curl -s {url} -H 'Content-Type: application/json' -d {shlex.quote(json.dumps(body))}"
+        f"{said}, try a request opening with {tried.bundle}'s prompt ({tried.taken:,} of its "
+        f"{tried.total:,} tokens come from the bundle; usage reports them as cached tokens): "
+        f"{curl.format(route, shlex.quote('@' + str(tried.body)))}"
     )
 
 
@@ -217,7 +229,7 @@ def mount_for(
     from them, so SIGHUP and --admin-port re-mount them (live_remount); `stop`: the admin
     endpoint's graceful stop (default: this process's, `stop_serve`)."""
     check_mlx_lm()
-    manager = PromptCacheManager()
+    manager = PromptCacheManager(bundle_memory=options.bundle_memory)
     # the weights the server will load: every mount (remounts too) checks bundles against these
     identity, state = settled_identity(options.model, chat_template)
     read_options = mount_options(options, chat_template, identity.model)
