@@ -14,8 +14,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-
 from pipeline.format.bundle_folder import FINGERPRINT_CHARS, model_folder
 from pipeline.format.compat import cache_classes
 from pipeline.format.errors import BundleError, PipelineError, path_argument
@@ -24,6 +22,7 @@ from pipeline.format.manifest import Manifest
 from pipeline.format.served_identity import identity_for  # re-exported: pipeline.runtime's API
 from pipeline.format.signature import PublicKey
 from pipeline.format.validate import validate
+from pipeline.runtime.bundle_tier import give_back
 from pipeline.runtime.discovery import (  # noqa: F401  (re-exported: pipeline.runtime's API)
     Folders,
     RefusedBundle,
@@ -279,7 +278,7 @@ def _pin_all(
     result.bundles = [b for b in result.bundles if all(b is not d for d in dropped)]
     if tiered:
         manager.fill(key)
-    mx.clear_cache()  # the loaded arrays no entry holds go back to the system
+    give_back()  # the loaded arrays no entry holds go back to the system
 
 
 def _check_arguments(

@@ -20,7 +20,7 @@ import numpy as np
 
 from pipeline.format.errors import PipelineError
 from pipeline.runtime import shared_kv
-from pipeline.runtime.bundle_tier import BundleTier
+from pipeline.runtime.bundle_tier import BundleTier, give_back
 
 log = logging.getLogger("prefix-bundles")
 
@@ -431,7 +431,7 @@ class PromptCacheManager:
             self.tier.evicted(victim[1], pinned[victim], held)
             evicted = True
         if evicted:
-            mx.clear_cache()
+            give_back()
 
     def _reload(self, model_key: str, entry: _Entry, quiet: bool = False) -> _Entry | None:
         """A bundle on disk read back (re-proved by its `reload`) and held when the budget
