@@ -30,6 +30,9 @@ class ServerHook:
     ships: ClassVar[tuple[str, ...]] = ()  # top-level packages its distribution installs
     reads: ClassVar[tuple[str, ...]] = ()  # its server's options its room reads (options.passed)
     address: ClassVar[tuple[str, int]]  # where it binds when its options do not say
+    # the command a user runs for this server without bundles, its console script first and
+    # "{model}" for the model folder (what serve's side-by-side runs plainly: bench case servers)
+    plain: ClassVar[tuple[str, ...]]
     unsupported: ClassVar[dict[str, str]] = {}  # server options serve refuses: {option: why}
     warm_up: ClassVar[bool] = True  # serve's --warm-up default (measured per server)
     live: ClassVar[bool] = True  # this process serves the mount (SIGHUP, the admin endpoint)

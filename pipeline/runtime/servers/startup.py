@@ -178,16 +178,15 @@ def try_it(hook: ServerHook, options: ServeOptions, mounted: Mounted | None = No
     url = f"http://{where}:{port}/v1/chat/completions"
     said = f'{hook.name}: clients send "model": {json.dumps(model)} to {url}; once the port opens'
     curl = "curl -s {} -H 'Content-Type: application/json' -d {}"
-    tried = try_request(hook, mounted, model, str(port)) if mounted is not None else None
+    tried = try_request(hook, mounted, model) if mounted is not None else None
     if tried is None:
         body = {"model": model, "messages": [{"role": "user", "content": "Hello"}]}
         data = shlex.quote(json.dumps({**body, "max_tokens": 16}))
         return f"{said}, try: {curl.format(url, data)}"
-    route = f"http://{where}:{port}{tried.route}"
     return (
         f"{said}, try a request opening with {tried.bundle}'s prompt ({tried.taken:,} of its "
         f"{tried.total:,} tokens come from the bundle; usage reports them as cached tokens): "
-        f"{curl.format(route, shlex.quote('@' + str(tried.body)))}"
+        f"{tried.printer} | {curl.format(f'http://{where}:{port}{tried.route}', '@-')}"
     )
 
 

@@ -32,6 +32,7 @@ SERVER = "mlx_lm.server"
 class Hook(ServerHook):
     name, package, address, snapshots = "mlx-lm", "mlx_lm.server", ("127.0.0.1", 8080), True
     reads = ("--adapter-path", "--draft-model", "--kv-bits")
+    plain = ("mlx_lm.server", "--model", "{model}")
 
     def refused(self, options: ServeOptions) -> dict[str, str]:
         if options.snapshots is None:

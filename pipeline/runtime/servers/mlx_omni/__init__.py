@@ -32,6 +32,7 @@ class Hook(ServerHook):
     distribution, extra, serving = "mlx-omni-server==0.5.3", "mlx-omni-server", SERVING
     proves, ships = ("mlx_omni_server.chat.mlx.chat_generator",), ("mlx_omni_server",)
     reads = ("--workers",)
+    plain = ("mlx-omni-server",)  # it loads the model a request names
 
     def refused(self, options: ServeOptions) -> dict[str, str]:
         many = options.passed("--workers") not in (None, "1")

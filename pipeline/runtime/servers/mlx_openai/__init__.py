@@ -30,6 +30,7 @@ class Hook(ServerHook):
     serving = (*SERVING, "outlines>=1.1.1,<1.2", "torch==2.13.0")
     proves = ("app.handler.mlx_lm", "app.utils.prompt_cache", "outlines.processors")
     ships, reads = ("app",), ("--chat-template-file",)
+    plain = ("mlx-openai-server", "launch", "--model-path", "{model}")
     unsupported = {
         "--config": "serve mounts bundles for the one model folder given as --model",
         "--model-path": "serve passes --model as mlx-openai-server's --model-path",
