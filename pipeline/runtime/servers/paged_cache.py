@@ -59,7 +59,8 @@ def pinned_paged_cache_class(mounted: Mounted, base: type, table: type, server: 
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self.held: dict[str, str] = {}  # bundle name -> its cache file's sha256
+            # bundle name -> its cache file's sha256: entered since the last clear
+            self.held: dict[str, str] = {}
             self.failed: dict[str, str] = {}  # bundles that could not enter (not retried)
             self.history: dict[int, tuple[bytes, int]] = {}  # block id -> (key, tokens)
             self.handed: dict[str, list] = {}  # request id -> the cache its lookup handed out
@@ -74,6 +75,8 @@ def pinned_paged_cache_class(mounted: Mounted, base: type, table: type, server: 
             own = lambda t: self.own_fetch(request_id, t)  # noqa: E731
             cache, rest, _ = mounted.answer(server, tokens, own, True)
             covered = 0 if cache is None else len(tokens) - len(rest)
+            if cache is not None and held_offset(cache) != covered:  # K/V = tokens it claims
+                cache, covered = None, 0
             usage.record(covered, len(tokens))
             if cache is None:
                 return None, list(tokens)
@@ -81,8 +84,8 @@ def pinned_paged_cache_class(mounted: Mounted, base: type, table: type, server: 
             return table(request_id, self.blocks_within(request_id, covered), covered), rest
 
         def reconstruct_cache(self, block_table: Any) -> Any:
-            handed = self.handed.pop(getattr(block_table, "request_id", None), None)
-            return handed if handed is not None else super().reconstruct_cache(block_table)
+            """What `fetch_cache` handed out for that table's request (None: a miss)."""
+            return self.handed.pop(getattr(block_table, "request_id", None), None)
 
         def own_fetch(self, request_id: str, tokens: list[int]) -> tuple[Any, list[int]]:
             """The engine's own lookup, cut to the blocks proven to hold these tokens' K/V."""
@@ -170,9 +173,16 @@ def pinned_paged_cache_class(mounted: Mounted, base: type, table: type, server: 
             self.paged_cache.delete_block_table(table_id)
 
         def release_cache(self, request_id: str) -> None:
-            """The scheduler's release (an aborted or unstored request)."""
+            """The scheduler's release: an aborted or unstored request, or an entry its memory
+            pressure evicts (a bundle's too: then answered from its pinned copy)."""
             self.handed.pop(request_id, None)
             self.looked_up.pop(request_id, None)
+            name = request_id.removeprefix(TABLE) if request_id.startswith(TABLE) else None
+            if name in self.held:  # still held: a remount withdrawing it clears the cache
+                log.info(
+                    "%s: it released bundle %s's blocks (memory pressure); the bundle is "
+                    "answered from its pinned copy", server, name,
+                )  # fmt: skip
             super().release_cache(request_id)
 
         def clear(self, *args: Any, **kwargs: Any) -> None:
@@ -189,11 +199,10 @@ def pinned_paged_cache_class(mounted: Mounted, base: type, table: type, server: 
             bundles = {b.name: b for b in list(mounted.result.bundles)} if mounted_now else {}
             sha = {name: b.manifest.cache.file_sha256 for name, b in bundles.items()}
             gone = sorted(n for n, s in self.held.items() if sha.get(n) != s)
-            gone += [n for n in self.held if self.paged_cache.get_block_table(TABLE + n) is None]
             if gone:
                 log.info(
-                    "%s: bundle(s) %s held in its paged cache were withdrawn, replaced or "
-                    "dropped: the paged cache is cleared (its own entries too: any may continue "
+                    "%s: bundle(s) %s held in its paged cache were withdrawn or replaced: "
+                    "the paged cache is cleared (its own entries too: any may continue "
                     "their K/V) and the mounted bundles enter again", server, ", ".join(gone),
                 )  # fmt: skip
                 self.clear()
