@@ -440,8 +440,14 @@ class PromptCacheManager:
         with self._reloading:
             with self._lock:
                 current = self._pinned.get(model_key, {}).get(name)
-            if current is None or current.cache is not None:
-                return current  # unpinned meanwhile, or read back by another request
+            same = current is not None and (current.trimmable, current.lossy) == (
+                entry.trimmable,
+                entry.lossy,
+            )
+            if not same or not np.array_equal(current.tokens, entry.tokens):
+                return None  # unpinned or replaced meanwhile: the caller looks again
+            if current.cache is not None:
+                return current  # read back by another request meanwhile
             start = time.perf_counter()
             try:
                 cache = current.reload()
