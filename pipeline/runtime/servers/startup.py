@@ -178,7 +178,9 @@ def try_it(hook: ServerHook, options: ServeOptions, mounted: Mounted | None = No
     url = f"http://{where}:{port}/v1/chat/completions"
     said = f'{hook.name}: clients send "model": {json.dumps(model)} to {url}; once the port opens'
     curl = "curl -s {} -H 'Content-Type: application/json' -d {}"
-    tried = try_request(hook, mounted, model) if mounted is not None else None
+    tried = None
+    if mounted is not None:
+        tried = try_request(hook, mounted, model, lambda: server_tokenizer(mounted))
     if tried is None:
         body = {"model": model, "messages": [{"role": "user", "content": "Hello"}]}
         data = shlex.quote(json.dumps({**body, "max_tokens": 16}))

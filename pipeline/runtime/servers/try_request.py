@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,9 +52,12 @@ def body_of(request: RequestInfo, model: str, api: str) -> dict[str, Any]:
     return {"model": model, **body, "max_tokens": MAX_TOKENS}
 
 
-def try_request(hook: ServerHook, mounted: Mounted, model: str) -> TryRequest | None:
+def try_request(
+    hook: ServerHook, mounted: Mounted, model: str, tokenizer: Callable[[], Any]
+) -> TryRequest | None:
     """The try request on the longest bundle that records its request; None when none does (or
-    this server refuses it: the plain try line then stands)."""
+    this server refuses it: the plain try line then stands). `tokenizer`: the server's tokenizer
+    (startup.server_tokenizer), loaded only when a bundle records its request."""
     recorded = [b for b in mounted.result.bundles if b.manifest.request is not None]
     if not recorded:
         return None
@@ -62,7 +66,7 @@ def try_request(hook: ServerHook, mounted: Mounted, model: str) -> TryRequest | 
     api = "anthropic" if request.api == "anthropic" and hook.messages_route else "openai"
     body = body_of(request, model, api)
     try:
-        ids = server_ids(hook, mounted, body, request)
+        ids = server_ids(hook, mounted, tokenizer(), body, request)
     except PipelineError:
         return None
     taken = mounted.covered(ids)
@@ -85,14 +89,11 @@ def printer(bundle: Path, model: str, api: str) -> str:
 
 
 def server_ids(
-    hook: ServerHook, mounted: Mounted, body: dict[str, Any], request: RequestInfo
+    hook: ServerHook, mounted: Mounted, tokenizer: Any, body: dict[str, Any], request: RequestInfo
 ) -> list[int]:
     """The ids this server computes for the body: its own request code where it has code to call,
     else the request as the builder renders it with the template (the startup check's figure caps
     what it keeps)."""
-    from pipeline.runtime.servers.startup import server_tokenizer
-
-    tokenizer = server_tokenizer(mounted)
     if has_request_code(hook.name):
         return request_ids(hook.name, tokenizer, body, model_type(mounted.model))
     openai = body_of(request, "model", "openai")
