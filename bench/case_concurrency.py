@@ -3,11 +3,13 @@
 
 vllm-mlx `--continuous-batching` and rapid-mlx (their BatchedEngine) serve concurrent requests in
 one batch. Right after startup, CLIENTS clients send their first question on the same 11k-token
-prefix at once (the burst a deploy, restart or scale-out meets): a plain engine prefills the prefix
+prefix (--quick: shortened) at once (the burst a deploy, restart or scale-out meets): a plain engine prefills the prefix
 for the ones it cannot yet share, with bundles each reuses the mounted prefix. Then a second burst of
 CLIENTS other questions on the now-warm server. Per burst: wall seconds until the last answer,
 requests per second, prompt tokens per second (the server's usage), the cached tokens each request
 reports, and whether every answer equals the plain engine's for the same question (temperature 0).
+--quick: the first engine installed (ENGINES' order), QUICK_CLIENTS clients, one fresh server each
+for plain and bundles.
 
 Standalone: `python bench/case_concurrency.py [--quick]` prints the markdown section.
 """
@@ -27,17 +29,17 @@ from typing import Any
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH), str(BENCH.parent)]
 
-from case_servers import (  # noqa: E402
-    MODEL,
-    RAPID_VENV,
-    VENV,
-    demo_bundles,
-    request_body,
-    serve,
-)
+import serving  # noqa: E402
 from common import REPO, Context, clean_env, free_port, ratio, standalone, stat, wait_ready  # noqa: E402
+from serving import request_body  # noqa: E402
 
-CLIENTS = 8
+# the batched engines: {row: (server, its options)}; --quick runs the first one installed, with
+# QUICK_CLIENTS clients
+ENGINES = {
+    "rapid-mlx": ("rapid-mlx", ()),
+    "vllm-mlx --continuous-batching": ("vllm-mlx", ("--continuous-batching",)),
+}
+CLIENTS, QUICK_CLIENTS = 8, 2
 # two bursts of CLIENTS distinct questions: the first right after startup, the second once warm
 QUESTIONS = [
     "How do I reset my password if I no longer have access to my email?",
@@ -59,9 +61,9 @@ QUESTIONS = [
 ]
 
 
-def _ask(port: int, question: str) -> tuple[str | None, int | None, int | None]:
+def _ask(port: int, question: str, quick: bool) -> tuple[str | None, int | None, int | None]:
     """(answer, prompt tokens, cached tokens) of one chat request."""
-    body = request_body("full")
+    body = request_body("full", quick)
     body["messages"][-1]["content"] = question
     req = urllib.request.Request(
         f"http://127.0.0.1:{port}/v1/chat/completions",
@@ -75,12 +77,12 @@ def _ask(port: int, question: str) -> tuple[str | None, int | None, int | None]:
     return answer["choices"][0]["message"].get("content"), usage.get("prompt_tokens"), cached
 
 
-def burst(port: int, questions: list[str]) -> dict[str, Any]:
+def burst(port: int, questions: list[str], quick: bool) -> dict[str, Any]:
     """All questions at once, one client each: wall seconds until the last answer and per-question
     answers, prompt and cached tokens."""
     start = time.perf_counter()
     with ThreadPoolExecutor(len(questions)) as pool:
-        got = list(pool.map(lambda q: _ask(port, q), questions))
+        got = list(pool.map(lambda q: _ask(port, q, quick), questions))
     seconds = time.perf_counter() - start
     prompt = sum(p or 0 for _, p, _ in got)
     return {
@@ -92,7 +94,9 @@ def burst(port: int, questions: list[str]) -> dict[str, Any]:
     }
 
 
-def bursts(ctx: Context, label: str, args: list[str], env: dict[str, str]) -> dict[str, Any]:
+def bursts(
+    ctx: Context, label: str, args: list[str], env: dict[str, str], clients: int
+) -> dict[str, Any]:
     """A fresh server (fresh HOME: no disk cache of its own from an earlier run), the first burst
     right after it is ready, then the warm burst; stopped by its pid."""
     port = free_port()
@@ -110,8 +114,8 @@ def bursts(ctx: Context, label: str, args: list[str], env: dict[str, str]) -> di
         )
         try:
             wait_ready(port, proc)
-            first = burst(port, QUESTIONS[:CLIENTS])
-            warm = burst(port, QUESTIONS[CLIENTS : 2 * CLIENTS])
+            first = burst(port, QUESTIONS[:clients], ctx.quick)
+            warm = burst(port, QUESTIONS[clients : 2 * clients], ctx.quick)
         finally:
             proc.terminate()
             proc.wait(timeout=60)
@@ -119,23 +123,23 @@ def bursts(ctx: Context, label: str, args: list[str], env: dict[str, str]) -> di
     return {"first": first, "warm": warm}
 
 
-def engines(ctx: Context, bundles: Path, openblas: str | None) -> dict[str, dict[str, Any]]:
-    """{engine: {"plain": bursts, "bundles": bursts}} for each batched engine installed here."""
+def engines(ctx: Context, bundles: Path, clients: int) -> dict[str, dict[str, Any]]:
+    """{engine: {"plain": bursts, "bundles": bursts}} for each batched engine installed here
+    (--quick: the first)."""
+    from pipeline.blas import blas_status
+
+    openblas = blas_status().library
     preload = {"LD_PRELOAD": openblas} if openblas else {}
-    vllm = [str(VENV / "bin" / "python"), "-m", "vllm_mlx.cli", "serve", str(MODEL)]
-    runs = {
-        "vllm-mlx --continuous-batching": (
-            [*vllm, "--continuous-batching"],
-            [*serve(bundles, "vllm-mlx"), "--continuous-batching"],
-        )
-    }
-    rapid = str(RAPID_VENV / "bin" / "python")
-    if (RAPID_VENV / "bin" / "python").exists():
-        runs["rapid-mlx"] = (
-            [rapid, "-m", "rapid_mlx.cli", "serve", str(MODEL)],
-            [rapid, str(REPO / "build.py"), "--bundles", str(bundles), "serve"]
-            + ["--server", "rapid-mlx", "--model", str(MODEL)],
-        )
+    runs = {}
+    for row, (server, options) in ENGINES.items():
+        venv = serving.venv_of(server)
+        if venv is None:
+            ctx.note(f"concurrency: {row} skipped: its server is not installed here")
+            continue
+        plain = serving.plain(server, venv)
+        runs[row] = ([*plain, *options], serving.serve(server, venv, bundles, *options))
+        if ctx.quick:
+            break
     reps = 1 if ctx.quick else 3
     result: dict[str, dict[str, Any]] = {}
     for engine, (plain, with_bundles) in runs.items():
@@ -143,23 +147,24 @@ def engines(ctx: Context, bundles: Path, openblas: str | None) -> dict[str, dict
         for rep in range(reps):  # alternating, a fresh server each
             for kind in ("plain", "bundles") if rep % 2 == 0 else ("bundles", "plain"):
                 args, env = (plain, preload) if kind == "plain" else (with_bundles, {})
-                got[kind].append(bursts(ctx, f"{engine} {kind} {rep + 1}", args, env))
-        result[engine] = {kind: summarized(runs_of) for kind, runs_of in got.items()}
+                label = f"{engine} {kind} {rep + 1}"
+                got[kind].append(bursts(ctx, label, args, env, clients))
+        result[engine] = {kind: summarized(runs_of, clients) for kind, runs_of in got.items()}
     return result
 
 
-def summarized(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def summarized(runs: list[dict[str, Any]], clients: int) -> dict[str, Any]:
     """Per burst: wall seconds as a statistic, rates of its median, the first run's answers and
     every run's cached tokens."""
     out = {}
     for name in ("first", "warm"):
         bursts_of = [r[name] for r in runs]
         wall = stat([b["s"] for b in bursts_of])
-        prompt_per_request = bursts_of[0]["prompt_tokens_per_s"] * bursts_of[0]["s"] / CLIENTS
+        prompt_per_request = bursts_of[0]["prompt_tokens_per_s"] * bursts_of[0]["s"] / clients
         out[name] = {
             "s": wall.as_dict(),
-            "requests_per_s": CLIENTS / wall.median,
-            "prompt_tokens_per_s": prompt_per_request * CLIENTS / wall.median,
+            "requests_per_s": clients / wall.median,
+            "prompt_tokens_per_s": prompt_per_request * clients / wall.median,
             "answers": bursts_of[0]["answers"],
             "same_answers_every_run": all(
                 b["answers"] == bursts_of[0]["answers"] for b in bursts_of
@@ -169,14 +174,10 @@ def summarized(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def run(ctx: Context) -> dict[str, Any] | None:
-    from pipeline.blas import blas_status
-
-    if not (VENV / "bin" / "python").exists():
-        ctx.note(f"concurrency: skipped, no server venv at {VENV} (tests/envs/make_servers_env.sh)")
-        return None
-    bundles = demo_bundles(ctx)
-    return {"clients": CLIENTS, "engines": engines(ctx, bundles, blas_status().library)}
+def run(ctx: Context, bundles: str) -> dict[str, Any]:
+    """Each batched engine's bursts (--quick: the first installed, fewer clients)."""
+    clients = QUICK_CLIENTS if ctx.quick else CLIENTS
+    return {"clients": clients, "engines": engines(ctx, Path(bundles), clients)}
 
 
 def cell(s: dict[str, Any]) -> str:
@@ -191,7 +192,8 @@ def section(result: dict[str, Any]) -> list[str]:
     lines = [
         f"## Concurrency: {n} clients at once on the batched engines, with bundles vs plain",
         "",
-        f"Demo model `models/demo-tiny`, support-agent prefix (11,052 tokens, 8 tools); a fresh "
+        f"Demo model `models/demo-tiny`, support-agent prefix (11,052 tokens, 8 tools; a --quick "
+        f"run: shortened to about 2,000, the cached column says); a fresh "
         f"server per run (plain: the engine's own command with OpenBLAS preloaded; bundles: "
         f"`serve --server NAME`, its defaults). Right after startup {n} clients each send their "
         f"first question at once (first burst), then {n} other questions (warm burst); 8 tokens "
@@ -228,4 +230,4 @@ def section(result: dict[str, Any]) -> list[str]:
 
 
 if __name__ == "__main__":
-    standalone("concurrency", run, section)
+    standalone("concurrency", lambda ctx: run(ctx, serving.bundles(ctx)), section)

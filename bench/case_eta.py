@@ -6,7 +6,8 @@ line that has an ETA, the actual remaining time is the time from that line to th
 tokens in the cache); error = ETA / actual − 1 (+: the ETA said longer). Reported: the first ETA
 (after the first chunk), and the first ETA at or past 25 % and 50 % of the tokens. "rate only" is
 what the line's own rate gives (tokens left / tok/s so far): the ETA before the cost model.
-Builds: the demo prefixes on the demo model, and the bench model at two lengths (chunks of 2,048).
+Builds: the demo prefixes on the demo model, and the bench model at two lengths (chunks of 2,048;
+--quick: support-agent, and the small model at one length).
 The machine is shared: other work changing speed mid-build is in the figures, not modelled.
 """
 
@@ -24,6 +25,7 @@ from typing import Any
 if __name__ == "__main__" and "--quick" in sys.argv[1:]:  # as bench/run.py: before common
     os.environ.setdefault("PREFIX_BUNDLES_BENCH_SIZE", "small")
 
+import serving  # noqa: E402
 from common import (  # noqa: E402
     MODEL_BF16,
     REPO,
@@ -35,15 +37,14 @@ from common import (  # noqa: E402
 
 LINE = re.compile(r"^(?P<label>.+?): prefill (?P<done>\d+)/(?P<total>\d+) tokens.*?, "
                   r"(?P<rate>[\d,.]+) tok/s, ETA (?P<eta>[\d.]+)s$")  # fmt: skip
-DEMO_MODEL = REPO / "models" / "demo-tiny"
 DEMO_PREFIXES = ("docqa-handbook", "support-agent")
 GOAL = 0.30  # |error| of the first ETA (issue 38)
 SYSTEM = "You are the assistant of a field team. Answer from these notes only.\nNotes:\n"
 
 
 def settings(quick: bool) -> dict[str, Any]:
-    """The bench model's lengths (16k takes ~10+ min on 2 cores: full runs only)."""
-    return {"lengths": [4096, 8192] if quick else [4096, 16384]}
+    """The bench model's lengths (16k takes ~10+ min on 2 cores: full runs only; --quick: one)."""
+    return {"lengths": [4096] if quick else [4096, 16384]}
 
 
 def errors(lines: list[tuple[float, str]]) -> dict[str, Any]:
@@ -84,20 +85,6 @@ def build_lines(project: Path, name: str) -> list[tuple[float, str]]:
     return lines
 
 
-def demo_project(ctx: Context) -> Path:
-    """The repo's demo prefixes next to the demo model (generated when missing)."""
-    from pipeline.testmodels.model import generate_model
-
-    if not (DEMO_MODEL / "config.json").is_file():
-        generate_model(DEMO_MODEL, "tiny")
-    project = ctx.work / "eta" / "demo"
-    shutil.rmtree(project, ignore_errors=True)
-    shutil.copytree(REPO / "prefixes", project / "prefixes")
-    (project / "models").mkdir()
-    (project / "models" / "demo-tiny").symlink_to(DEMO_MODEL)
-    return project
-
-
 def bench_project(ctx: Context, tokens: int) -> Path:
     """One definition of about `tokens` tokens on the bench model."""
     project = ctx.work / "eta" / f"bench-{tokens}"
@@ -110,8 +97,9 @@ def bench_project(ctx: Context, tokens: int) -> Path:
 def run(ctx: Context) -> dict[str, Any]:
     """Every build's ETA errors."""
     rows = []
-    demo = demo_project(ctx)
-    jobs = [("demo", demo, name) for name in DEMO_PREFIXES]
+    demo = serving.demo_project(ctx, "eta/demo")
+    # --quick: one demo prefix (the last) and one bench length, the whole path of a full run
+    jobs = [("demo", demo, name) for name in (DEMO_PREFIXES[-1:] if ctx.quick else DEMO_PREFIXES)]
     jobs += [
         (MODEL_BF16.name, bench_project(ctx, n), "notes") for n in settings(ctx.quick)["lengths"]
     ]
@@ -166,7 +154,9 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(description="the build ETA's error, standalone")
     parser.add_argument(
-        "--quick", action="store_true", help="the small model (bench --quick's) at 4k and 8k"
+        "--quick",
+        action="store_true",
+        help="the small model (bench --quick's) at 4k, one demo prefix",
     )
     parser.add_argument("--lengths", help="comma list of bench-model lengths (overrides)")
     parser.add_argument("--skip-demo", action="store_true")

@@ -25,6 +25,7 @@ import case_servers
 import case_sizes
 import case_snapshots
 import case_ttft
+import serving
 from common import Context
 
 Results = dict[str, Any]
@@ -72,9 +73,11 @@ REGISTRY: tuple[Case, ...] = (
     Case("handout", lambda ctx, r: case_handout.run(ctx), lambda x, r: case_handout.section(x)),
     Case("arch", lambda ctx, r: case_arch.run(ctx), lambda x, r: case_arch.section(x),
          failures=_arch_failures),
-    Case("servers", lambda ctx, r: case_servers.run(ctx), lambda x, r: case_servers.section(x)),
-    Case("concurrency", lambda ctx, r: case_concurrency.run(ctx),
-         lambda x, r: case_concurrency.section(x)),
+    Case("server_bundles", lambda ctx, r: serving.bundles(ctx), selectable=False),
+    Case("servers", lambda ctx, r: case_servers.run(ctx, r["server_bundles"]),
+         lambda x, r: case_servers.section(x), needs=("server_bundles",)),
+    Case("concurrency", lambda ctx, r: case_concurrency.run(ctx, r["server_bundles"]),
+         lambda x, r: case_concurrency.section(x), needs=("server_bundles",)),
     Case("snapshots", lambda ctx, r: case_snapshots.run(ctx),
          lambda x, r: case_snapshots.section(x), bench_model=True),
 )  # fmt: skip

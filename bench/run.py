@@ -19,15 +19,13 @@ sys.path[:0] = [str(BENCH), str(BENCH.parent)]
 if "--quick" in sys.argv[1:]:  # before the cases import common: the small model (common.MODEL_SIZE)
     os.environ.setdefault("PREFIX_BUNDLES_BENCH_SIZE", "small")
 
+import cases as registry  # noqa: E402  (bench/cases.py: the one registry)
 import chart  # noqa: E402
 import report  # noqa: E402
-from cases import REGISTRY, SELECTABLE, chosen  # noqa: E402
 from common import BENCH as BENCH_DIR  # noqa: E402
 from common import Context, ensure_models, run_worker, stat  # noqa: E402
 
 from pipeline.blas import blas_status, ensure_fast_blas  # noqa: E402
-
-CASES = SELECTABLE  # bench/cases.py: the one registry
 
 
 def setup_arg_parser() -> argparse.ArgumentParser:
@@ -53,7 +51,9 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         help="measure nothing: rewrite RESULTS.md and ttft.png from WORK/results.json",
     )
     p.add_argument(
-        "--cases", default=",".join(CASES), help=f"comma list of {','.join(CASES)} (default: all)"
+        "--cases",
+        default=",".join(registry.SELECTABLE),
+        help=f"comma list of {','.join(registry.SELECTABLE)} (default: all)",
     )
     return p
 
@@ -95,7 +95,7 @@ def run_all(ctx: Context, cases: set[str]) -> dict[str, Any]:
     """Every selected case (and what it needs), in the registry's order."""
     results: dict[str, Any] = {"quick": ctx.quick, "cases": sorted(cases)}
     results["openblas"] = blas_status().library  # the OpenBLAS that workers load
-    steps = chosen(cases)
+    steps = registry.chosen(cases)
     if any(case.bench_model for case in steps):  # 3.6 GB generated on first use
         timed(ctx, "setup", results, lambda: prime(ctx))
     timed(ctx, "calibration", results, lambda: calibrate(ctx))
@@ -111,7 +111,7 @@ def run_all(ctx: Context, cases: set[str]) -> dict[str, Any]:
 def targets(results: dict[str, Any]) -> list[dict[str, Any]]:
     """Every case's rows of the targets table, from its result."""
     rows: list[dict[str, Any]] = []
-    for case in REGISTRY:
+    for case in registry.REGISTRY:
         if case.targets is not None and results.get(case.name):
             rows += case.targets(results[case.name])
     return rows
@@ -151,7 +151,7 @@ def markdown(results: dict[str, Any], total: float) -> str:
             "that would fix it): `bench/README.md`, section *Findings*.",
             "",
         ]
-    for case in REGISTRY:
+    for case in registry.REGISTRY:
         said_absent = case.name == "handout" and "handout" in results["cases"]  # hook missing
         if case.section is not None and (results.get(case.name) or said_absent):
             lines += case.section(results.get(case.name), results)
@@ -169,10 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.render:
         return render(json.loads((args.work / "results.json").read_text()), args.out)
     cases = {c.strip() for c in args.cases.split(",") if c.strip()}
-    unknown = cases - set(CASES)
+    unknown = cases - set(registry.SELECTABLE)
     if unknown:
+        named = ", ".join(registry.SELECTABLE)
         print(
-            f"error: unknown case(s) {', '.join(sorted(unknown))}; choose from {', '.join(CASES)}",
+            f"error: unknown case(s) {', '.join(sorted(unknown))}; choose from {named}",
             file=sys.stderr,
         )
         return 2
@@ -189,8 +190,23 @@ def main(argv: list[str] | None = None) -> int:
     results["machine"] = report.machine(results["openblas"])
     (args.work / "results.json").write_text(json.dumps(results, indent=2, default=str) + "\n")
     render(results, args.out)
+    print(durations_table(results), file=sys.stderr)
     ctx.note(f"wrote {args.out / 'RESULTS.md'} in {total / 60:.1f} min")
+    for name in results.get("errors", {}):
+        ctx.note(f"FAILED: {name} (its error is in RESULTS.md and above)")
     return 1 if results.get("errors") else 0
+
+
+def durations_table(results: dict[str, Any]) -> str:
+    """Each step's wall time, in the order they ran, and the total (printed at the end of a run)."""
+    spent = results.get("durations", {})
+    failed = results.get("errors", {})
+    width = max((len(name) for name in spent), default=5)
+    lines = [f"{'case':<{width}}  seconds"]
+    for name, seconds in spent.items():
+        lines.append(f"{name:<{width}}  {seconds:7.1f}{'  FAILED' if name in failed else ''}")
+    lines.append(f"{'total':<{width}}  {results['total_seconds']:7.1f}")
+    return "\n".join(lines)
 
 
 def render(results: dict[str, Any], out: Path) -> int:
