@@ -38,6 +38,32 @@ def command(server: str, model: Path, bundles: Path, port: int, admin: int | Non
     return [*serve, *options, "--paged-cache-block-size", str(BLOCK)]
 
 
+@pytest.mark.parametrize("server", list(SERVERS))
+@pytest.mark.parametrize(
+    ("serve_options", "why"),
+    [
+        ({"snapshots": Path("snaps")}, "with --snapshots: the entries of its paged prefix cache"),
+        ({"bundle_memory": 1 << 20}, "with --bundle-memory: its blocks would hold every mounted"),
+    ],
+)
+def test_what_the_paged_engines_cannot_honour_is_refused_with_one_line(
+    server: str, serve_options: dict, why: str
+):
+    from pipeline.format.errors import PipelineError
+    from pipeline.runtime.servers import hook_for
+    from pipeline.runtime.servers.options import ServeOptions, refuse_options
+
+    rest = SERVERS[server][1]
+    options = ServeOptions(server, Path("m"), Path("b"), tuple(rest), (), True, **serve_options)
+    with pytest.raises(PipelineError) as caught:
+        refuse_options(rest, server, hook_for(server).refused(options))
+    assert str(caught.value).startswith(
+        f"serve --server {server}: --use-paged-cache is not supported: {why}"
+    )
+    plain = ServeOptions(server, Path("m"), Path("b"), tuple(rest), (), True)
+    refuse_options(rest, server, hook_for(server).refused(plain))  # alone: served
+
+
 def question(model: Path, system: str, text: str, turns: list[dict] | None = None) -> dict:
     messages = [{"role": "system", "content": system}, *(turns or [])]
     return {

@@ -85,12 +85,13 @@ def test_prefix_caches_the_hook_does_not_fill_are_refused_with_one_line(
 ):
     import subprocess
 
-    for option, why in (
-        ("--disable-prefix-cache", "with --continuous-batching"),
-        ("--use-paged-cache", "with --snapshots"),  # its paged entries are not listed
+    for option, serve_option, why in (
+        ("--disable-prefix-cache", [], "with --continuous-batching"),
+        ("--use-paged-cache", ["--snapshots", "snaps"], "with --snapshots"),  # none listed
+        ("--use-paged-cache", ["--bundle-memory", "1MiB"], "with --bundle-memory"),  # all held
     ):
         args = batching(tiny_model, shop_bundle.parents[2], free_port(), option)
-        args[args.index("serve") + 1 : args.index("serve") + 1] = ["--snapshots", "snaps"]
+        args[args.index("serve") + 1 : args.index("serve") + 1] = serve_option
         proc = subprocess.run(args, capture_output=True, text=True, cwd=tmp_path, timeout=300)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and lines[-1].startswith(

@@ -32,16 +32,19 @@ import numpy as np
 
 from pipeline.runtime.prompt_cache import fork_cache
 from pipeline.runtime.servers import usage, warm_up
-from pipeline.runtime.servers.entries import held_offset
+from pipeline.runtime.servers.entries import evaluate, held_offset
 from pipeline.runtime.servers.mounted import BUNDLE_KEY, Mounted
 
 log = logging.getLogger("prefix-bundles")
 TABLE = "prefix-bundles:"  # the block tables the bundles are held under: TABLE + NAME@VERSION
 _ROOT = b"prefix-bundles-paged"
-PAGED_WITH_SNAPSHOTS = (
-    "with --snapshots: the entries of its paged prefix cache are not listed for snapshots; "
-    "serve without --snapshots, or without --use-paged-cache"
-)
+WITH = {  # serve's options --use-paged-cache is refused with: {attribute: (option, why)}
+    "snapshots": ("--snapshots", "the entries of its paged prefix cache are not listed for them"),
+    "bundle_memory": (
+        "--bundle-memory",
+        "its blocks would hold every mounted bundle in memory, past the budget",
+    ),
+}
 
 
 def chained(previous: bytes, tokens: Sequence[int]) -> bytes:
@@ -80,6 +83,7 @@ def pinned_paged_cache_class(mounted: Mounted, base: type, table: type, server: 
             usage.record(covered, len(tokens))
             if cache is None:
                 return None, list(tokens)
+            evaluate(cache)  # on the thread that made it (the scheduler may run it on another)
             self.handed[request_id] = cache
             return table(request_id, self.blocks_within(request_id, covered), covered), rest
 
@@ -221,6 +225,10 @@ def pinned_paged_cache_class(mounted: Mounted, base: type, table: type, server: 
             before, stored = set(self.paged_cache.allocated_blocks), None
             if hit.source == f"bundle:{name}" and hit.cache_hit_tokens == len(tokens):
                 stored = self.store(TABLE + name, tokens, self.extract(hit.cache), base.store_cache)
+            if stored is not None:  # its blocks evaluated here, and proven to rebuild it whole
+                whole = base.reconstruct_cache(self, stored)
+                evaluate(whole)
+                stored = stored if held_offset(whole) == len(tokens) else None
             if stored is None or stored.num_tokens != len(tokens):
                 self.drop(TABLE + name)
                 self.failed[name] = sha
@@ -272,10 +280,18 @@ def paged(rest: Sequence[str]) -> bool:
     return "--use-paged-cache" in rest
 
 
+def refused_with(options: Any) -> dict[str, str]:
+    """{"--use-paged-cache": why} where serve's options exclude it (else {})."""
+    for attribute, (option, why) in WITH.items():
+        if getattr(options, attribute, None) is not None:
+            return {"--use-paged-cache": f"with {option}: {why}; serve without one of them"}
+    return {}
+
+
 __all__ = [
-    "PAGED_WITH_SNAPSHOTS",
     "TABLE",
     "install_paged_cache",
     "paged",
     "pinned_paged_cache_class",
+    "refused_with",
 ]

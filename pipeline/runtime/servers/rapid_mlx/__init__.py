@@ -24,7 +24,7 @@ from pipeline.runtime.servers.hook import SERVING, ServerHook
 from pipeline.runtime.servers.memory_cache import install_memory_cache, memory_entries
 from pipeline.runtime.servers.mounted import Mounted
 from pipeline.runtime.servers.options import ServeOptions
-from pipeline.runtime.servers.paged_cache import PAGED_WITH_SNAPSHOTS, install_paged_cache, paged
+from pipeline.runtime.servers.paged_cache import install_paged_cache, paged, refused_with
 
 log = logging.getLogger("prefix-bundles")
 SERVER = "rapid-mlx"
@@ -53,8 +53,7 @@ class Hook(ServerHook):
     # request_ids: none to call (it renders inline in its route); warm-up checks its ids through its app
 
     def refused(self, options: ServeOptions) -> dict[str, str]:
-        with_snapshots = {"--use-paged-cache": PAGED_WITH_SNAPSHOTS}
-        return {**self.unsupported, **(with_snapshots if options.snapshots is not None else {})}
+        return {**self.unsupported, **refused_with(options)}
 
     def install(self, mounted: Mounted, options: ServeOptions, snapshots: Any = None) -> None:
         """Patch rapid-mlx's scheduler cache; its persistence off, its cache import refused."""

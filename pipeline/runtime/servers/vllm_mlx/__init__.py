@@ -18,7 +18,7 @@ from pipeline.runtime.servers.hook import SERVING, ServerHook
 from pipeline.runtime.servers.memory_cache import install_memory_cache, memory_entries
 from pipeline.runtime.servers.mounted import Mounted
 from pipeline.runtime.servers.options import ServeOptions
-from pipeline.runtime.servers.paged_cache import PAGED_WITH_SNAPSHOTS, install_paged_cache, paged
+from pipeline.runtime.servers.paged_cache import install_paged_cache, paged, refused_with
 from pipeline.runtime.servers.tokens import is_anthropic
 from pipeline.runtime.servers.vllm_mlx import simple_engine, usage_binding
 
@@ -48,10 +48,9 @@ class Hook(ServerHook):
         with_batching = {
             k: f"with --continuous-batching, {v}" for k, v in BATCHED_UNSUPPORTED.items()
         }
-        refused = {**self.unsupported, **(with_batching if batched(options) else {})}
-        if batched(options) and options.snapshots is not None:
-            refused["--use-paged-cache"] = PAGED_WITH_SNAPSHOTS
-        return refused
+        if not batched(options):
+            return self.unsupported
+        return {**self.unsupported, **with_batching, **refused_with(options)}
 
     def unusable(self, bundle: Any, options: ServeOptions) -> str | None:
         if not batched(options):
