@@ -6,7 +6,9 @@ it prefills the whole history), vs the in-memory hit (the next question on the s
 the same process, right after). Also the stop (SIGTERM to exit, the save included), startup
 (spawn to /health; the restore is the difference with and without), the saved set as `inspect
 --json` reads it, and the cached tokens the usage reports; the same answer with and without
-snapshots. Every figure is structured (HTTP usage, the CLI's JSON, the clock): no log is parsed.
+snapshots; and the next turn after `kill -9` of a --snapshots server once its spill while
+serving holds the first turn (reuse of the spilled tokens, time against cold). Every figure is
+structured (HTTP usage, the CLI's JSON, a manifest, the clock): no log is parsed.
 
 The float32 bench model (`--quick`: the 4-layer one), OpenBLAS as serve loads it. Standalone:
 `python bench/case_snapshots.py [--quick]` prints the markdown section.
@@ -105,6 +107,49 @@ class Server:
             raise RuntimeError(f"serve exited {code}: {self.log.read_text()[-2000:]}")
         return seconds
 
+    def kill(self) -> None:
+        """kill -9 (mlx_lm.server runs in serve's own process): no stop, no save."""
+        self.proc.kill()
+        self.proc.wait(timeout=600)
+        self.out.close()
+
+
+def spilled_tokens(folder: Path, at_least: int, timeout: float = 600) -> tuple[int, float]:
+    """(the most tokens a snapshot of DIR's newest set holds, seconds waited) once a spill while
+    serving wrote one of `at_least` tokens (read from its manifest.json, polled)."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout:
+        counts = []
+        for manifest in folder.glob("set-*/*/manifest.json"):
+            try:
+                counts.append(json.loads(manifest.read_text())["tokens"]["count"])
+            except (OSError, ValueError, KeyError):
+                continue  # a set the next spill is removing
+        if counts and max(counts) >= at_least:
+            return max(counts), time.perf_counter() - start
+        time.sleep(0.05)
+    raise RuntimeError(f"no spill of {at_least}+ tokens in {folder} after {timeout:.0f} s")
+
+
+def after_kill(
+    ctx: Context, model: Path, server: Server, snaps: Path, turn: tuple, rep: int
+) -> dict[str, Any]:
+    """`server` (cold: --snapshots on an empty DIR) answered `turn`'s request (msgs, prompt
+    tokens): once its spill while serving (on by default) holds that turn, kill -9; then the
+    same request is the first of a restarted server: its time, answer, and the share of the
+    spilled tokens it reused."""
+    msgs, prompt = turn
+    spilled, waited = spilled_tokens(snaps, prompt - 1)
+    server.kill()
+    server = Server(ctx, model, ctx.work / f"snapshots-{rep}-killed.log", snaps)
+    first = ask(server.port, msgs)
+    server.stop()
+    return {
+        "spilled_tokens": spilled, "spill_seen_s": waited, "startup_s": server.startup_s,
+        "first_s": first[0], "answer": first[1], "prompt": first[2], "cached": first[3],
+        "reused": first[3] / spilled,
+    }  # fmt: skip
+
 
 def saved_set(folder: Path) -> dict[str, Any]:
     """The snapshots a stop saved, as `inspect --json` reads each (its JSON contract, not a log
@@ -138,18 +183,28 @@ def repetition(ctx: Context, model: Path, notes: list[str], rep: int) -> dict[st
     server = Server(ctx, model, ctx.work / f"snapshots-{rep}-fill.log", snaps)
     answers = [ask(server.port, messages(text, None, QUESTION))[1] for text in notes]
     row: dict[str, Any] = {"stop_s": server.stop(), **saved_set(snaps)}
+    # the cold server: --snapshots on an empty DIR of its own (it restores nothing), so that after
+    # its hit it is killed (kill -9) once it spilled, and restarted: the "after kill -9" row
+    crashed = ctx.work / f"snapshots-{rep}-crash"
+    shutil.rmtree(crashed, ignore_errors=True)
     for label in ("with", "without") if rep % 2 == 0 else ("without", "with"):
         log = ctx.work / f"snapshots-{rep}-{label}.log"
-        server = Server(ctx, model, log, snaps if label == "with" else None)
-        first = ask(server.port, messages(notes[0], answers[0], QUESTION2))
+        server = Server(ctx, model, log, snaps if label == "with" else crashed)
+        msgs = messages(notes[0], answers[0], QUESTION2)
+        first = ask(server.port, msgs)
         hit = ask(server.port, messages(notes[0], answers[0], NEXT))
-        server.stop()
+        if label == "with":
+            server.stop()
+        else:
+            row["killed"] = after_kill(ctx, model, server, crashed, (msgs, first[2]), rep)
         row[label] = {
             "startup_s": server.startup_s, "first_s": first[0], "hit_s": hit[0],
             "answer": first[1], "prompt": first[2], "cached": first[3], "hit_cached": hit[3],
         }  # fmt: skip
-    if row["with"]["cached"] == 0:  # the restart reused nothing: the snapshots did not serve
-        raise RuntimeError(f"the restart with {snaps} reported 0 cached tokens")
+    if row["with"]["cached"] == 0 or row["without"]["cached"] != 0:  # not as this case says
+        raise RuntimeError(
+            f"the restart with {snaps} reported 0 cached tokens, or the cold one some"
+        )
     row["restore_s"] = row["with"]["startup_s"] - row["without"]["startup_s"]
     return row
 
@@ -166,7 +221,9 @@ def run(ctx: Context) -> dict[str, Any]:
         ctx.note(
             f"snapshots: rep {rep}: first answer after restart {w['first_s']:.3f} s with "
             f"{rows[-1]['saved']} snapshots, {c['first_s']:.3f} s without, hit {w['hit_s']:.3f} s; "
-            f"stop {rows[-1]['stop_s']:.2f} s, startup with them {rows[-1]['restore_s']:+.2f} s"
+            f"stop {rows[-1]['stop_s']:.2f} s, startup with them {rows[-1]['restore_s']:+.2f} s; "
+            f"after kill -9 {rows[-1]['killed']['first_s']:.3f} s, reused "
+            f"{rows[-1]['killed']['reused']:.0%} of the spilled tokens"
         )
     summary = {
         "model": model.name, **s, "rows": rows,
@@ -175,7 +232,10 @@ def run(ctx: Context) -> dict[str, Any]:
         "restore_s": stat([r["restore_s"] for r in rows]).as_dict(),
         "saved_mib": stat([r["saved_mib"] for r in rows]).as_dict(),
         "same_answer": all(r["with"]["answer"] == r["without"]["answer"] for r in rows),
+        "killed_same_answer": all(r["killed"]["answer"] == r["without"]["answer"] for r in rows),
     }  # fmt: skip
+    for key in ("startup_s", "first_s", "cached", "reused", "spilled_tokens", "spill_seen_s"):
+        summary[f"killed_{key}"] = stat([r["killed"][key] for r in rows]).as_dict()
     for label in ("with", "without"):
         for key in ("startup_s", "first_s", "hit_s", "cached"):
             summary[f"{label}_{key}"] = stat([r[label][key] for r in rows]).as_dict()
@@ -209,12 +269,19 @@ def section(result: dict[str, Any]) -> list[str]:
         "| --- | --- | --- | --- | --- | --- |",
         f"| with snapshots | {cell('with_startup_s', '{:.2f}')} | {cell('with_first_s')} | "
         f"{cell('with_hit_s')} | {ratio(w, hit):.2f}x | {cell('with_cached', '{:.0f}')} |",
-        f"| without (cold) | {cell('without_startup_s', '{:.2f}')} | {cell('without_first_s')} | "
+        f"| without (cold: an empty DIR) | {cell('without_startup_s', '{:.2f}')} | {cell('without_first_s')} | "
         f"{cell('without_hit_s')} | {ratio(c, result['without_hit_s']['median']):.2f}x | "
         f"{cell('without_cached', '{:.0f}')} |",
+        f"| after kill -9 (spilled while serving) | {cell('killed_startup_s', '{:.2f}')} | "
+        f"{cell('killed_first_s')} | - | - | {cell('killed_cached', '{:.0f}')} |",
         "",
         f"- first answer after a restart: **{ratio(c, w):.1f}x faster** with the snapshots than "
         f"without; same answer: {result['same_answer']}",
+        f"- after `kill -9` (the cold server, once its spill of that next turn was seen in its DIR "
+        f"{cell('killed_spill_seen_s', '{:.1f}')} s after the hit's answer, then SIGKILL; the same "
+        f"request is the restarted server's first): it reused {cell('killed_reused', '{:.0%}')} of the {cell('killed_spilled_tokens', '{:.0f}')} "
+        f"tokens spilled, **{ratio(c, result['killed_first_s']['median']):.1f}x faster** than "
+        f"cold; same answer as cold: {result['killed_same_answer']}",
         f"- the stop (SIGTERM to exit, the save included) {cell('stop_s', '{:.2f}')} s; the "
         f"restore (startup with the snapshots minus without) {cell('restore_s', '{:.2f}')} s "
         "(validated, host signature checked, loaded)",

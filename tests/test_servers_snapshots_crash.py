@@ -3,7 +3,8 @@ wraps: its entries are spilled to DIR while it serves (no option but --snapshots
 serve's whole process group (no stop, no save), a restart with the same DIR, and the next turn
 reuses the spilled conversation, with the same answer as a server that was not killed. Faults: a
 kill in the middle of a spill (the next start mounts the previous set or the new one, never a
-half), a second serve on the same folder (refused at its start; the first goes on spilling).
+half), a second serve on the same folder (refused at its start; the first goes on spilling):
+on rapid-mlx, whose --snapshot-every serve refused before spills.
 Real server processes in their venvs over loopback HTTP, the tiny test model (its 3.8k-token
 conversation: tests/test_snapshots.py's `turn`). The full disk while spilling: a real tmpfs in
 tests/test_snapshots_spill.py."""
@@ -130,48 +131,41 @@ def test_a_conversation_survives_kill_9(name: str, tiny_model: Path, tmp_path: P
 def test_a_kill_mid_spill_leaves_a_whole_set_and_a_second_serve_is_refused(
     tiny_model: Path, tmp_path: Path
 ):
-    """mlx_lm.server spilling as often as it may (--snapshot-every 0.001): once a spill's staging
+    """rapid-mlx spilling as often as it may (--snapshot-every 0.001): once a spill's staging
     folder appears, kill -9; the next start mounts a whole set (the previous or the new one)."""
+    name = "rapid-mlx"
     env = {"XDG_CONFIG_HOME": str(tmp_path / "config"), "HOME": str(tmp_path / "home")}
     bundles, snaps = tmp_path / "bundles", tmp_path / "snaps"
     bundles.mkdir()
     logs = {k: tmp_path / f"{k}.log" for k in ("ref", "one", "two")}
     ref_port, port = free_port(), free_port()
     every = ("--snapshots", str(snaps), "--snapshot-every", "0.001")
-    with running(command("mlx-lm", tiny_model, bundles, ref_port), ref_port, logs["ref"], env):
-        with group(
-            command("mlx-lm", tiny_model, bundles, port, *every), port, logs["one"], env
-        ) as one:
+    with running(command(name, tiny_model, bundles, ref_port), ref_port, logs["ref"], env):
+        with group(command(name, tiny_model, bundles, port, *every), port, logs["one"], env) as one:
             # a second serve on the folder: refused at its start with one line; the first goes on
             other = subprocess.run(
-                command("mlx-lm", tiny_model, bundles, free_port(), *every),
-                capture_output=True, text=True, env={**os.environ, **env}, timeout=120,
+                command(name, tiny_model, bundles, free_port(), *every),
+                capture_output=True, text=True, env={**os.environ, **env}, timeout=300,
             )  # fmt: skip
-            first = turn(port)
+            first = turn(port, model=tiny_model)
             answer = first["choices"][0]["message"]["content"]
-            reference = turn(ref_port, answer)
+            reference = turn(ref_port, answer, tiny_model)
             wait_spilled(snaps, first["usage"]["prompt_tokens"], logs["one"])
             caught = None
             for _ in range(8):  # a turn, then the spill it causes (2 s later): kill inside it
-                assert (
-                    turn(port, answer)["choices"][0]["message"]
-                    == reference["choices"][0]["message"]
-                )
+                again = turn(port, answer, tiny_model)
+                assert again["choices"][0]["message"] == reference["choices"][0]["message"]
                 caught = catch_staging(snaps, timeout=10)
                 if caught is not None:
+                    kill_group(one)
                     break
             assert caught is not None, logs["one"].read_text()[-3000:]
-            kill_group(one)
         before = sorted(p.name for p in snaps.iterdir())
         port = free_port()
-        with group(
-            command("mlx-lm", tiny_model, bundles, port, "--snapshots", str(snaps)),
-            port,
-            logs["two"],
-            env,
-        ):
-            second = turn(port, answer)
-    assert other.returncode == 1
+        args = command(name, tiny_model, bundles, port, "--snapshots", str(snaps))
+        with group(args, port, logs["two"], env):
+            second = turn(port, answer, tiny_model)
+    assert other.returncode == 1, other.stderr[-2000:]
     assert other.stderr.strip().splitlines()[-1] == (
         f"error: --snapshots {snaps} is in use by another serve process (it holds "
         f"{snaps / '.lock'}); give each serve its own snapshot folder"

@@ -87,8 +87,9 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> argparse.Argum
         "--snapshots",
         type=Path,
         metavar="DIR",
-        help="at a graceful stop (SIGTERM, SIGINT) save the server's hottest prompt-cache entries "
-        "under DIR, signed with this host's key, and mount them at the next start through the "
+        help="spill the server's hottest prompt-cache entries to DIR while it serves (see "
+        "--snapshot-every; a kill -9 keeps the last spill) and save them at a graceful stop "
+        "(SIGTERM, SIGINT), signed with this host's key; mounted at the next start through the "
         "same validator; every server serve wraps (they hold client prompts: docs/snapshots.md; "
         "default: off)",
     )
@@ -108,10 +109,12 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> argparse.Argum
     p.add_argument(
         "--snapshot-every",
         metavar="MINUTES",
-        help="with --snapshots, also save the set while serving: after the first entry the "
-        "server stores once MINUTES have passed since the last save (on its generation thread, "
-        "which waits for it; a failed save keeps the previous set); mlx_lm.server only so far "
-        "(default: off, saved at a graceful stop only)",
+        help="with --snapshots, the least time between two spills while serving: a spill starts "
+        "once the server stored something new and has been quiet for 2 s, or a change waited "
+        "MINUTES; off the request path (a request waits only for a ~1 ms capture of the entries "
+        "on the thread that stored one; a thread of its own writes them; a failed spill keeps "
+        "the previous set); every server (default: 0.5, i.e. 30 s; 0 or off: saved at a "
+        "graceful stop only)",
     )
     add_trusted_key_option(p)  # each refusal is logged and serve goes on; --strict exits 1
     # unknown options belong to the server; bundles default to <model>/prefix-bundles, else the
