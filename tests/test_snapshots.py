@@ -277,7 +277,6 @@ def test_a_conversation_survives_a_restart(tmp_path: Path, tiny_model: Path):
 def wait_for_periodic(log: Path, beyond: int, timeout: float = 30) -> None:
     """Until the log says a spill while serving wrote one entry of more than `beyond` tokens."""
     import re
-    import time
 
     pattern = r"saved 1 entry \((\d+) tokens.*\(spilled while serving"
     deadline = time.monotonic() + timeout

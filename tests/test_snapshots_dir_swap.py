@@ -37,8 +37,13 @@ def serving(tmp_path: Path, tiny_model: Path):
     public.mkdir()
     os.chmod(public, 0o777)
     entry = Entry(TOKENS, prefilled(tiny_model, TOKENS), "test", False)
+    # every capture after the first lists one more entry (a spill writes only what changed)
+    shorter = [
+        Entry(TOKENS[:n], prefilled(tiny_model, TOKENS[:n]), "test", False) for n in (50, 60, 70)
+    ]
+    listed = [[(1, entry)], *[[(1, entry), (2, e)] for e in shorter]]
     snaps = Snapshots(root, DEFAULT_BUDGET, tiny_model, None, "mlx-lm")
-    snaps.spill_while_serving(0.0, lambda: [(1, entry)], lambda ids: 0, start=False)
+    snaps.spill_while_serving(0.0, lambda: listed.pop(0), lambda ids: 0, start=False)
     snaps.changed()
     assert snaps.spiller.spill()
     assert (root / "set-1").is_dir()

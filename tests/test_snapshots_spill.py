@@ -79,6 +79,9 @@ def test_a_capture_is_what_is_spilled_whatever_the_server_does_after(
     assert "snapshots: saved 1 entry (300 tokens" in caplog.text
     assert "(spilled while serving, 1 captures, capture " in caplog.text
     assert not snaps.spiller.spill()  # nothing new: nothing written
+    snaps.changed()  # stored again, the same entries (a hit re-stamped one): not written again
+    assert not snaps.spiller.spill()
+    assert sorted(p.name for p in (tmp_path / "snaps").iterdir()) == [".lock", "set-1"]
     snaps.close()
     again = Snapshots(tmp_path / "snaps", DEFAULT_BUDGET, tiny_model, None, "mlx-lm")
     again.restore([])

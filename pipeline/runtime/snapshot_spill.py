@@ -50,6 +50,7 @@ class Spiller:
         self._pending: list[Listed] | None = None
         self._first = self._last_change = 0.0  # when the pending capture's changes came
         self._last_spill = -math.inf
+        self._written: list[int] | None = None  # the entries of the last spill (tokens, lossy)
         self._stopped = False
         self._thread: threading.Thread | None = None
         self.captures, self.capture_s, self.spills, self.failures = 0, 0.0, 0, 0
@@ -91,13 +92,17 @@ class Spiller:
 
     def spill(self) -> bool:
         """Write the pending capture now, on this thread (the spill thread's step; tests call it).
-        False when nothing was pending, the stop came first, or the write failed (one line)."""
+        False when nothing was pending, the stop came first, the entries are those the last
+        spill wrote (only their recency changed), or the write failed (one line)."""
         with self._cond:
             listed, self._pending = self._pending, None
             if listed is None or self._stopped:
                 return False
             self._last_spill = time.monotonic()
         entries = [pair for pair in map(resolved, listed) if pair is not None]
+        held = sorted(hash((tuple(e.tokens), e.lossy)) for _, e in entries)
+        if held == self._written:  # the same entries as the last spill (a hit re-stamped one)
+            return False
         why = f" (spilled while serving, {self.captures} captures, {_capture_line(self)})"
         try:
             self.write(entries, why)
@@ -108,7 +113,7 @@ class Spiller:
                 "%g s from now at the earliest", _why(exc), self.every,
             )  # fmt: skip
             return False
-        self.spills += 1
+        self.spills, self._written = self.spills + 1, held
         return True
 
     def stop(self) -> None:
