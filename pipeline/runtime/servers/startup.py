@@ -80,6 +80,9 @@ def serve(hook: ServerHook, options: ServeOptions) -> int:
         template = hook.chat_template(options)
         mounted = mount_for(options, template, lambda b: hook.unusable(b, options), hook.live)
         check_tokenization(hook, mounted)
+        # said after the warm-up, counted before `install` (a hook whose model process serves the
+        # bundles unpins them here)
+        tried = try_it(hook, options, mounted)
         # a hook whose model process serves the mount (not `live`) opens its snapshots there
         snapshots = (
             open_snapshots(hook, options, mounted) if options.snapshots and hook.live else None
@@ -94,7 +97,7 @@ def serve(hook: ServerHook, options: ServeOptions) -> int:
                 else f"off by default for {hook.name}; --warm-up runs it"
             )
             log.info("no warm-up (%s)", why)
-        log.info("%s", try_it(hook, options, mounted))
+        log.info("%s", tried)
         if mounted.result.bundles:
             log.info("%s", reuse_hint(mounted, options))
         if hook.live:  # from here the process ends without the interpreter teardown (cli.serve)
