@@ -2,7 +2,8 @@
 
 Each mutation edits a copy of the bundle in place. A seal level then says how much the mutator
 covered its tracks: "raw" (nothing), "sums" (SHA256SUMS recomputed, as `sha256sum` would), or
-"resealed" (also the manifest's record of cache.safetensors' digest and size). Data-value edits are
+"resealed" (also the manifest's record of cache.safetensors' digests and size, and of its blocks
+in format 5, where the file still cuts into blocks). Data-value edits are
 not resealed: a mutator who rewrites the manifest's digest of the data itself is indistinguishable
 from a builder without signatures, so the main corpus claims nothing there; `signature_corpus`
 covers it (the forged bundle) and the signature file itself, given a trusted key.
@@ -27,6 +28,7 @@ from pipeline.format.bundle_folder import (
     SIGNATURE_FILE,
     SUMS_FILE,
 )
+from pipeline.format.bundle_writer import block_record
 from pipeline.format.fingerprint import file_digests, sha256_file
 from pipeline.format.secret_key import SecretKey
 
@@ -69,10 +71,22 @@ def reseal_manifest(bundle: Path) -> None:
         manifest["cache"]["file_sha256"] = digests.sha256
         manifest["cache"]["file_blake3"] = digests.blake3
         manifest["cache"]["file_bytes"] = digests.size
+        if "blocks" in manifest["cache"]:  # format 5: the blocks the file now has, where it has
+            found = _block_record(cache, manifest["tokens"]["count"])
+            manifest["cache"]["blocks"] = found or manifest["cache"]["blocks"]
     except (OSError, ValueError, TypeError, KeyError, RecursionError):
         return reseal_sums(bundle)
     path.write_text(json.dumps(manifest, sort_keys=True, indent=2) + "\n")
     reseal_sums(bundle)
+
+
+def _block_record(cache: Path, tokens: int) -> Any:
+    """cache.blocks of the file as it is (as a builder writes it); an unreadable header or one
+    that does not tile the file has none (None: the manifest's record is left as it was)."""
+    try:
+        return block_record(cache, tokens).model_dump(mode="json")
+    except Exception:  # noqa: BLE001 - not a file blocks can be cut from
+        return None
 
 
 def apply(case: Case, seal: str, pristine: Path, dest: Path) -> Path:

@@ -330,7 +330,7 @@ def test_version_names_the_release_and_the_bundle_formats(capsys):
     with pytest.raises(SystemExit) as info:
         main(["--version"])
     assert info.value.code == 0
-    assert capsys.readouterr().out.endswith(f" {__version__} (bundle format 3; reads 2, 3, 4)\n")
+    assert capsys.readouterr().out.endswith(f" {__version__} (bundle format 5; reads 2, 3, 4, 5)\n")
 
 
 def test_the_eta_counts_attention_growth_on_synthetic_chunks(monkeypatch, capsys):

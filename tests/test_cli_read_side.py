@@ -108,6 +108,8 @@ def as_snapshot(m: dict) -> None:
         m.pop(key, None)
     m["kind"] = "snapshot"
     m["snapshot"] = {"server": "mlx-lm", "source": "x", "lossy": False, "rank": 0}
+    m["format_version"] = 3  # a snapshot's format before depends_on (no cache.blocks: format 5's)
+    m["cache"].pop("blocks", None)
 
 
 def test_a_bundle_folder_whose_manifest_says_snapshot_is_refused_by_inspect_as_by_verify(

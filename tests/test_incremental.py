@@ -305,7 +305,7 @@ def retamper(bundle: Path, layers: list[int], positions: range, keep_sha256: boo
     """Alter the K/V of these positions in these layers, then rewrite the manifest's pins and
     SHA256SUMS so that the bundle passes the validator (the format has no signature here);
     `keep_sha256`: rewrite only the BLAKE3 pin (the one a build's read checks), leaving the
-    genuine sha256 everywhere."""
+    genuine sha256 (and, format 5, block pins) everywhere."""
     import numpy as np
 
     from pipeline.format.bundle_folder import sums_text
@@ -329,7 +329,12 @@ def retamper(bundle: Path, layers: list[int], positions: range, keep_sha256: boo
     d = file_digests(bundle / CACHE_FILE)
     m = Manifest.model_validate_json((bundle / MANIFEST_FILE).read_bytes())
     sha256 = m.cache.file_sha256 if keep_sha256 else d.sha256
-    cache = m.cache.model_copy(update={"file_sha256": sha256, "file_blake3": d.blake3})
+    update = {"file_sha256": sha256, "file_blake3": d.blake3}
+    if m.cache.blocks is not None and not keep_sha256:  # format 5: the block pins too
+        from pipeline.format.bundle_writer import block_record
+
+        update["blocks"] = block_record(bundle / CACHE_FILE, m.tokens.count)
+    cache = m.cache.model_copy(update=update)
     data = manifest_bytes(m.model_copy(update={"cache": cache}))
     (bundle / MANIFEST_FILE).write_bytes(data)
     (bundle / SUMS_FILE).write_text(

@@ -13,6 +13,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from fuzz_corpus import reseal_sums
 from registry_env import Registry, corrupt, registry
 
 from pipeline.builder.signing import sign_bundle
@@ -141,17 +142,26 @@ def test_a_tampered_block_in_the_registry_is_one_error_and_nothing_is_published(
     }
 
 
-def test_a_re_made_artifact_whose_blocks_are_not_the_signed_cache_is_refused(
-    reg: Registry, shop_bundle: Path, model: Path, capsys
-):
-    """Someone with push rights swaps one block for other bytes and re-points the tag at an
-    artifact listing the new block's true digest: every blob checks out against its listing, the
-    rebuilt file does not match the BLAKE3 manifest.json pins, and nothing is published."""
+def as_format_3(shop_bundle: Path, root: Path) -> Path:
+    """The shop bundle as a format-3 builder wrote it (no cache.blocks), at root/shop/1/<folder>,
+    SHA256SUMS recomputed: its file is proven whole, by the BLAKE3 its manifest pins."""
+    bundle = Path(shutil.copytree(shop_bundle, root / "shop" / "1" / shop_bundle.name))
+    raw = json.loads((bundle / "manifest.json").read_text())
+    raw["format_version"] = 3
+    del raw["cache"]["blocks"]
+    (bundle / "manifest.json").write_text(json.dumps(raw, sort_keys=True, indent=2) + "\n")
+    reseal_sums(bundle)
+    return bundle
+
+
+def remake_block(reg: Registry, bundle: Path) -> str:
+    """Someone with push rights swaps block 1 for other bytes and re-points the tag at an
+    artifact listing the new block's true digest (every blob checks out against its listing);
+    the new block's digest."""
     import hashlib
 
-    assert main(["push", str(shop_bundle), "--repo", reg.repo()]) == 0
-    name, version = shop_bundle.parent.parent.name, int(shop_bundle.parent.name)
-    tag = tag_of(name, version, shop_bundle.name)
+    name, version = bundle.parent.parent.name, int(bundle.parent.name)
+    tag = tag_of(name, version, bundle.name)
     client = Client(parse_repo(reg.repo()))
     try:
         body, _ = client.get_manifest(tag)
@@ -166,6 +176,17 @@ def test_a_re_made_artifact_whose_blocks_are_not_the_signed_cache_is_refused(
         client.put_manifest(tag, json.dumps(doc).encode())
     finally:
         client.close()
+    return new
+
+
+def test_a_re_made_artifact_whose_blocks_are_not_the_signed_cache_is_refused(
+    reg: Registry, shop_bundle: Path, model: Path, tmp_path: Path, capsys
+):
+    """A format-3 bundle (no block pins): every blob checks out against its listing, the rebuilt
+    file does not match the BLAKE3 manifest.json pins, and nothing is published."""
+    bundle = as_format_3(shop_bundle, tmp_path / "older")
+    assert main(["push", str(bundle), "--repo", reg.repo()]) == 0
+    remake_block(reg, bundle)
     capsys.readouterr()
     assert main(["pull", "--repo", reg.repo(), "--model", str(model)]) == 1
     err = capsys.readouterr().err
@@ -180,6 +201,56 @@ def test_a_re_made_artifact_whose_blocks_are_not_the_signed_cache_is_refused(
     )
     assert err.count("\n") == 1
     assert published(model) == []
+
+
+def test_a_re_made_block_is_refused_against_the_manifests_pins_before_any_block_moves(
+    reg: Registry, shop_bundle: Path, model: Path, capsys
+):
+    """Format 5: manifest.json pins every block (cache.blocks), so the re-made artifact is
+    refused when its listing is read, with no block downloaded (the format-3 bundle above is
+    refused only after the whole download, at the BLAKE3 check)."""
+    assert main(["push", str(shop_bundle), "--repo", reg.repo()]) == 0
+    pinned = artifact(reg, shop_bundle).blocks[1].digest
+    new = remake_block(reg, shop_bundle)
+    capsys.readouterr()
+    assert main(["pull", "--repo", reg.repo(), "--model", str(model), "--json"]) == 1
+    captured = capsys.readouterr()
+    tag = tag_of("shop", 1, shop_bundle.name)
+    assert captured.err == (
+        f"error: bundle shop/1/{shop_bundle.name} from registry repo {reg.repo()} (tag {tag}): "
+        f"its block 1 is {new[:19]}, its manifest.json pins {pinned[:19]} (cache.blocks): the "
+        "artifact was re-made or altered; push the bundle again; nothing was published\n"
+    )
+    assert published(model) == []
+    staged = model / "prefix-bundles" / ".staging"
+    assert not any(staged.glob("**/cache.safetensors"))  # no block was written anywhere
+
+
+def test_a_pull_proves_each_block_as_it_lands_and_does_not_read_the_file_again(
+    reg: Registry, shop_bundle: Path, model: Path, tmp_path: Path, monkeypatch
+):
+    """The validator's data stage hashes nothing for a format-5 file whose every piece the pull
+    proved (read_data is asked for no digest), and a format-3 file is read once for its BLAKE3."""
+    from pipeline.format import validate as validate_module
+
+    asked: list[tuple[str, ...]] = []
+    real = validate_module.read_data
+
+    def spy(f, header, *, digests, load):
+        asked.append(tuple(digests))
+        return real(f, header, digests=digests, load=load)
+
+    monkeypatch.setattr(validate_module, "read_data", spy)
+    older = as_format_3(shop_bundle, tmp_path / "older")
+    for bundle, expected in ((shop_bundle, ()), (older, ("blake3",))):
+        repo = reg.repo(f"fleet/f{len(asked)}")
+        assert main(["push", str(bundle), "--repo", repo]) == 0
+        asked.clear()
+        target = Path(shutil.copytree(model, tmp_path / f"m{len(expected)}"))
+        assert main(["pull", "--repo", repo, "--model", str(target)]) == 0
+        assert asked == [expected]
+        local = target / "prefix-bundles" / "shop" / "1" / shop_bundle.name
+        assert files_of(local) == files_of(bundle)
 
 
 def test_a_swapped_tag_is_one_error_and_nothing_is_published(
@@ -694,18 +765,28 @@ def test_pull_lockfile_pins_by_the_digest_push_recorded(
 
 
 def test_pull_rebuilds_with_the_block_size_the_artifact_records(
-    reg: Registry, shop_bundle: Path, model: Path, monkeypatch
+    reg: Registry, shop_bundle: Path, model: Path, tmp_path: Path, monkeypatch
 ):
-    """A pusher whose rule gave 16-token blocks (here: its byte target lowered): the pull cuts
-    with the size the artifact's config records, not its own rule's 64."""
-    from pipeline.distribute import blocks
+    """A pusher whose rule gave 16-token blocks (here: its byte target lowered): for a format-3
+    bundle the pull cuts with the size the artifact's config records, not its own rule's 64; a
+    format-5 bundle is cut as its manifest.json pins (cache.blocks), whatever the pusher's rule."""
+    from pipeline.format import cache_blocks
 
+    older = as_format_3(shop_bundle, tmp_path / "older")
     with monkeypatch.context() as m:
-        m.setattr(blocks, "TARGET_BLOCK_BYTES", 1)
-        assert main(["push", str(shop_bundle), "--repo", reg.repo()]) == 0
-    parsed = artifact(reg, shop_bundle)
+        m.setattr(cache_blocks, "TARGET_BLOCK_BYTES", 1)
+        assert main(["push", str(older), "--repo", reg.repo()]) == 0
+        assert main(["push", str(shop_bundle), "--repo", reg.repo("fleet/v5")]) == 0
     tokens = json.loads((shop_bundle / "manifest.json").read_text())["tokens"]["count"]
-    assert len(parsed.blocks) == -(-tokens // 16) > -(-tokens // 64)
+    assert len(artifact(reg, older).blocks) == -(-tokens // 16) > -(-tokens // 64)
     assert main(["pull", "--repo", reg.repo(), "--model", str(model)]) == 0
     local = model / "prefix-bundles" / "shop" / "1" / shop_bundle.name
-    assert files_of(local) == files_of(shop_bundle)
+    assert files_of(local) == files_of(older)
+    pins = json.loads((shop_bundle / "manifest.json").read_text())["cache"]["blocks"]
+    v5 = Client(parse_repo(reg.repo("fleet/v5")))
+    try:
+        body, _ = v5.get_manifest(tag_of("shop", 1, shop_bundle.name))
+    finally:
+        v5.close()
+    listed = [d["digest"] for d in json.loads(body)["layers"] if d["mediaType"] == BLOCK_TYPE]
+    assert pins["block_tokens"] == 64 and listed == ["sha256:" + d for d in pins["sha256"]]

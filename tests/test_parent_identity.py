@@ -124,13 +124,15 @@ def test_builds_with_and_without_openblas_record_different_kernels(
 
 @pytest.fixture
 def format2_bundle(tmp_path: Path, shop_bundle: Path) -> Path:
-    """The shop bundle as a format-2 builder wrote it (no kind, no builder.kernels)."""
+    """The shop bundle as a format-2 builder wrote it (no kind, no builder.kernels, no
+    cache.blocks)."""
     bundle = shutil.copytree(shop_bundle, tmp_path / "b")
 
     def older(raw: dict) -> None:
         raw["format_version"] = 2
         raw.pop("kind")
         raw["builder"].pop("kernels")
+        raw["cache"].pop("blocks")
 
     rewrite(bundle, older)
     return bundle
@@ -183,7 +185,7 @@ def test_a_newer_format_names_the_release_to_upgrade_to(
     bundle = shutil.copytree(shop_bundle, tmp_path / "b")
 
     def newer(raw: dict) -> None:
-        raw["format_version"] = 5  # 4 is a snapshot's (SNAPSHOT_FORMAT)
+        raw["format_version"] = 6  # 4 is a snapshot's (SNAPSHOT_FORMAT), 5 this one's
         raw["builder"]["pipeline"] = "0.9.0"
 
     rewrite(bundle, newer)
@@ -191,7 +193,7 @@ def test_a_newer_format_names_the_release_to_upgrade_to(
         mount(tiny_model, bundle)
     assert info.value.field == "format_version"
     assert info.value.reason == (
-        "format_version 5 is newer than this runtime reads (2, 3, 4); upgrade the runtime to "
+        "format_version 6 is newer than this runtime reads (2, 3, 4, 5); upgrade the runtime to "
         "mlx-prefix-bundles 0.9.0 or later"
     )
 
@@ -273,6 +275,8 @@ def as_snapshot(bundle: Path) -> None:
             raw.pop(key, None)
         raw["kind"] = "snapshot"
         raw["snapshot"] = {"server": "mlx-lm", "source": "prompt cache", "lossy": False, "rank": 0}
+        raw["format_version"] = 3  # a snapshot's before depends_on (cache.blocks is format 5's)
+        raw["cache"].pop("blocks", None)
 
     rewrite(bundle, change)
 

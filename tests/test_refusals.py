@@ -199,7 +199,7 @@ def test_a_bundle_of_the_previous_format_is_refused_with_the_fix(
     bundle = shutil.copytree(shop_bundle, tmp_path / "b")
     raw = json.loads((bundle / MANIFEST_FILE).read_text())
     raw["format_version"] = 1
-    for field in ("file_sha256", "file_blake3", "file_bytes"):  # what format 1 did not write
+    for field in ("file_sha256", "file_blake3", "file_bytes", "blocks"):  # format 1 had none
         del raw["cache"][field]
     (bundle / MANIFEST_FILE).write_text(json.dumps(raw, sort_keys=True, indent=2) + "\n")
     (bundle / SUMS_FILE).write_text(
@@ -209,5 +209,5 @@ def test_a_bundle_of_the_previous_format_is_refused_with_the_fix(
         mount(tiny_model, bundle)
     assert info.value.field == "format_version"
     assert info.value.reason == (
-        "format_version 1 is not supported (this runtime reads 2, 3, 4); rebuild it with this version"
+        "format_version 1 is not supported (this runtime reads 2, 3, 4, 5); rebuild it with this version"
     )

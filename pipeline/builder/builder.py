@@ -56,7 +56,7 @@ from pipeline.builder.writer import (
 )
 from pipeline.format import memo
 from pipeline.format.bundle_folder import CACHE_FILE, MANIFEST_FILE, bundle_path
-from pipeline.format.bundle_writer import write_bundle_files
+from pipeline.format.bundle_writer import block_record, write_bundle_files
 from pipeline.format.cache_codec import write_failure
 from pipeline.format.compat import layout_for, unsupported
 from pipeline.format.errors import BuildError, BundleError, ModelError
@@ -71,6 +71,7 @@ from pipeline.format.lockfile import Lockfile
 from pipeline.format.manifest import (
     DEFAULT_LAYOUT,
     FORMAT_VERSION,
+    BlocksInfo,
     BuilderInfo,
     CacheInfo,
     FidelityInfo,
@@ -544,7 +545,7 @@ def _write(
         report["check_seconds"] = round(time.perf_counter() - began, 4)
         facts = BuildFacts(
             job.identity, job.rendered, cut, layers, dtype_name(loaded.serving_dtype),
-            job.builder, job.key, digests, parent,
+            job.builder, job.key, digests, parent, block_record(tmp / CACHE_FILE, len(cut.tokens)),
         )  # fmt: skip
         manifest = make_manifest(job.target, facts, fidelity)
         report["peak_rss_bytes"] = peak_rss_bytes()
@@ -592,6 +593,7 @@ class BuildFacts:
     key: str
     digests: FileDigests
     parent: ParentInfo | None
+    blocks: BlocksInfo | None = None  # cache.blocks (format 5)
 
 
 def make_manifest(target: Target, facts: BuildFacts, fidelity: FidelityInfo) -> Manifest:
@@ -627,6 +629,7 @@ def make_manifest(target: Target, facts: BuildFacts, fidelity: FidelityInfo) -> 
             file_blake3=facts.digests.blake3,
             file_bytes=facts.digests.size,
             layout=layout_for(facts.builder.mlx_lm),
+            blocks=facts.blocks,
         ),
         builder=facts.builder,
         fidelity=fidelity,

@@ -1,19 +1,9 @@
 """cache.safetensors as content-addressed token-range blocks, and back, byte for byte.
 
-The rule (a pure byte layout: reassembly never depends on what a tensor means):
-- a **token tensor** is one of rank >= 2 whose axis -2 has the cache's token count T (KVCache keys
-  and values [1, heads, T, head_dim]; a quantized cache's packed values, scales and biases, which
-  are quantized per position along head_dim);
-- block k holds, for every token tensor in name order and every leading index (head), the rows of
-  tokens [kB, min((k+1)B, T)): so two caches whose first N positions are the same bytes have the
-  same blocks for every whole block below N, whatever their lengths;
-- every other tensor (the layout's scalars; a rotating cache's ring buffer or an arrays cache,
-  which have no token axis of length T) travels whole, in file order, in one "rest" blob, and
-  the header (8-byte length and JSON, metadata included) in one "header" blob.
-B is a fixed function of the cache layout: 64 tokens, halved (down to 16) while a block would
-exceed 16 MiB (a registry spends a few requests on every blob, and a rebuild one write per run:
-fewer, larger blocks move faster; 64 tokens keep a new version's extra bytes small). The artifact
-records B, and a pull rebuilds with the B it records.
+The rule (which bytes block k holds, the header and the "rest") is pipeline.format.cache_blocks'
+which the manifest's block pins (format 5) follow too; here: the header read from an untrusted
+file or artifact, and files read and rebuilt block by block. The artifact records B, and a pull
+rebuilds with the B it records.
 """
 
 from __future__ import annotations
@@ -25,7 +15,6 @@ import struct
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -34,67 +23,21 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 from pipeline.distribute.untrusted import Unfit, first_error, parse_as
 from pipeline.format import regular_files
 from pipeline.format.bundle_folder import read_manifest
+from pipeline.format.cache_blocks import (  # noqa: F401  (re-exported: defined here before)
+    MAX_BLOCK_TOKENS,
+    MIN_BLOCK_TOKENS,
+    TARGET_BLOCK_BYTES,
+    Layout,
+    Span,
+    assemble,
+    block_tokens,
+    span,
+)
 from pipeline.format.regular_files import FileProblem
 from pipeline.format.safetensors_read import DTYPE_SIZES
 
-MAX_BLOCK_TOKENS = 64
-MIN_BLOCK_TOKENS = 16
-TARGET_BLOCK_BYTES = 16 << 20
 # the header holds the token ids (~4-7 bytes each): 16 MiB is millions of tokens
 MAX_HEADER_BYTES = 16 << 20
-
-
-@dataclass(frozen=True)
-class Span:
-    """One tensor's bytes in the file: [start, end), its leading count and row size."""
-
-    name: str
-    start: int
-    end: int
-    lead: int  # product of the dims before axis -2 (heads); 0 for a non-token tensor
-    row: int  # bytes of one token row (axis -1 times the dtype size)
-
-
-@dataclass(frozen=True)
-class Layout:
-    header: bytes  # the file's first bytes: 8-byte length and JSON header
-    tokens: int
-    block_tokens: int
-    token_spans: tuple[Span, ...]  # in name order
-    rest_spans: tuple[Span, ...]  # in file order
-    file_bytes: int
-
-    @property
-    def blocks(self) -> int:
-        if not self.token_spans:
-            return 0
-        return -(-self.tokens // self.block_tokens)
-
-    def block_ranges(self, k: int) -> Iterator[tuple[int, int]]:
-        """(file offset, length) of block k's runs, in the order the block holds them."""
-        t0 = k * self.block_tokens
-        t1 = min(t0 + self.block_tokens, self.tokens)
-        for s in self.token_spans:
-            for p in range(s.lead):
-                yield s.start + (p * self.tokens + t0) * s.row, (t1 - t0) * s.row
-
-    def rest_ranges(self) -> Iterator[tuple[int, int]]:
-        for s in self.rest_spans:
-            yield s.start, s.end - s.start
-
-    def compatible(self, other: Layout) -> bool:
-        """Whether block k of one is block k of the other when their bytes agree (same rule)."""
-        mine = [(s.name, s.lead, s.row) for s in self.token_spans]
-        return self.block_tokens == other.block_tokens and mine == [
-            (s.name, s.lead, s.row) for s in other.token_spans
-        ]
-
-
-def block_tokens(bytes_per_token: int) -> int:
-    b = MAX_BLOCK_TOKENS
-    while b > MIN_BLOCK_TOKENS and b * bytes_per_token > TARGET_BLOCK_BYTES:
-        b //= 2
-    return b
 
 
 class TensorEntry(BaseModel):
@@ -124,20 +67,7 @@ def layout(header: bytes, tokens: int, file_bytes: int, block_size: int | None =
     except Unfit as exc:
         raise ValueError(f"the cache header does not parse ({exc})") from None
     spans = [_span(k, e, len(header), tokens) for k, e in entries.items() if k != "__metadata__"]
-    position = len(header)
-    for s in sorted(spans, key=lambda s: s.start):
-        if s.start != position:
-            raise ValueError("the cache header's tensors do not tile the file")
-        position = s.end
-    if position != file_bytes:
-        raise ValueError(
-            f"the cache header describes {position:,} bytes, the manifest {file_bytes:,}"
-        )
-    token = tuple(sorted((s for s in spans if s.lead), key=lambda s: s.name))
-    rest = tuple(sorted((s for s in spans if not s.lead), key=lambda s: s.start))
-    per_token = sum(s.lead * s.row for s in token)
-    b = block_tokens(per_token) if block_size is None else block_size
-    return Layout(header, tokens, b, token, rest, file_bytes)
+    return assemble(header, spans, tokens, file_bytes, block_size)
 
 
 def _span(name: str, entry: dict, base: int, tokens: int) -> Span:
@@ -153,9 +83,7 @@ def _span(name: str, entry: dict, base: int, tokens: int) -> Span:
     if b - a != count * size:
         why = f"has {b - a:,} bytes, its shape {count * size:,}"
         raise ValueError(f"the cache header's tensor {name[:60]!r} {why}")
-    is_token = len(shape) >= 2 and shape[-2] == tokens and tokens > 0
-    lead = count // (tokens * shape[-1]) if is_token and shape[-1] else 0
-    return Span(name, base + a, base + b, lead, shape[-1] * size if lead else 0)
+    return span(name, base + a, base + b, shape, size, tokens)
 
 
 def open_regular(path: Path) -> int:

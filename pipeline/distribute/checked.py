@@ -29,6 +29,7 @@ class CheckedBundle:
     cache_sha256: str
     tokens: int
     ids: tuple[tuple[str, FileId], ...] = ()  # each file's identity as validated (pinned.py)
+    block_tokens: int | None = None  # the block size manifest.json pins (format 5), else the rule
 
     @property
     def label(self) -> str:
@@ -55,4 +56,5 @@ def check_bundle(bundle: Path, trust_memo: bool = False) -> CheckedBundle:
         cache_sha256=m.cache.file_sha256,
         tokens=m.tokens.count,
         ids=ids,
+        block_tokens=m.cache.blocks.block_tokens if m.cache.blocks else None,
     )

@@ -3,16 +3,19 @@
 Per bundle, in this order: the artifact manifest against its digest; its config and small files
 (each blob's digest and size checked while it streams); with trusted keys, the signature over
 manifest.json before any large download; the tag, config and manifest.json naming the same
-bundle (a swapped tag is refused here); then the cache file rebuilt from its header, rest and
-token-range blocks, each block taken from a bundle already in the destination folder when one
-has the same bytes, else downloaded. Then the hub form's last steps: every target locked, the one
-validator (which checks each rebuilt file against the BLAKE3 manifest.json pins, in its own read
-of it: the file is read once after it is written, not twice), an atomic publish of all or none
-(pipeline.distribute.publish.publish_staged).
+bundle (a swapped tag is refused here); with a format-5 manifest.json, the artifact's header,
+rest and blocks the very ones it pins (cache.blocks: a re-made artifact is refused before any of
+them moves); then the cache file rebuilt from them, each block taken from a bundle already in the
+destination folder when one has the same bytes, else downloaded, each checked by its sha256 as it
+lands. Then the hub form's last steps: every target locked, the one validator, an atomic publish
+of all or none (pipeline.distribute.publish.publish_staged). A format-5 file whose every piece
+was proven so is not read again (validate's BlockProof); an older format's is checked against
+the BLAKE3 its manifest.json pins, in the validator's one read of it.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +26,7 @@ from pipeline.builder.writer import clean_staging, discard, new_staging_folder
 from pipeline.distribute.artifact import (
     ArtifactConfig,
     Blob,
+    Parsed,
     parse_config,
     parse_manifest,
     parse_tag,
@@ -41,6 +45,7 @@ from pipeline.distribute.selection import (
     parse_wanted,
     select,
 )
+from pipeline.format import memo
 from pipeline.format.bundle_folder import (
     CACHE_FILE,
     FINGERPRINT_CHARS,
@@ -54,6 +59,7 @@ from pipeline.format.errors import BundleError, PipelineError
 from pipeline.format.manifest import Manifest
 from pipeline.format.served_identity import identity_for
 from pipeline.format.signature import PublicKey
+from pipeline.format.validate import BlockProof
 
 NOTHING = "nothing was published"
 
@@ -98,6 +104,7 @@ def pull_oci(
         clean_staging(root)
         staging = new_staging_folder(root)
         local, resume = LocalBlocks(root), Resume(root)
+        proofs: dict[str, BlockProof] = {}  # the files whose every block was proven as it landed
         try:
             check = _Check(tuple(trusted_keys), identity, root)
             try:
@@ -106,6 +113,8 @@ def pull_oci(
                     fetch.reference = pins.get(b.path, fetch.tag)
                     with meter.phase("fetch", cpu=True):  # its wall time, whatever the threads
                         result.digests[b.path] = fetch.run(check, local, resume)
+                    if fetch.proof is not None:
+                        proofs[b.path] = fetch.proof
                     result.transfers[b.path] = fetch.counts
                     result.transfer.add(fetch.counts)
                     if fetch.tokens is not None:  # the bundle here is this artifact's
@@ -119,9 +128,10 @@ def pull_oci(
                 raise
             stale = [b for b in chosen if b.path not in {c.repo_path for c in result.current}]
             with meter.phase("validate", cpu=True):  # the one validator, then the atomic publish
-                # it checks each rebuilt cache file against the BLAKE3 manifest.json pins,
-                # in its own read of the staged file (trust_memo: no second, sha256 pass)
-                publish_staged(result, stale, staging, identity, tuple(trusted_keys), True)
+                # a file proven block by block is not read again; any other is checked against
+                # the BLAKE3 manifest.json pins, in the validator's one read (no sha256 pass)
+                keys = tuple(trusted_keys)
+                publish_staged(result, stale, staging, identity, keys, True, proofs)
         except OSError as exc:  # a full disk, a read-only mount: name the folder, not "I/O"
             kept = f" (what arrived is kept in {resume.folder} for that pull)"
             if (local_error := disk_error(root, exc, kept)) is None:
@@ -161,6 +171,7 @@ class _Fetch:
         self.tag = tag_of(b.name, b.version, b.folder)
         self.reference = self.tag  # or the digest a lockfile pins
         self.tokens: int | None = None  # set when the bundle here is up to date
+        self.proof: BlockProof | None = None  # set when every piece was proven against the pins
 
     @property
     def where(self) -> str:
@@ -210,6 +221,7 @@ class _Fetch:
                 f"the artifact lists {len(parsed.blocks)} blocks of {b} tokens, its cache layout "
                 f"{plan.blocks}; push it again"
             )
+        self._pinned(manifest, config, parsed)  # before any block or the rest moves
         partial = self.dest / CACHE_FILE
         taken = resume.take(digest, partial, plan.file_bytes)  # an open descriptor, or None
         try:
@@ -218,8 +230,34 @@ class _Fetch:
             resume.keep(digest, partial)
             raise
         local.offer(partial, plan)  # every block checked: a source for the artifacts after it
+        if manifest.cache.blocks is not None:  # each piece's sha256 was the one pinned
+            st = os.stat(partial, follow_symlinks=False)
+            key = memo.open_key(os.path.realpath(partial), st)
+            self.proof = BlockProof(key, manifest.cache.blocks.record_sha256)
         self.meter.finish()
         return digest
+
+    def _pinned(self, manifest: Manifest, config: ArtifactConfig, parsed: Parsed) -> None:
+        """The artifact's block size, header, rest and blocks are the ones manifest.json pins
+        (format 5), checked before any of them moves: a registry cannot serve other blocks
+        under a manifest.json it did not change (nor, with --trusted-key, one it did)."""
+        pins = manifest.cache.blocks
+        if pins is None:
+            return
+        listed = [("block size", str(config.block_tokens), str(pins.block_tokens))]
+        listed.append(("header", parsed.header.digest, "sha256:" + pins.header_sha256))
+        listed.append(("rest", parsed.rest.digest, "sha256:" + pins.rest_sha256))
+        if len(parsed.blocks) != len(pins.sha256):
+            found, pinned = f"{len(parsed.blocks)} blocks", f"{len(pins.sha256)}"
+            listed.append(("block count", found, pinned))
+        for k, (blob, pin) in enumerate(zip(parsed.blocks, pins.sha256, strict=False)):
+            listed.append((f"block {k}", blob.digest, "sha256:" + pin))
+        for what, found, pinned in listed:
+            if found != pinned:
+                raise self.fail(
+                    f"its {what} is {found[:19]}, its {MANIFEST_FILE} pins {pinned[:19]} "
+                    "(cache.blocks): the artifact was re-made or altered; push the bundle again"
+                )
 
     def _config(self, data: bytes) -> ArtifactConfig:
         try:

@@ -211,7 +211,7 @@ def _push_pinned(
     counts = Transfer()
     cache = pinned.fds[CACHE_FILE]
     try:
-        plan = read_layout(cache, b.tokens)
+        plan = read_layout(cache, b.tokens, b.block_tokens)  # cut as manifest.json pins
     except ValueError as exc:
         raise PipelineError(
             f"bundle {b.repo_path} ({b.local}): {exc}; nothing was pushed"

@@ -20,7 +20,7 @@ from filelock import Timeout as LockTimeout
 from pipeline.builder.writer import place, target_lock, unplace
 from pipeline.distribute.selection import RemoteBundle, Skipped
 from pipeline.format.errors import BundleError, PipelineError
-from pipeline.format.validate import validate
+from pipeline.format.validate import BlockProof, validate
 
 
 @dataclass(frozen=True)
@@ -110,13 +110,15 @@ def publish_staged(
     identity,
     keys: tuple = (),
     trust_memo: bool = False,
+    proofs: dict[str, BlockProof] | None = None,
 ) -> None:
     """Lock every target, validate every staged bundle, then publish all or none (`trust_memo`:
-    the caller hashed each cache file in full just now and recorded it in the memo)."""
+    the caller hashed each cache file in full just now and recorded it in the memo; `proofs`:
+    by repo path, the cache files whose every block the caller proved as it wrote them)."""
     root = result.bundles_dir
     with ExitStack() as held:  # every target locked before anything is checked or moved
         busy = {b.path for b in chosen if not _lock(root / b.path, root, held)}
-        validated = _validate_all(result, chosen, staging, identity, keys, trust_memo)
+        validated = _validate_all(result, chosen, staging, identity, keys, trust_memo, proofs or {})
         if not (result.refused or busy):
             _publish_all(result, staging, validated)
         else:
@@ -139,13 +141,17 @@ def _validate_all(
     identity,
     keys: tuple = (),
     trust_memo: bool = False,
+    proofs: dict[str, BlockProof] | None = None,
 ) -> list[tuple[RemoteBundle, int]]:
     """(bundle, tokens) of every downloaded bundle the real validator accepts (every byte
-    hashed); the others go to result.refused."""
+    proven: hashed, or its blocks as they landed); the others go to result.refused."""
     validated = []
     for b in chosen:
         try:
-            v = validate(staging / b.path, identity, trusted_keys=keys, trust_memo=trust_memo)
+            proof = (proofs or {}).get(b.path)
+            v = validate(
+                staging / b.path, identity, trusted_keys=keys, trust_memo=trust_memo, proof=proof
+            )
             validated.append((b, v.manifest.tokens.count))
         except BundleError as exc:
             where = f"{b.path} from {result.source}"

@@ -5,6 +5,7 @@ __all__ = [
     "bundle_folder",
     "bundle_signature",
     "bundle_writer",
+    "cache_blocks",
     "cache_codec",
     "cache_header",
     "cache_state",

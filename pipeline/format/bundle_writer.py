@@ -1,6 +1,7 @@
 """The one bundle writer, beside the one validator: a bundle's files written into a new folder.
 
-The cache file (the installed mlx-lm's layout, the token ids in its metadata), then manifest.json,
+The cache file (the installed mlx-lm's layout, the token ids in its metadata), its block record
+for the manifest (format 5, `block_record`), then manifest.json,
 SHA256SUMS over both and, when given, the signature (manifest.json.minisig) and the build report;
 each file new (never through a link), synced with its folder. The builder writes bundles with it
 into its staging folder, serve writes snapshots (owner-only files) into a set being staged; each
@@ -23,10 +24,12 @@ from pipeline.format.bundle_folder import (
     sums_text,
 )
 from pipeline.format.bundle_signature import trusted_comment
+from pipeline.format.cache_blocks import digests, header_layout
 from pipeline.format.cache_codec import write_cache
 from pipeline.format.fingerprint import FileDigests, canonical_json, file_digests, sha256_bytes
-from pipeline.format.manifest import Manifest, manifest_bytes
+from pipeline.format.manifest import BlocksInfo, Manifest, blocks_info, manifest_bytes
 from pipeline.format.safe_files import PRIVATE_FILE, PUBLIC_FILE, sync_path, write_new
+from pipeline.format.safetensors_read import open_file, read_header
 
 
 def write_cache_file(
@@ -41,6 +44,16 @@ def write_cache_file(
     user = {**metadata, "token_ids": canonical_json(tokens).decode()}
     layout = write_cache(folder / CACHE_FILE, cache, user)
     return digest(folder / CACHE_FILE), layout
+
+
+def block_record(cache_file: Path, tokens: int) -> BlocksInfo:
+    """cache.blocks (format 5) of a cache file just written: the sha256 of its header, its rest
+    and each token-range block (B by the rule), read back on several threads."""
+    with open_file(cache_file) as opened:
+        header = read_header(opened)
+        plan = header_layout(header, tokens, opened.stat.st_size, None)
+        found = digests(opened.fd, plan)
+    return blocks_info(plan.block_tokens, found.header, found.rest, list(found.blocks))
 
 
 def write_bundle_files(
@@ -75,4 +88,4 @@ def write_bundle_files(
     return data
 
 
-__all__ = ["write_bundle_files", "write_cache_file"]
+__all__ = ["block_record", "write_bundle_files", "write_cache_file"]

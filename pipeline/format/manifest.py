@@ -1,4 +1,4 @@
-"""Manifest schema (format v3, reads v2): everything a bundle's validity depends on, as a strict,
+"""Manifest schema (format v5, reads v2-v4): everything a bundle's validity depends on, as a strict,
 frozen record.
 
 Strict on purpose: the runtime parses manifests it did not write (copied, edited, forged), so every
@@ -20,6 +20,12 @@ which kernels made it).
 Format 4 (snapshots only; a prefix bundle's manifest is unchanged, still format 3) adds
 `snapshot.depends_on`: the bundles (NAME@VERSION and manifest sha256) whose K/V the snapshot may
 continue. A format 3 snapshot lacks it, so it cannot prove its source: it is read, never restored.
+
+Format 5 (prefix bundles; the next number after the snapshots' 4, so that one number never means
+two things) adds `cache.blocks`: the cache file's token-range blocks (pipeline.format.cache_blocks,
+the blobs an OCI artifact carries) pinned one sha256 each, with the header's and the rest's, so a
+pull proves each block as it lands and a signature over the manifest covers every block. A
+format 3 prefix bundle is still read and served (its file is proven whole, by its digests).
 """
 
 from __future__ import annotations
@@ -29,13 +35,16 @@ from typing import Annotated, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pipeline.format.cache_blocks import record_sha256
 from pipeline.format.names import NAME_RULE
 
 # 2: cache file digest and size in the manifest, fingerprinted model folders; 3: builder kernels,
 # the parent's manifest digest, kind. READ_VERSIONS: what this runtime reads and can still prove.
-FORMAT_VERSION = 3
-SNAPSHOT_FORMAT = 4  # format 3 and snapshot.depends_on (a prefix bundle stays format 3)
-READ_VERSIONS = (2, 3, 4)
+# 5: cache.blocks (a prefix bundle's; snapshots stay format 4).
+FORMAT_VERSION = 5
+SNAPSHOT_FORMAT = 4  # format 3 and snapshot.depends_on (prefix bundles: format 3, then 5)
+READ_VERSIONS = (2, 3, 4, 5)
+BLOCKS_FORMAT = 5  # the first format with cache.blocks
 MAX_MANIFEST_BYTES = 1 << 20
 
 Hex64 = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -92,6 +101,46 @@ class ModelInfo(Record):
     template_date: Annotated[str, Field(pattern=r"^[0-9]{4}-[0-9]{2}-[0-9]{2}$")] | None = None
 
 
+# a manifest is read up to 1 MiB: ~74 bytes per pinned block leaves room for 12,000 (768k tokens
+# at 64 tokens a block; an OCI artifact's 4 MiB manifest lists at most ~25,000 blobs)
+MAX_BLOCKS = 12_000
+
+
+class BlocksInfo(Record):
+    """cache.safetensors as token-range blocks (format 5; pipeline.format.cache_blocks): the
+    header, the rest and every block pinned by its sha256, which tile the file exactly. They are
+    the blobs of the bundle's OCI artifact, so a pull proves each one as it lands."""
+
+    block_tokens: Annotated[int, Field(ge=1, le=1 << 16)]  # B: tokens per block
+    header_sha256: Hex64  # the file's first bytes: 8-byte length and JSON header
+    rest_sha256: Hex64  # the tensors without a token axis, in file order
+    sha256: Annotated[list[Hex64], Field(max_length=MAX_BLOCKS)]  # block k, k = 0, 1, ...
+    # of the fields above (cache_blocks.record_sha256): an edited or torn record is refused when
+    # the manifest is read, on every path, before a byte of the file is hashed
+    record_sha256: Hex64
+
+    @model_validator(mode="after")
+    def _record_holds(self) -> BlocksInfo:
+        found = record_sha256(self.block_tokens, self.header_sha256, self.rest_sha256, self.sha256)
+        if found != self.record_sha256:
+            raise ValueError(
+                f"record_sha256 is {self.record_sha256[:12]}.., the record hashes to "
+                f"{found[:12]}.. (an edited block record)"
+            )
+        return self
+
+
+def blocks_info(block_tokens: int, header: str, rest: str, blocks: list[str]) -> BlocksInfo:
+    """The record of a file's pieces, its record_sha256 computed."""
+    return BlocksInfo(
+        block_tokens=block_tokens,
+        header_sha256=header,
+        rest_sha256=rest,
+        sha256=list(blocks),
+        record_sha256=record_sha256(block_tokens, header, rest, blocks),
+    )
+
+
 class CacheInfo(Record):
     classes: Annotated[list[CacheClass], Field(min_length=1, max_length=4096)]
     dtype: KVDtype
@@ -103,6 +152,7 @@ class CacheInfo(Record):
     file_blake3: Hex64  # the same bytes, as mount checks them (BLAKE3: several GB/s per core)
     file_bytes: Annotated[int, Field(ge=8)]
     layout: Layout = DEFAULT_LAYOUT  # the mlx-lm generation whose layout the file has
+    blocks: BlocksInfo | None = None  # format 5 (required there)
 
 
 class BuilderInfo(Record):
@@ -276,7 +326,7 @@ class SnapshotInfo(Record):
 class Manifest(Record):
     """Everything a bundle's validity depends on; deterministic for identical inputs."""
 
-    format_version: Literal[2, 3, 4]
+    format_version: Literal[2, 3, 4, 5]
     kind: ManifestKind | None = None  # format 3: "prefix" or "snapshot"
     prefix: PrefixInfo | None = None  # a prefix bundle's (required there); a snapshot has none
     text: TextInfo | None = None  # a prefix bundle's rendered text (required there)
@@ -318,12 +368,19 @@ class Manifest(Record):
                 f"parent.reused_tokens ({parent.reused_tokens}) is more than the bundle's "
                 f"{self.tokens.count} tokens"
             )
+        if (self.format_version == BLOCKS_FORMAT) != (self.cache.blocks is not None):
+            raise ValueError(f"cache.blocks is required in format {BLOCKS_FORMAT} and only there")
         return self._fields_of_its_kind()
 
     def _fields_of_its_kind(self) -> Manifest:
         """A prefix bundle has prefix and text; a snapshot has its snapshot record, no prefix,
         text, parent or request."""
         if self.kind == "snapshot":
+            if self.format_version == BLOCKS_FORMAT:
+                raise ValueError(
+                    f"format_version {BLOCKS_FORMAT} is a prefix bundle's (snapshots are format "
+                    f"{SNAPSHOT_FORMAT})"
+                )
             extra = [k for k in ("prefix", "text", "parent", "request") if getattr(self, k)]
             if self.snapshot is None or extra:
                 raise ValueError(
@@ -363,6 +420,8 @@ def manifest_bytes(manifest: Manifest) -> bytes:
     for name in ("prefix", "text", "snapshot"):  # a prefix bundle has no snapshot, and back
         if getattr(manifest, name) is None:
             exclude[name] = True
+    if manifest.cache.blocks is None:  # formats 2 to 4, as they were written
+        exclude["cache"] = {"blocks"}
     if manifest.snapshot is not None and manifest.snapshot.depends_on is None:
         exclude["snapshot"] = {"depends_on"}  # format 3 snapshots, as they were written
     if manifest.format_version == 2:  # absent fields of format 2, as its builders wrote them
@@ -372,6 +431,6 @@ def manifest_bytes(manifest: Manifest) -> bytes:
             exclude["parent"] = {"manifest_sha256", "kernels", "kind", "stored_dtype"}
         exclude["fidelity"] = {"inherited"}
         if manifest.cache.layout == DEFAULT_LAYOUT:
-            exclude["cache"] = {"layout"}
+            exclude["cache"] = {"layout", "blocks"}
     data = manifest.model_dump(mode="json", exclude=exclude or None)
     return (json.dumps(data, sort_keys=True, indent=2) + "\n").encode()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from pipeline.format.bundle_folder import (
     refuse,
 )
 from pipeline.format.bundle_signature import check_binding, check_signature
+from pipeline.format.cache_blocks import Layout, digests, header_layout
 from pipeline.format.cache_codec import expected_file, rebuild, user_metadata
 from pipeline.format.cache_header import (
     Expected,
@@ -43,7 +45,7 @@ from pipeline.format.compat import SUPPORTED_RANGE, installed_mlx_lm, layout_for
 from pipeline.format.errors import BundleError
 from pipeline.format.fingerprint import ModelIdentity, ModelShape, canonical_json, sha256_bytes
 from pipeline.format.identity import check_identity
-from pipeline.format.manifest import Manifest
+from pipeline.format.manifest import BlocksInfo, Manifest
 from pipeline.format.names import parse_version
 from pipeline.format.safetensors_read import (
     FormatError,
@@ -67,6 +69,16 @@ class Validated:
     manifest_sha256: str = ""  # of the manifest bytes validated (they pin every other fact)
 
 
+@dataclass(frozen=True)
+class BlockProof:
+    """A cache file whose every block its writer proved as it landed (a pull: each block's sha256,
+    taken as it streamed, against the blocks manifest.json pins): `key` is the file's stat key
+    (pipeline.format.memo.open_key) once written, `record_sha256` the cache.blocks record proven."""
+
+    key: str
+    record_sha256: str
+
+
 def validate(
     bundle: Path,
     identity: ModelIdentity,
@@ -76,6 +88,7 @@ def validate(
     trusted_keys: Sequence[PublicKey] = (),
     kind: str = "prefix",
     manifest_only: bool = False,
+    proof: BlockProof | None = None,
 ) -> Validated:
     """Check everything about a bundle for a model; load its cache when asked. BundleError if not.
 
@@ -84,13 +97,17 @@ def validate(
     trusted_keys (pipeline.format.signature.read_trusted_keys), the bundle must carry a valid
     signature by one of them. `kind`: "prefix" (a bundle) or "snapshot" (serve --snapshots); a
     manifest of the other kind is refused. `manifest_only`: stop before the cache file (no tensor
-    read; `tokens` empty): a caller choosing what to load reads every manifest first.
+    read; `tokens` empty): a caller choosing what to load reads every manifest first. `proof`:
+    the file's blocks were proven as it was written (BlockProof): when it is this file, unchanged,
+    and the record this manifest pins, its bytes are not hashed again.
     """
     bundle = Path(bundle)
     stage = ["files"]
     keys = tuple(trusted_keys)
     try:
-        return _validate(bundle, identity, load, trust_memo, stage, keys, kind, manifest_only)
+        return _validate(
+            bundle, identity, load, trust_memo, stage, keys, kind, manifest_only, proof
+        )
     except BundleError as exc:
         exc.check = stage[0]
         raise
@@ -121,6 +138,7 @@ def _validate(
     trusted_keys: tuple[PublicKey, ...] = (),
     kind: str = "prefix",
     manifest_only: bool = False,
+    proof: BlockProof | None = None,
 ) -> Validated:
     check_folder(bundle)
     stage[0] = "checksums"
@@ -149,10 +167,12 @@ def _validate(
         _check_cache_record(bundle, manifest, sums[CACHE_FILE], cache_file)
         stage[0] = "layout"
         header, expected = _check_cache_header(bundle, manifest, identity.shape, cache_file)
+        plan = _check_block_record(bundle, manifest, header, cache_file)
         stage[0] = "tokens"
         tokens = _check_tokens(bundle, header, manifest, identity.shape)
         stage[0] = "data"
-        data = _read_cache(bundle, header, manifest, load, trust_memo, cache_file)
+        read = _Read(load, trust_memo, proof, plan)
+        data = _read_cache(bundle, header, manifest, read, cache_file)
     check_scalars(scalar_values(header, data.small, expected), expected)
     c = manifest.cache
     cache = rebuild(data.arrays, header.metadata, c.layout, c.classes) if load else None
@@ -176,9 +196,9 @@ CHECKS = (
     ("mlx-lm", "the bundle's and the installed mlx-lm are supported; the cache-file layout is the builder's"),
     ("identity", "model weights/config, tokenizer and chat template fingerprints match"),
     ("cache file", "SHA256SUMS and the manifest agree on its sha256; its size is as recorded"),
-    ("layout", "every tensor's dtype and shape, layer count and metadata as manifest and model require"),
+    ("layout", "every tensor's dtype and shape, layer count and metadata as manifest and model require; format 5: the header is the one cache.blocks pins, and its blocks tile the file"),
     ("tokens", "token ids are in the vocabulary and hash to the manifest's ids_sha256"),
-    ("data", "every byte hashes to the recorded sha256; offsets and quantization scalars as required"),
+    ("data", "every byte hashes to the recorded digests (verify: every pinned block too); offsets and quantization scalars as required"),
 )  # fmt: skip
 
 
@@ -307,21 +327,44 @@ def _check_tokens(bundle: Path, header: Header, manifest: Manifest, shape: Model
     return tokens
 
 
-def _read_cache(
-    bundle: Path, header: Header, manifest: Manifest, load: bool, trust_memo: bool, f: OpenFile
-):
+@dataclass(frozen=True)
+class _Read:
+    """How the data stage proves the bytes: load them or not, trust the memo or not, a proof
+    handed in, and the block layout when the manifest pins blocks."""
+
+    load: bool
+    trust_memo: bool
+    proof: BlockProof | None
+    plan: Layout | None
+
+
+def _read_cache(bundle: Path, header: Header, manifest: Manifest, read: _Read, f: OpenFile):
     """One pass over the cache file, checked against the manifest's BLAKE3 pin (all cores); a full
-    verification (trust_memo False: verify, verify_full) checks its sha256 too. On a restart the
-    memo may vouch for an unchanged file instead: the key is the open file's own fstat, and the
-    file must still have it after the read (an in-place write in between changes its ctime)."""
+    verification (trust_memo False: verify, verify_full) checks its sha256 and every pinned block
+    too. On a restart the memo may vouch for an unchanged file instead: the key is the open file's
+    own fstat, and the file must still have it after the read (an in-place write in between
+    changes its ctime). A file whose blocks its writer proved (`read.proof`: a pull) is not
+    hashed again when the proof is of this file, unchanged, and of the blocks this manifest pins."""
     c = manifest.cache
     key = memo.open_key(f.real_path(), f.stat)
-    known = trust_memo and memo.lookup(key) == c.file_blake3
-    algorithms = () if known else ("blake3",) if trust_memo else ("blake3", "sha256")
+    proven = (
+        read.proof is not None
+        and c.blocks is not None
+        and read.proof == BlockProof(key, c.blocks.record_sha256)
+    )
+    known = proven or (read.trust_memo and memo.lookup(key) == c.file_blake3)
+    full = not read.trust_memo
+    algorithms = () if known else ("blake3", "sha256") if full else ("blake3",)
+    pool = ThreadPoolExecutor(1)  # a full check hashes the blocks beside the whole-file pass
+    hash_pieces = full and not known and read.plan is not None
+    pieces = pool.submit(digests, f.fd, read.plan) if hash_pieces else None
     try:
-        data = read_data(f, header, digests=algorithms, load=load)
-    except FormatError as exc:
+        data = read_data(f, header, digests=algorithms, load=read.load)
+        found_pieces = pieces.result() if pieces is not None else None
+    except (FormatError, ValueError) as exc:
         raise refuse(bundle, f"{CACHE_FILE} cannot be read ({exc})", CACHE_FILE) from None
+    finally:
+        pool.shutdown(wait=True)
     if memo.open_key(f.real_path(), f.restat()).split("|", 1)[1] != key.split("|", 1)[1]:
         raise refuse(
             bundle, f"{CACHE_FILE} changed while it was being read; mount again", CACHE_FILE
@@ -330,9 +373,61 @@ def _read_cache(
         found = data.digests.get(algorithm)
         if found is not None and found != expected:
             raise digest_mismatch(bundle, CACHE_FILE, expected, found, algorithm)
+    if found_pieces is not None and c.blocks is not None and read.plan is not None:
+        _check_pieces(bundle, c.blocks, read.plan, found_pieces)
     if not known:
         memo.store(key, data.digests["blake3"])
     return data
 
 
-__all__ = ["CHECKS", "Validated", "recorded_identity", "validate"]
+def _check_block_record(
+    bundle: Path, manifest: Manifest, header: Header, f: OpenFile
+) -> Layout | None:
+    """cache.blocks (format 5) describes this file: its header is the one pinned, and the pinned
+    block size cuts it into exactly the pinned number of blocks, header, rest and blocks tiling
+    every byte (cheap: no data is read here; the data stage proves the bytes)."""
+    blocks = manifest.cache.blocks
+    if blocks is None:
+        return None
+    found = sha256_bytes(header.raw)
+    if found != blocks.header_sha256:
+        raise refuse(
+            bundle,
+            f"{CACHE_FILE}'s header hashes to {found[:12]}.., the manifest pins "
+            f"{blocks.header_sha256[:12]}.. (cache.blocks.header_sha256); the bundle was altered: "
+            "rebuild or re-copy it",
+            "cache.blocks.header_sha256",
+        )
+    tokens = manifest.tokens.count
+    try:
+        plan = header_layout(header, tokens, f.stat.st_size, blocks.block_tokens)
+    except ValueError as exc:
+        raise refuse(bundle, f"{CACHE_FILE}: {exc}; rebuild the bundle", "cache.blocks") from None
+    if plan.blocks != len(blocks.sha256):
+        raise refuse(
+            bundle,
+            f"the manifest pins {len(blocks.sha256)} blocks of {blocks.block_tokens} tokens, "
+            f"{CACHE_FILE} ({tokens} tokens) has {plan.blocks}; rebuild the bundle",
+            "cache.blocks.sha256",
+        )
+    return plan
+
+
+def _check_pieces(bundle: Path, blocks: BlocksInfo, plan: Layout, found) -> None:
+    """Every block and the rest hash to what the manifest pins (the first that does not named)."""
+    pairs = [("rest", found.rest, blocks.rest_sha256, "cache.blocks.rest_sha256")]
+    for k, (got, pinned) in enumerate(zip(found.blocks, blocks.sha256, strict=True)):
+        t0 = k * plan.block_tokens
+        t1 = min(t0 + plan.block_tokens, plan.tokens) - 1
+        pairs.append((f"block {k} (tokens {t0}-{t1})", got, pinned, "cache.blocks.sha256"))
+    for what, got, pinned, field in pairs:
+        if got != pinned:
+            raise refuse(
+                bundle,
+                f"{CACHE_FILE} {what} hashes to {got[:12]}.., the manifest pins {pinned[:12]}..; "
+                "the bundle was altered: rebuild or re-copy it",
+                field,
+            )
+
+
+__all__ = ["CHECKS", "BlockProof", "Validated", "recorded_identity", "validate"]

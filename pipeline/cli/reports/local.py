@@ -89,7 +89,7 @@ class InspectReport(Report):
     schema_: Literal["inspect/1"] = Field("inspect/1", alias="schema")
     bundle: str
     files: dict[str, int] = Field(description="regular files in the bundle folder: bytes")
-    format_version: Literal[2, 3, 4] | None
+    format_version: Literal[2, 3, 4, 5] | None
     kind: Literal["prefix", "snapshot"] | None = Field(
         None,
         description='"prefix" or "snapshot" (serve --snapshots; format 3); null: format 2, or '
