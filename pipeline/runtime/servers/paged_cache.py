@@ -57,6 +57,14 @@ def pinned_paged_cache_class(mounted: Mounted, base: type, table: type, server: 
     """`base`, the engine's BlockAwarePrefixCache (`table`: its BlockTable), holding the mounted
     bundles as its blocks and answering through the one lookup rule."""
 
+    class Handed(table):
+        """The table the scheduler gets: `num_tokens` is the K/V handed out, and it is true
+        while that is any (both schedulers test `if block_table`, which a BlockTable of no
+        blocks fails: a hand-out from the pinned bundle lists none of the engine's)."""
+
+        def __bool__(self) -> bool:
+            return self.num_tokens > 0
+
     class PinnedPagedCache(base):
         instances: list[Any] = []
 
@@ -80,19 +88,27 @@ def pinned_paged_cache_class(mounted: Mounted, base: type, table: type, server: 
             covered = 0 if cache is None else len(tokens) - len(rest)
             if cache is not None and held_offset(cache) != covered:  # K/V = tokens it claims
                 cache, covered = None, 0
-            usage.record(covered, len(tokens))
+            usage.record(0, len(tokens))  # until the scheduler takes the hand-out
             if cache is None:
                 return None, list(tokens)
             evaluate(cache)  # on the thread that made it (the scheduler may run it on another)
             self.handed[request_id] = cache
-            return table(request_id, self.blocks_within(request_id, covered), covered), rest
+            return Handed(request_id, self.blocks_within(request_id, covered), covered), rest
 
         def reconstruct_cache(self, block_table: Any) -> Any:
-            """What `fetch_cache` handed out for that table's request (None: a miss)."""
-            return self.handed.pop(getattr(block_table, "request_id", None), None)
+            """What `fetch_cache` handed out for that table's request (None: a miss): the
+            scheduler takes it here, so usage counts it here."""
+            cache = self.handed.pop(getattr(block_table, "request_id", None), None)
+            if cache is not None:
+                usage.record(block_table.num_tokens)  # the prompt as its lookup saw it
+            return cache
 
         def own_fetch(self, request_id: str, tokens: list[int]) -> tuple[Any, list[int]]:
-            """The engine's own lookup, cut to the blocks proven to hold these tokens' K/V."""
+            """The engine's own lookup, cut to the blocks proven to hold these tokens' K/V; not
+            asked (no K/V rebuilt) where its whole blocks cannot beat the pinned bundles."""
+            ids, _ = self.paged_cache.find_shared_prefix(list(tokens))
+            if self.proven(tokens, ids) < mounted.covered(tokens):  # the bundle serves more
+                return None, list(tokens)
             found, _ = base.fetch_cache(self, request_id, tokens)
             if found is None or not found.block_ids:
                 return None, list(tokens)
