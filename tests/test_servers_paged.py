@@ -202,13 +202,37 @@ for rid, ids, want in (("ra", A[:8] + [20], kv_a), ("rb", B[:8] + [20], kv_b), (
         mx.array_equal(c.keys[..., :n, :], w.keys[..., :n, :]).item() and c.offset == n
         for c, w in zip(cache, want))
     out[rid] = [n, 0 if table is None else table.num_tokens, len(rest), right]
+
+# a pinned bundle P enters as blocks at the first lookup and serves all its tokens; withdrawn, it
+# clears the cache, and a request looked up before (in flight) stores nothing after
+from types import SimpleNamespace as NS
+from pipeline.runtime.servers.mounted import BUNDLE_KEY
+P, kv_p = [1, 2, 3, 4, 5, 6, 7, 8, 30, 31], kv(10, 2)
+mounted.manager.pin(BUNDLE_KEY, P, kv_p, "p@1")
+cache_info = NS(file_sha256="0" * 64, kv_bits=None)
+mounted.result.bundles.append(NS(name="p@1", tokens=P, manifest=NS(cache=cache_info)))
+pinned = cls(None, paged.PagedCacheManager(block_size=4, max_blocks=64))
+pinned.extract = states
+table, rest = pinned.fetch_cache("q", P + [40])
+cache = pinned.reconstruct_cache(table)
+out["p"] = [table.num_tokens, len(rest), bool(table), cache[0].offset,
+            mx.array_equal(cache[0].keys, kv_p[0].keys[..., :10, :]).item(),
+            pinned.paged_cache.get_block_table("prefix-bundles:p@1").block_ids != []]
+pinned.fetch_cache("w", [50, 51, 52, 53, 54])
+mounted.result.bundles.clear()
+mounted.manager.unpin(BUNDLE_KEY, "p@1")
+table, rest = pinned.fetch_cache("z", P + [40])
+late = pinned.store_cache("w", [50, 51, 52, 53, 54], states(kv(5, 3)))
+out["withdrawn"] = [table is None, late is None, pinned.held,
+                    pinned.paged_cache.get_block_table("prefix-bundles:p@1") is None]
 print(json.dumps(out))
 """
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("server", list(SERVERS))
-def test_only_blocks_holding_the_requests_own_tokens_are_handed_out(server: str, tmp_path: Path):
+def test_the_engines_own_cache_holds_bundles_and_hands_out_only_proven_blocks(
+    server: str, tmp_path: Path
+):
     import subprocess
 
     python, _ = SERVERS[server]
@@ -226,3 +250,7 @@ def test_only_blocks_holding_the_requests_own_tokens_are_handed_out(server: str,
     assert out["ra"] == [8, 8, 1, True], out  # A's two blocks: exactly A's K/V
     assert out["rb"] == ([0, 0, 9, True] if server == "vllm-mlx" else [8, 8, 1, True]), out
     assert out["x"] == [8, 8, 1, True], out  # A's own prompt: whole blocks, a token left
+    # the bundle: all 10 of its tokens (not 8: whole blocks), exactly its K/V, held as blocks
+    assert out["p"] == [10, 1, True, 10, True, True], out
+    # withdrawn: the cache cleared, nothing of it served, the request in flight stores nothing
+    assert out["withdrawn"] == [True, True, {}, True], out
