@@ -67,10 +67,9 @@ def prefix_length(config: dict[str, Any], quick: bool = False) -> int:
     return max(min(wanted, room), 2 * int(config.get("sliding_window") or 0), 64)
 
 
-def prepare(ctx: Context, arch: str, config: dict[str, Any], tiny: Path) -> dict[str, Any]:
-    """Model, definition and bundle of one architecture; the bundle mounted once (memo primed)."""
+def prepare(ctx: Context, arch: str, config: dict[str, Any], model: Path) -> dict[str, Any]:
+    """Definition and bundle of one architecture's model; the bundle mounted once (memo primed)."""
     root = ctx.work / "arch"
-    model = generate(arch, root / "models" / arch, tiny)
     length = prefix_length(config, ctx.quick)
     notes = text_with_tokens(model, length - TEMPLATE_TOKENS, seed=length)
     messages = [{"role": "system", "content": SYSTEM + notes}]
@@ -167,28 +166,62 @@ def run(ctx: Context) -> dict[str, Any]:
     tiny = generate_model(ctx.work / "arch" / "models" / "tiny")  # tokenizer + template donor
     archs, errors = architectures(), {}
     prepared: dict[str, dict[str, Any]] = {}
-    for arch, config in archs.items():
-        try:
-            prepared[arch] = prepare(ctx, arch, config, tiny)
-        except Exception as exc:  # one broken architecture must not hide the others' rows
+    # --quick, a smoke: two architectures at a time (its figures are not compared across runs)
+    workers = 2 if ctx.quick else 1
+    # the models one after the other, here (generating seeds MLX's one random state)
+    models = each(
+        1, {a: lambda a=a: generate(a, ctx.work / "arch" / "models" / a, tiny) for a in archs}
+    )
+    made = each(
+        workers,
+        {
+            a: lambda a=a: prepare(ctx, a, archs[a], models[a][0])
+            for a in archs
+            if models[a][1] is None
+        },
+    )
+    made |= {a: got for a, got in models.items() if got[1] is not None}
+    for arch, (got, exc) in made.items():
+        if exc is None:
+            prepared[arch] = got
+        else:  # one broken architecture must not hide the others' rows
             errors[arch] = failed(ctx, arch, exc)
     runs = {arch: {k: [] for k in SERIES} for arch in prepared}
     for rep in range(reps(ctx.quick)):
         ctx.note(f"arch: rep {rep + 1} of {reps(ctx.quick)} ({', '.join(SERIES)} per architecture)")
-        for arch in [a for a in prepared if a not in errors]:
-            try:
-                for kind in SERIES:
-                    runs[arch][kind].append(one(kind, prepared[arch]))
-            except Exception as exc:
+        live = [a for a in prepared if a not in errors]
+        series = {a: lambda a=a: [one(kind, prepared[a]) for kind in SERIES] for a in live}
+        for arch, (got, exc) in each(workers, series).items():
+            if exc is not None:
                 errors[arch] = failed(ctx, arch, exc)
+                continue
+            for kind, one_run in zip(SERIES, got, strict=True):
+                runs[arch][kind].append(one_run)
     rows = [errors.get(a) or summarise(a, prepared[a], runs[a]) for a in archs]
     return {
         "dtype": DTYPE,
         "step": STEP,
         "question": QUESTION,
         "reps": reps(ctx.quick),
+        "workers": workers,
         "rows": rows,
     }
+
+
+def each(workers: int, jobs: dict[str, Any]) -> dict[str, tuple[Any, Exception | None]]:
+    """{name: (result, None) or (None, the exception)} of each job, `workers` at a time (1: one
+    after the other, in order)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def caught(job: Any) -> tuple[Any, Exception | None]:
+        try:
+            return job(), None
+        except Exception as exc:
+            return None, exc
+
+    with ThreadPoolExecutor(workers) as pool:
+        futures = {name: pool.submit(caught, job) for name, job in jobs.items()}
+    return {name: future.result() for name, future in futures.items()}
 
 
 ARCH_INTRO = (
@@ -222,6 +255,10 @@ def section(r: dict[str, Any]) -> list[str]:
     lines = ["## 8. Architectures (tiny models, issue 11)", ""]
     kv_mb = max((x["cache_bytes"] for x in r["rows"] if "cache_bytes" in x), default=0) / 1e6
     intro = ARCH_INTRO.format(dtype=r["dtype"], reps=r["reps"], step=r["step"], kv_mb=kv_mb)
+    if r.get("workers", 1) > 1:
+        intro += (
+            f" (--quick: {r['workers']} architectures at a time, a smoke: not figures to compare.)"
+        )
     lines += [intro, ""]
     ms = lambda s: cell({**s, **{k: s[k] * 1e3 for k in ("median", "min", "max")}})  # noqa: E731
     rows, failed = [], []
