@@ -3,8 +3,9 @@ behind TLS as fleets run it: a CA made here signs its certificate for 127.0.0.1;
 with --ca-bundle, curl with --cacert).
 
 A first version of ~1 GB (float32 bench model, ~4k tokens) pushed and pulled by
-`pipeline.distribute` (token-range blocks, every block hashed, the rebuilt file checked against
-its manifest, the one validator, an atomic publish), side by side with `curl` uploading the cache
+`pipeline.distribute` (token-range blocks, every block hashed as it moves and, on pull, checked
+against the block digests the signed manifest pins (format 5), the one validator, an atomic
+publish), side by side with `curl` uploading the cache
 file as one blob (monolithic upload: POST, then PUT with its digest) and downloading it, against
 the same registry, in one run. Each repetition starts a fresh registry; ours and curl alternate
 which goes first. Ours runs in a fresh process (a worker) and reports its seconds per phase;
@@ -439,9 +440,9 @@ def section(r: dict[str, Any]) -> list[str]:
         "rest blob cut out of the file (push reads each block by pread into one buffer it hashes "
         "and sends); 'model identity' the served model's fingerprints and cache classes (remembered "
         "by their exact inputs: no `import mlx_lm` once known); 'validate' the one validator "
-        "(push: the bundle, trusting the hash memo; pull: against the model, its one read of the "
-        "rebuilt file checking it against the BLAKE3 its manifest pins, then the atomic "
-        "publish); pull's 'imports' its modules' import and 'fetch' the wall time of fetching "
+        "(push: the bundle, trusting the hash memo; pull: against the model, then the atomic "
+        "publish; a format-5 file, whose every block was checked against the manifest's pins "
+        "as it landed, is not read again, a format-3 one is read once for its BLAKE3); pull's 'imports' its modules' import and 'fetch' the wall time of fetching "
         "the artifact (manifest, small files, every block downloaded, hashed and written in "
         "place: the transfer and rebuild as the clock sees them).",
         "",

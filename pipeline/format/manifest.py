@@ -4,7 +4,7 @@ frozen record.
 Strict on purpose: the runtime parses manifests it did not write (copied, edited, forged), so every
 field has the type and range a builder can produce, and nothing else is accepted.
 
-Format 3 (this release) adds what tells two builders apart and what a parent was:
+Format 3 added what tells two builders apart and what a parent was:
 - `builder.kernels`: the device, mlx build and BLAS that made the bytes (required);
 - `parent.manifest_sha256` and `parent.kernels`: the exact parent manifest the child continued and
   the kernels that made the parent's part (required with a parent);
