@@ -2,6 +2,7 @@
 
 # Public modules: the builder, the runtime, distribute and the CLI import from each.
 __all__ = [
+    "block_proof",
     "bundle_folder",
     "bundle_signature",
     "bundle_writer",

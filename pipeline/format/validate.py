@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.format import memo
+from pipeline.format.block_proof import BlockProof, check_block_record, check_pieces
 from pipeline.format.bundle_folder import (
     CACHE_FILE,
     LAYOUT_FOLDER,
@@ -32,7 +33,7 @@ from pipeline.format.bundle_folder import (
     refuse,
 )
 from pipeline.format.bundle_signature import check_binding, check_signature
-from pipeline.format.cache_blocks import Layout, digests, header_layout
+from pipeline.format.cache_blocks import Layout, digests
 from pipeline.format.cache_codec import expected_file, rebuild, user_metadata
 from pipeline.format.cache_header import (
     Expected,
@@ -45,7 +46,7 @@ from pipeline.format.compat import SUPPORTED_RANGE, installed_mlx_lm, layout_for
 from pipeline.format.errors import BundleError
 from pipeline.format.fingerprint import ModelIdentity, ModelShape, canonical_json, sha256_bytes
 from pipeline.format.identity import check_identity
-from pipeline.format.manifest import BlocksInfo, Manifest
+from pipeline.format.manifest import Manifest
 from pipeline.format.names import parse_version
 from pipeline.format.safetensors_read import (
     FormatError,
@@ -67,16 +68,6 @@ class Validated:
     tokens: list[int]
     cache: list[Any] | None
     manifest_sha256: str = ""  # of the manifest bytes validated (they pin every other fact)
-
-
-@dataclass(frozen=True)
-class BlockProof:
-    """A cache file whose every block its writer proved as it landed (a pull: each block's sha256,
-    taken as it streamed, against the blocks manifest.json pins): `key` is the file's stat key
-    (pipeline.format.memo.open_key) once written, `record_sha256` the cache.blocks record proven."""
-
-    key: str
-    record_sha256: str
 
 
 def validate(
@@ -167,7 +158,7 @@ def _validate(
         _check_cache_record(bundle, manifest, sums[CACHE_FILE], cache_file)
         stage[0] = "layout"
         header, expected = _check_cache_header(bundle, manifest, identity.shape, cache_file)
-        plan = _check_block_record(bundle, manifest, header, cache_file)
+        plan = check_block_record(bundle, manifest, header, cache_file)
         stage[0] = "tokens"
         tokens = _check_tokens(bundle, header, manifest, identity.shape)
         stage[0] = "data"
@@ -374,60 +365,10 @@ def _read_cache(bundle: Path, header: Header, manifest: Manifest, read: _Read, f
         if found is not None and found != expected:
             raise digest_mismatch(bundle, CACHE_FILE, expected, found, algorithm)
     if found_pieces is not None and c.blocks is not None and read.plan is not None:
-        _check_pieces(bundle, c.blocks, read.plan, found_pieces)
+        check_pieces(bundle, c.blocks, read.plan, found_pieces)
     if not known:
         memo.store(key, data.digests["blake3"])
     return data
-
-
-def _check_block_record(
-    bundle: Path, manifest: Manifest, header: Header, f: OpenFile
-) -> Layout | None:
-    """cache.blocks (format 5) describes this file: its header is the one pinned, and the pinned
-    block size cuts it into exactly the pinned number of blocks, header, rest and blocks tiling
-    every byte (cheap: no data is read here; the data stage proves the bytes)."""
-    blocks = manifest.cache.blocks
-    if blocks is None:
-        return None
-    found = sha256_bytes(header.raw)
-    if found != blocks.header_sha256:
-        raise refuse(
-            bundle,
-            f"{CACHE_FILE}'s header hashes to {found[:12]}.., the manifest pins "
-            f"{blocks.header_sha256[:12]}.. (cache.blocks.header_sha256); the bundle was altered: "
-            "rebuild or re-copy it",
-            "cache.blocks.header_sha256",
-        )
-    tokens = manifest.tokens.count
-    try:
-        plan = header_layout(header, tokens, f.stat.st_size, blocks.block_tokens)
-    except ValueError as exc:
-        raise refuse(bundle, f"{CACHE_FILE}: {exc}; rebuild the bundle", "cache.blocks") from None
-    if plan.blocks != len(blocks.sha256):
-        raise refuse(
-            bundle,
-            f"the manifest pins {len(blocks.sha256)} blocks of {blocks.block_tokens} tokens, "
-            f"{CACHE_FILE} ({tokens} tokens) has {plan.blocks}; rebuild the bundle",
-            "cache.blocks.sha256",
-        )
-    return plan
-
-
-def _check_pieces(bundle: Path, blocks: BlocksInfo, plan: Layout, found) -> None:
-    """Every block and the rest hash to what the manifest pins (the first that does not named)."""
-    pairs = [("rest", found.rest, blocks.rest_sha256, "cache.blocks.rest_sha256")]
-    for k, (got, pinned) in enumerate(zip(found.blocks, blocks.sha256, strict=True)):
-        t0 = k * plan.block_tokens
-        t1 = min(t0 + plan.block_tokens, plan.tokens) - 1
-        pairs.append((f"block {k} (tokens {t0}-{t1})", got, pinned, "cache.blocks.sha256"))
-    for what, got, pinned, field in pairs:
-        if got != pinned:
-            raise refuse(
-                bundle,
-                f"{CACHE_FILE} {what} hashes to {got[:12]}.., the manifest pins {pinned[:12]}..; "
-                "the bundle was altered: rebuild or re-copy it",
-                field,
-            )
 
 
 __all__ = ["CHECKS", "BlockProof", "Validated", "recorded_identity", "validate"]
