@@ -33,6 +33,7 @@ from common import (  # noqa: E402
     REPO,
     Context,
     clean_env,
+    each,
     free_port,
     post_json,
     ratio,
@@ -106,7 +107,7 @@ def measure(
             args = [*cmd, "--port", str(port)]
             # a fresh HOME per run: vllm-mlx and rapid-mlx load their own on-disk prefix caches
             # (~/.cache/...) saved by an earlier run, which would make a cold run warm
-            home = ctx.work / "home"
+            home = ctx.work / f"home-{log.stem}"  # one per run: --quick runs two servers at once
             shutil.rmtree(home, ignore_errors=True)
             home.mkdir()
             env = {"HOME": str(home), **env}
@@ -184,10 +185,11 @@ def runs_of(
 
 
 def run(ctx: Context, bundles: str) -> dict[str, Any]:
-    """Each server of the registry (and its other engines, full runs) whose venv is made here."""
+    """Each server of the registry (and its other engines, full runs) whose venv is made here;
+    --quick, a smoke, starts two servers at a time (its figures are not compared across runs)."""
     from pipeline.runtime.servers.registry import hook_class, names
 
-    result = {}
+    jobs = {}
     for i, server in enumerate(names()):
         venv = serving.venv_of(server)
         if venv is None:
@@ -197,7 +199,12 @@ def run(ctx: Context, bundles: str) -> dict[str, Any]:
         engines = {server: ()} | ({} if ctx.quick else ENGINES.get(server, {}))
         for row, options in engines.items():
             runs = runs_of(ctx, server, venv, Path(bundles), i == 0, *options)
-            result[row] = measure(ctx, row, runs, kinds)
+            jobs[row] = lambda row=row, runs=runs, kinds=kinds: measure(ctx, row, runs, kinds)
+    result = {}
+    for row, (got, exc) in each(2 if ctx.quick else 1, jobs).items():
+        if exc is not None:
+            raise exc
+        result[row] = got
     return result
 
 

@@ -278,3 +278,19 @@ def wait_ready(port: int, proc: Any, timeout: float = 300) -> None:
         except OSError:
             time.sleep(0.2)
     raise RuntimeError("server not ready")
+
+
+def each(workers: int, jobs: dict[str, Any]) -> dict[str, tuple[Any, Exception | None]]:
+    """{name: (result, None) or (None, the exception)} of each job, `workers` at a time (1: one
+    after the other, in order)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def caught(job: Any) -> tuple[Any, Exception | None]:
+        try:
+            return job(), None
+        except Exception as exc:
+            return None, exc
+
+    with ThreadPoolExecutor(workers) as pool:
+        futures = {name: pool.submit(caught, job) for name, job in jobs.items()}
+    return {name: future.result() for name, future in futures.items()}
