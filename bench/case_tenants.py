@@ -9,7 +9,8 @@ First request: the bench model in float32 (cold on CPU is fastest there), one te
 token from a bundle in memory, from the disk tier (`bundle_memory=0`: every hit reads and
 re-proves the file; the file's pages dropped from the page cache before each read with
 posix_fadvise DONTNEED, and whether that worked is measured), and cold (no bundle). The disk
-speed is a timed read of the same file with its pages dropped. Figures come from the workers'
+speed is a timed read of the same file with its pages dropped, right before each disk-tier request
+(this VM's disk speed drifts 1-5x from one minute to the next). Figures come from the workers'
 JSON lines and the clock, never from a log line.
 """
 
@@ -300,13 +301,14 @@ def task_latency(args: dict[str, Any]) -> dict[str, Any]:
 
     in_memory.warm_up("m", model)  # kernels ready, as serve's warm-up leaves them
     cache_file = tenant / CACHE_FILE
-    memory, disk = [], []
-    for _ in range(args["reps"]):
+    memory, disk, reads = [], [], []
+    for _ in range(args["reps"]):  # interleaved: this VM's disk speed drifts 1-5x within minutes
         memory.append(first(in_memory))
+        reads.append(read_seconds(cache_file, True))
         drop_pages(cache_file)
         disk.append(first(on_disk))
     cold = first(None)
-    dropped_read = statistics.median(read_seconds(cache_file, True) for _ in range(3))
+    dropped_read = statistics.median(reads)
     cached_read = statistics.median(read_seconds(cache_file, False) for _ in range(3))
     size = cache_file.stat().st_size
     tokens = {t for _, t in memory + disk} | {cold[1]}
