@@ -34,7 +34,7 @@ def setup_arg_parser() -> argparse.ArgumentParser:
         "--quick",
         action="store_true",
         help="every case on a 4-layer model, short prompts, one repetition: a smoke run of each "
-        "case's whole path (measured: 5.6 min in a clean clone on this 2-core VM beside other "
+        "case's whole path (measured: 4.8 min in a clean clone on this 2-core VM beside other "
         "jobs, load ~5; its ratios are not the targets')",
     )
     p.add_argument(
