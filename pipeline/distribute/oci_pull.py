@@ -4,8 +4,8 @@ Per bundle, in this order: the artifact manifest against its digest; its config 
 (each blob's digest and size checked while it streams); with trusted keys, the signature over
 manifest.json before any large download; the tag, config and manifest.json naming the same
 bundle (a swapped tag is refused here); with a format-5 manifest.json, the artifact's header,
-rest and blocks the very ones it pins (cache.blocks: a re-made artifact is refused before any of
-them moves); then the cache file rebuilt from them, each block taken from a bundle already in the
+rest and blocks the very ones it pins (cache.blocks: a re-made artifact is refused once its
+header is read, before its rest or any block moves); then the cache file rebuilt from them, each block taken from a bundle already in the
 destination folder when one has the same bytes, else downloaded, each checked by its sha256 as it
 lands. Then the hub form's last steps: every target locked, the one validator, an atomic publish
 of all or none (pipeline.distribute.publish.publish_staged). A format-5 file whose every piece
@@ -239,8 +239,9 @@ class _Fetch:
 
     def _pinned(self, manifest: Manifest, config: ArtifactConfig, parsed: Parsed) -> None:
         """The artifact's block size, header, rest and blocks are the ones manifest.json pins
-        (format 5), checked before any of them moves: a registry cannot serve other blocks
-        under a manifest.json it did not change (nor, with --trusted-key, one it did)."""
+        (format 5), checked before the rest or any block moves: a registry cannot serve blocks
+        other than those of a manifest.json it did not change (nor, with --trusted-key, of one
+        it did)."""
         pins = manifest.cache.blocks
         if pins is None:
             return
