@@ -229,6 +229,7 @@ def task_mount(args: dict[str, Any]) -> dict[str, Any]:
 
     from pipeline.format.compat import cache_classes
     from pipeline.runtime import PromptCacheManager, mount
+    from pipeline.runtime.mount import release_caches
 
     cache_classes()
     mx.eval(mx.ones((256, 256)) @ mx.ones((256, 256)))
@@ -236,7 +237,8 @@ def task_mount(args: dict[str, Any]) -> dict[str, Any]:
     before, active = rss(), mx.get_active_memory()
     manager = PromptCacheManager()
     start = time.perf_counter()
-    mount(Path(args["model"]), [Path(p) for p in args["bundles"]], manager=manager, model_key="m")
+    paths = [Path(p) for p in args["bundles"]]
+    release_caches(mount(Path(args["model"]), paths, manager=manager, model_key="m"))  # as serve
     seconds = time.perf_counter() - start
     gc.collect()
     mx.clear_cache()

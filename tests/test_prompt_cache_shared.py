@@ -14,6 +14,7 @@ import pytest
 from mlx_lm.models.cache import KVCache
 
 from pipeline.runtime import PromptCacheManager, mount
+from pipeline.runtime.mount import release_caches
 
 from conftest import SYSTEM, build_bundle, write_definition
 
@@ -74,6 +75,7 @@ def test_a_preamble_shared_by_bundles_is_held_once(tenants: Path, tiny_model: Pa
     before = mx.get_active_memory()
     manager = PromptCacheManager()
     result = mount(tiny_model, tenants, manager=manager, model_key="m")
+    release_caches(result)  # as serve does: the manager alone holds them
     gc.collect()
     grown = mx.get_active_memory() - before
     stats = manager.stats()

@@ -207,11 +207,11 @@ def mount(
     <model_dir>/prefix-bundles; anything else there is refused, never mounted), one bundle folder,
     or a list of bundle folders; the newest-only and `versions` rules apply to all of them.
     Raises BundleError for the first refused bundle unless skip_refused, which collects refusals.
-    With a manager, mounted caches are pinned into it under `model_key` (default: model_dir), and
-    the bundles returned hold no cache of their own (the manager holds it; `read` reads it
-    again). A manager with a `bundle_memory` budget gets the bundles validated without loading
-    them; those of plain K/V layers wait on disk and are read while the budget holds them
-    (`PromptCacheManager.fill`), the others are loaded and held.
+    With a manager, mounted caches are pinned into it under `model_key` (default: model_dir);
+    `release_caches(result)` then lets the manager alone hold them (a shared preamble once). A
+    manager with a `bundle_memory` budget gets the bundles validated without loading them (their
+    `cache` stays empty; `read` loads it); those of plain K/V layers wait on disk and are read
+    while the budget holds them (`PromptCacheManager.fill`), the others are loaded and held.
     verify_full hashes every cache file even when the memo knows it; `versions` pins
     {prefix name: version} (from a lockfile) instead of the newest, and mounts no other prefix.
     With trusted_keys every bundle must carry a valid signature by one of them (the version rules
@@ -253,14 +253,21 @@ def mount(
     return result
 
 
+def release_caches(result: MountResult) -> None:
+    """Let the manager the bundles were pinned into hold their caches alone: each mounted
+    bundle's own `cache` is dropped (`read` loads it again) and the memory no entry holds is
+    given back (a preamble shared by several bundles is then held once: serve calls this)."""
+    result.bundles[:] = [replace(b, cache=[]) for b in result.bundles]
+    give_back()
+
+
 def _pin_all(
     result: MountResult, manager: PromptCacheManager, key: str, skip_refused: bool
 ) -> None:
-    """Pin every mounted bundle (on disk where the budget says, when its layers are plain K/V);
-    the bundles keep no cache of their own, so what the manager does not hold is freed."""
+    """Pin every mounted bundle (on disk where the budget says, when its layers are plain K/V)."""
     tiered = manager.bundle_memory is not None
     dropped: list[MountedBundle] = []
-    for i, b in enumerate(result.bundles):
+    for b in result.bundles:
         if tiered and set(b.manifest.cache.classes) <= PLAIN:
             lossy = b.manifest.cache.kv_bits is not None
             nbytes = b.manifest.cache.nbytes
@@ -273,12 +280,10 @@ def _pin_all(
             _refuse(result, exc, skip_refused)
             continue
         manager.pin(key, b.tokens, cache, b.name, reload=b.read)
-        result.bundles[i] = replace(b, cache=[])
-        del cache
     result.bundles = [b for b in result.bundles if all(b is not d for d in dropped)]
     if tiered:
         manager.fill(key)
-    give_back()  # the loaded arrays no entry holds go back to the system
+        give_back()  # what a bundle loaded to be compared held beyond its own tail
 
 
 def _check_arguments(

@@ -248,6 +248,9 @@ def mount_for(
     )
     if unusable is not None:
         drop_unusable(result, manager, unusable)
+    from pipeline.runtime.mount import release_caches
+
+    release_caches(result)  # the manager alone holds them: a shared preamble once
     log_mounts(result)
     if options.strict and result.unused:
         path, reason = result.unused[0]
