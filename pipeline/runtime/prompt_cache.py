@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 import os
@@ -21,12 +20,16 @@ import numpy as np
 from pipeline.format.errors import PipelineError
 from pipeline.runtime import shared_kv
 from pipeline.runtime.bundle_tier import BundleTier, give_back
+from pipeline.runtime.cache_forks import (  # noqa: F401  (fork_cache, is_lossy: re-exported)
+    cache_arrays,
+    cache_offsets,
+    fork_cache,
+    fork_value,
+    is_lossy,
+)
 
 log = logging.getLogger("prefix-bundles")
 
-# Duck-typed on purpose: importing anything under mlx_lm runs mlx_lm/__init__.py, which
-# imports transformers and jinja2 (~0.75 s); the runtime must stay thin.
-_NARROWED = frozenset({"KVCache", "QuantizedKVCache"})  # cut to offset on hand-out
 # A lossy entry (quantized KV) serves a request only when the request takes at least this share
 # of it: a template's common opening tokens are never served from an approximation, and a cold
 # full-precision prefill of a short shared part (under half the entry) beats reusing it lossily.
@@ -74,87 +77,6 @@ def lossy_min_tokens(entry_tokens: int) -> int:
     return max(1, math.ceil(entry_tokens * LOSSY_MIN_SHARE))
 
 
-# mlx-lm's; vllm-mlx's --kv-cache-quantization entries; rapid-mlx's --kv-cache-turboquant ones
-QUANTIZED_LAYERS = frozenset({"QuantizedKVCache", "_QuantizedCacheWrapper", "TurboQuantKVCache"})
-
-
-def is_lossy(cache: Sequence[Any]) -> bool:
-    """True when any layer holds quantized KV (by class name: the runtime does not import mlx_lm
-    or the servers; QUANTIZED_LAYERS)."""
-    for layer in cache:
-        children = _children(layer)
-        if children is not None and is_lossy(children):
-            return True
-        if QUANTIZED_LAYERS & {cls.__name__ for cls in type(layer).__mro__}:
-            return True
-    return False
-
-
-def _fork(value: Any) -> Any:
-    """Same data, new handles: arrays re-wrapped, containers and cache objects rebuilt."""
-    if isinstance(value, mx.array):
-        # A new handle over the same buffer. Slice assignment into it rebinds only this
-        # handle, and MLX never donates a buffer that another handle still holds.
-        return value[...]
-    if isinstance(value, list):
-        return [_fork(v) for v in value]
-    if isinstance(value, tuple):
-        return tuple(_fork(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _fork(v) for k, v in value.items()}
-    if hasattr(type(value), "is_trimmable"):  # every mlx_lm cache class, ArraysCache included
-        new = copy.copy(value)
-        new.__dict__.update({k: _fork(v) for k, v in vars(value).items()})
-        return new
-    return value
-
-
-def _arrays(value: Any) -> Iterator[mx.array]:
-    """Every array held by a cache, a container of caches, or a container of arrays."""
-    if isinstance(value, mx.array):
-        yield value
-    elif isinstance(value, list | tuple):
-        for v in value:
-            yield from _arrays(v)
-    elif isinstance(value, dict):
-        yield from _arrays(list(value.values()))
-    elif hasattr(value, "__dict__"):
-        yield from _arrays(list(vars(value).values()))
-
-
-def _children(layer: Any) -> Sequence[Any] | None:
-    """The sub-caches of a CacheList-like layer, else None."""
-    children = getattr(layer, "caches", None)
-    return children if isinstance(children, list | tuple) else None
-
-
-def _offsets(cache: Sequence[Any]) -> set[int]:
-    """The token counts the layers report (caches without an int offset report nothing)."""
-    found: set[int] = set()
-    for layer in cache:
-        if _children(layer) is not None:
-            found |= _offsets(_children(layer))
-        elif isinstance(getattr(layer, "offset", None), int):
-            found.add(layer.offset)
-    return found
-
-
-def _narrow(layer: Any) -> None:
-    """Cut KV buffers to the offset so the first write copies only the kept prefix."""
-    for child in _children(layer) or ():
-        _narrow(child)
-    names = {cls.__name__ for cls in type(layer).__mro__}
-    if not names & _NARROWED or getattr(layer, "keys", None) is None:
-        return
-    # KVCache keys: one array; QuantizedKVCache keys: (packed, scales, biases).
-    end = layer.offset
-    if isinstance(layer.keys, mx.array):
-        layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
-    else:
-        layer.keys = tuple(x[..., :end, :] for x in layer.keys)
-        layer.values = tuple(x[..., :end, :] for x in layer.values)
-
-
 def _model_key(key: Any) -> str:
     """A model key as every call spells it: a path and its string (trailing slash or not) name
     the same model; PipelineError for anything else."""
@@ -195,7 +117,7 @@ def _make_entry(tokens: Sequence[int], cache: list, source: str, label: str) -> 
     if not isinstance(cache, list) or not cache:
         raise PipelineError(f"{label}: expected a prompt cache (non-empty list), got {cache!r}")
     ids = token_ids(tokens)
-    offsets = _offsets(cache)
+    offsets = cache_offsets(cache)
     if len(offsets) > 1:
         raise PipelineError(
             f"{label}: cache layers disagree on their length {sorted(offsets)}; "
@@ -211,8 +133,8 @@ def _make_entry(tokens: Sequence[int], cache: list, source: str, label: str) -> 
         ids = ids[:covered]  # ids past the cache (a last sampled token) were never fed to it
     if len(ids) == 0:
         return None
-    owned = [_fork(layer) for layer in cache]
-    mx.eval(list(_arrays(owned)))  # lazy arrays are bound to the creating thread's stream
+    owned = [fork_value(layer) for layer in cache]
+    mx.eval(list(cache_arrays(owned)))  # lazy arrays are bound to the creating thread's stream
     nbytes = sum(layer.nbytes for layer in owned)
     trimmable = all(layer.is_trimmable() for layer in owned)
     kinds = tuple(shared_kv.kind(layer) for layer in owned)
@@ -228,8 +150,8 @@ def _shared_form(entry: _Entry, resident: Sequence[_Entry]) -> _Entry:
         return entry
     base, n, layers = found
     own = [shared_kv.tail(x, n) if i in layers else x for i, x in enumerate(entry.cache)]
-    mx.eval(list(_arrays(own)))
-    held = sum(a.nbytes for a in _arrays(own))
+    mx.eval(list(cache_arrays(own)))
+    held = sum(a.nbytes for a in cache_arrays(own))
     return replace(entry, cache=own, base=base, shared=n, shared_layers=layers, own_bytes=held)
 
 
@@ -285,22 +207,7 @@ def _hand_out(entry: _Entry, keep: int, rest: int = 0) -> list:
     if entry.base is None:
         return fork_cache(entry.cache, trim)
     out = shared_kv.hand_out(entry, keep, rest, lambda layer: fork_cache([layer], trim)[0])
-    mx.eval(list(_arrays(out)))  # one concatenation now: usable from any thread
-    return out
-
-
-def fork_cache(cache: list, trim: int = 0) -> list:
-    """A copy-on-write copy of a prompt cache, less its last `trim` tokens: new handles over the
-    same buffers, KV buffers cut to their offset, so the first write copies only what is kept
-    (one copy, where copy.deepcopy and a first write make two) and `cache` is never written."""
-    if not isinstance(trim, int) or trim < 0:
-        raise PipelineError(f"fork_cache: trim must be 0 or more tokens, got {trim!r}")
-    out = [_fork(layer) for layer in cache]
-    for layer in out:
-        if trim:
-            layer.trim(trim)
-        _narrow(layer)
-    mx.eval(list(_arrays(out)))  # slices are views: cheap, and usable from any thread
+    mx.eval(list(cache_arrays(out)))  # one concatenation now: usable from any thread
     return out
 
 
@@ -548,7 +455,7 @@ class PromptCacheManager:
             return None
         cache = _hand_out(entry, len(entry.tokens))
         logits = model(mx.array([[int(entry.tokens[-1])]]), cache=cache)
-        mx.eval(logits, list(_arrays(cache)))
+        mx.eval(logits, list(cache_arrays(cache)))
         return entry.source
 
     def store(self, model_key: str, tokens: Sequence[int], cache: list) -> None:
@@ -559,7 +466,7 @@ class PromptCacheManager:
         request would continue from the wrong state.
         """
         model_key = _model_key(model_key)
-        if isinstance(cache, list) and cache and not _offsets(cache):
+        if isinstance(cache, list) and cache and not cache_offsets(cache):
             with self._lock:
                 self._counts["rejected"] += 1
             return
@@ -667,3 +574,6 @@ def at_least_one_left(fetch: Any, tokens: list[int]) -> tuple[Any, list[int]]:
 def _is_prefix(short: np.ndarray, long: np.ndarray) -> bool:
     """True when `short` is a strict prefix of `long`."""
     return len(short) < len(long) and _common_prefix(short, long) == len(short)
+
+
+_arrays = cache_arrays  # the name tests/test_prompt_cache.py imports
