@@ -184,6 +184,7 @@ def test_serve_with_a_budget_for_one_bundle_serves_all_three_warm_and_equal_cold
         again = {n: chat(port, s, "Where is my order 12345?") for n, s in systems.items()}
     text = log.read_text()
     assert "read from disk in" in text and "Traceback" not in text
+    assert f"wait on disk (--bundle-memory {budget / 2**20:.1f} MiB)" in text
     empty = tmp_path / "none"
     empty.mkdir()
     with server_process(tiny_model, empty, tmp_path / "cold.log") as (_, port):

@@ -252,6 +252,15 @@ def mount_for(
 
     release_caches(result)  # the manager alone holds them: a shared preamble once
     log_mounts(result)
+    held = manager.stats()
+    if result.bundles:
+        log.info(
+            "bundles hold %.1f MiB in memory (%.1f MiB whole, a shared preamble counted once); "
+            "%d wait on disk%s",
+            held["held_bytes"] / 2**20, held["pinned_bytes"] / 2**20, held["on_disk"],
+            "" if options.bundle_memory is None
+            else f" (--bundle-memory {options.bundle_memory / 2**20:.1f} MiB)",
+        )  # fmt: skip
     if options.strict and result.unused:
         path, reason = result.unused[0]
         raise PipelineError(f"--strict: bundle {path} would not be used: {reason}")
