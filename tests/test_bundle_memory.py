@@ -195,3 +195,37 @@ def test_serve_with_a_budget_for_one_bundle_serves_all_three_warm_and_equal_cold
             assert answer["choices"][0]["message"] == cold[name]["choices"][0]["message"]
             assert answer["usage"]["prompt_tokens"] == cold[name]["usage"]["prompt_tokens"]
     assert cached(cold["shop@1"]) == 0  # (later cold ones reuse the server's own entries)
+
+
+def test_a_remount_shares_and_keeps_the_budget(
+    tenants: Path,  # noqa: F811
+    tiny_model: Path,
+    tmp_path: Path,
+):
+    """A bundle a remount adds shares what is held and holds no cache of its own; under a
+    budget it waits on disk when nothing else can make room, and is still served warm."""
+    from pipeline.runtime.remount import Remounter
+
+    bundles = copy_of(tenants, tmp_path)
+    later = bundles / "tenant-b"
+    shutil.move(later, tmp_path / "later")
+    sizes = {b.name: b.manifest.cache.nbytes for b in mount(tiny_model, bundles).bundles}
+    for budget in (None, sizes["shop@1"]):  # the preamble alone: the new tenant cannot fit
+        if later.exists():
+            shutil.move(later, tmp_path / "later")
+        manager = PromptCacheManager(bundle_memory=budget)
+        first = mount(tiny_model, bundles, manager=manager, model_key="m")
+        r = Remounter(first, manager, "m", lambda: mount(tiny_model, bundles, skip_refused=True))
+        shutil.move(tmp_path / "later", later)
+        assert r.remount().added == ["tenant-b@1"]
+        (added,) = [b for b in first.bundles if b.name == "tenant-b@1"]
+        stats = manager.stats()
+        assert added.cache == [] and stats["pinned"] == 3
+        if budget is None:
+            assert stats["held_bytes"] < 0.5 * stats["pinned_bytes"]
+        else:
+            assert stats["held_bytes"] <= budget
+        request = added.tokens + [4]
+        hit = manager.fetch("m", request)
+        assert hit.source == "bundle:tenant-b@1" and hit.cache_hit_tokens == len(added.tokens)
+        assert same_cache(hit.cache, alone(tiny_model, added.path, request).cache)

@@ -296,14 +296,24 @@ class PromptCacheManager:
             if self.tier.fits(entry, resident, held):
                 self._reload(model_key, entry, quiet=True)
 
-    def _keep(self, model_key: str, name: str, entry: _Entry) -> None:
-        """Hold a loaded entry (its shared form), then evict to disk what the budget cannot hold."""
+    def _keep(self, model_key: str, name: str, entry: _Entry) -> _Entry | None:
+        """Hold a loaded entry (its shared form), then evict to disk what the budget cannot hold;
+        the entry held, or None when nothing else could make room and it waits on disk itself
+        (it can be read back: `reload`)."""
         with self._lock:
             resident = [e for e in self._resident() if e.source != entry.source]
         entry = _shared_form(entry, resident)  # compared outside the lock: entries never change
         with self._lock:
             self._place(model_key, name, entry)
         self._fit(model_key, name)
+        with self._lock:
+            kept = self._pinned.get(model_key, {}).get(name)
+            if kept is None or kept.cache is None:
+                return None
+            if kept.reload is not None and self.tier.over(self._resident()):
+                self._pinned[model_key][name] = _on_disk(kept)
+                return None
+        return kept
 
     def _place(self, model_key: str, name: str, entry: _Entry) -> None:
         """Put an entry in the pinned set (lock held)."""
@@ -370,13 +380,8 @@ class PromptCacheManager:
             loaded = replace(loaded, reload=current.reload)
             if not quiet:
                 self._fit(model_key, name, coming=current)  # room first: then it shares what stays
-            self._keep(model_key, name, loaded)
-            with self._lock:
-                kept = self._pinned.get(model_key, {}).get(name)
-                held = kept is not None and kept.cache is not None
-                if held and self.tier.over(self._resident()):  # nothing else could make room
-                    self._pinned[model_key][name] = _on_disk(kept)
-                    held = False
+            kept = self._keep(model_key, name, loaded)
+            held = kept is not None
             seconds = time.perf_counter() - start
             if quiet and held:
                 self.tier.filled(name, kept)
