@@ -37,9 +37,6 @@ class ServerHook:
     warm_up: ClassVar[bool] = True  # serve's --warm-up default (measured per server)
     live: ClassVar[bool] = True  # this process serves the mount (SIGHUP, the admin endpoint)
     snapshots: ClassVar[bool] = False  # `entries` lists what --snapshots saves
-    # --snapshot-every: its cache subclass stores entries (and calls Snapshots.tick) only on the
-    # thread that owns, and alone changes, the server's entries: a periodic save runs there
-    periodic_snapshots: ClassVar[bool] = False
     # it serves Anthropic messages at /v1/messages (its `request_ids`, if any, follows them too)
     messages_route: ClassVar[bool] = False
 
