@@ -24,6 +24,7 @@ import case_oci
 import case_servers
 import case_sizes
 import case_snapshots
+import case_tenants
 import case_ttft
 import serving
 from common import Context
@@ -80,6 +81,8 @@ REGISTRY: tuple[Case, ...] = (
          lambda x, r: case_concurrency.section(x), needs=("server_bundles",)),
     Case("snapshots", lambda ctx, r: case_snapshots.run(ctx),
          lambda x, r: case_snapshots.section(x), bench_model=True),
+    Case("tenants", lambda ctx, r: case_tenants.run(ctx), lambda x, r: case_tenants.section(x),
+         case_tenants.targets, bench_model=True),
 )  # fmt: skip
 BY_NAME = {case.name: case for case in REGISTRY}
 SELECTABLE = tuple(case.name for case in REGISTRY if case.selectable)

@@ -800,7 +800,8 @@ def test_mlx_lm_server_opens_its_port_only_after_the_warm_up(
     warmed = text.index("warmed up from shop@1")
     assert warmed < text.index("Starting httpd") < text.index("GET /health")
     assert f"ready: POST http://127.0.0.1:{port}/v1/chat/completions" in text
-    assert f"try: curl -s http://127.0.0.1:{port}/v1/chat/completions" in text
+    assert "try a request opening with shop@1's prompt" in text  # the bundle's, not "Hello"
+    assert f"| curl -s http://127.0.0.1:{port}/v1/chat/completions" in text
 
 
 @pytest.mark.slow
