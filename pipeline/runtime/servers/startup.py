@@ -196,8 +196,8 @@ def try_it(hook: ServerHook, options: ServeOptions, mounted: Mounted | None = No
 
 
 def reuse_hint(mounted: Mounted, options: ServeOptions) -> str:
-    """What a request must open with to be served from a bundle, and how to check one (the curl
-    above shares only the template's opening with them: cached_tokens 1 told nothing)."""
+    """What a request must open with to be served from a bundle (each mounted one by name and
+    length: the try line shows one), and how to check a request of one's own."""
     named = ", ".join(f"{b.name} ({len(b.tokens):,} tokens)" for b in mounted.result.bundles)
     return (
         f"a request is served from a bundle when it opens with that bundle's prompt: {named}; "
