@@ -24,8 +24,9 @@ by both hooks, owned by neither.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,6 +34,7 @@ import numpy as np
 from pipeline.runtime.prompt_cache import fork_cache
 from pipeline.runtime.servers import usage, warm_up
 from pipeline.runtime.servers.entries import evaluate, held_offset
+from pipeline.runtime.servers.memory_cache import install_memory_cache, memory_entries
 from pipeline.runtime.servers.mounted import BUNDLE_KEY, Mounted
 
 log = logging.getLogger("prefix-bundles")
@@ -291,6 +293,22 @@ def install_paged_cache(scheduler: Any, table: type, mounted: Mounted, server: s
     return cache_class
 
 
+def install_batched_cache(
+    scheduler: Any, paged_module: str, mounted: Mounted, server: str, rest: Sequence[str],
+    snapshots: Any,
+) -> Callable[[Mounted, Any], list]:  # fmt: skip
+    """A batched engine's prefix cache under the rule, in its `scheduler` module: its paged
+    BlockAwarePrefixCache with --use-paged-cache (`paged_module` holds its BlockTable), else its
+    memory-aware cache; returns the hook's `listed` (nothing for the paged one: --snapshots is
+    refused with it)."""
+    if paged(rest):
+        table = importlib.import_module(paged_module).BlockTable
+        install_paged_cache(scheduler, table, mounted, server)
+        return lambda m, s: []
+    cache_class = install_memory_cache(scheduler, mounted, server, snapshots)
+    return lambda m, s: memory_entries(cache_class, m, s, server)
+
+
 def paged(rest: Sequence[str]) -> bool:
     """--use-paged-cache among the server's options."""
     return "--use-paged-cache" in rest
@@ -306,6 +324,7 @@ def refused_with(options: Any) -> dict[str, str]:
 
 __all__ = [
     "TABLE",
+    "install_batched_cache",
     "install_paged_cache",
     "paged",
     "pinned_paged_cache_class",

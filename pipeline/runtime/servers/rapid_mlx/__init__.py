@@ -21,10 +21,9 @@ from typing import Any
 
 from pipeline.runtime.servers import warm_up
 from pipeline.runtime.servers.hook import SERVING, ServerHook
-from pipeline.runtime.servers.memory_cache import install_memory_cache, memory_entries
 from pipeline.runtime.servers.mounted import Mounted
 from pipeline.runtime.servers.options import ServeOptions
-from pipeline.runtime.servers.paged_cache import install_paged_cache, paged, refused_with
+from pipeline.runtime.servers.paged_cache import install_batched_cache, refused_with
 
 log = logging.getLogger("prefix-bundles")
 SERVER = "rapid-mlx"
@@ -59,14 +58,10 @@ class Hook(ServerHook):
         """Patch rapid-mlx's scheduler cache; its persistence off, its cache import refused."""
         from rapid_mlx import scheduler, server
 
-        if paged(options.rest):
-            from rapid_mlx.paged_cache import BlockTable
-
-            install_paged_cache(scheduler, BlockTable, mounted, SERVER)
-            self.listed = lambda m, s: []  # --snapshots is refused with it
-        else:
-            cache_class = install_memory_cache(scheduler, mounted, SERVER, snapshots)
-            self.listed = lambda m, s: memory_entries(cache_class, m, s, SERVER)
+        paged_module = "rapid_mlx.paged_cache"
+        self.listed = install_batched_cache(
+            scheduler, paged_module, mounted, SERVER, options.rest, snapshots
+        )
         server._automatic_prefix_cache_persistence_enabled = lambda: False
         log.info(
             "%s: its own on-disk prefix cache is neither restored nor saved under serve (not "

@@ -15,10 +15,9 @@ from typing import Any
 
 from pipeline.runtime.servers import usage, warm_up
 from pipeline.runtime.servers.hook import SERVING, ServerHook
-from pipeline.runtime.servers.memory_cache import install_memory_cache, memory_entries
 from pipeline.runtime.servers.mounted import Mounted
 from pipeline.runtime.servers.options import ServeOptions
-from pipeline.runtime.servers.paged_cache import install_paged_cache, paged, refused_with
+from pipeline.runtime.servers.paged_cache import install_batched_cache, refused_with
 from pipeline.runtime.servers.tokens import is_anthropic
 from pipeline.runtime.servers.vllm_mlx import simple_engine, usage_binding
 
@@ -91,14 +90,11 @@ class Hook(ServerHook):
         if batched(options):
             from vllm_mlx import scheduler
             from vllm_mlx.engine_core import EngineCore
-            from vllm_mlx.paged_cache import BlockTable
 
-            if paged(options.rest):
-                install_paged_cache(scheduler, BlockTable, mounted, SERVER)
-                self.listed = lambda m, s: []  # --snapshots is refused with it
-            else:
-                cache_class = install_memory_cache(scheduler, mounted, SERVER, snapshots)
-                self.listed = lambda m, s: memory_entries(cache_class, m, s, SERVER)
+            paged_module = "vllm_mlx.paged_cache"
+            self.listed = install_batched_cache(
+                scheduler, paged_module, mounted, SERVER, options.rest, snapshots
+            )
             usage_binding.bind_requests(EngineCore, scheduler.Scheduler)
         else:
             self.listed = simple_engine.install(mounted, snapshots)
