@@ -6,6 +6,7 @@ disk at every hit."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import logging
@@ -15,6 +16,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from test_prompt_cache_shared import PREAMBLE, TAILS, define, same_cache, tenants  # noqa: F401
 
@@ -229,3 +231,46 @@ def test_a_remount_shares_and_keeps_the_budget(
         hit = manager.fetch("m", request)
         assert hit.source == "bundle:tenant-b@1" and hit.cache_hit_tokens == len(added.tokens)
         assert same_cache(hit.cache, alone(tiny_model, added.path, request).cache)
+
+
+@pytest.mark.parametrize("remount", ["removed", "replaced"])
+def test_a_disk_read_racing_a_remount_never_brings_back_what_it_replaced(
+    tenants: Path,  # noqa: F811
+    tiny_model: Path,
+    remount: str,
+    caplog: pytest.LogCaptureFixture,
+):
+    """A remount that removes or replaces a bundle while a request reads it back from disk wins:
+    the read is not put back in its place (it would serve a withdrawn bundle, and fail at its next
+    read from a folder that now holds another), and no line says a bundle was unmounted."""
+    manager = PromptCacheManager(bundle_memory=0)  # every bundle on disk
+    result = mount(tiny_model, tenants, manager=manager, model_key="m")
+    (a,) = [b for b in result.bundles if b.name == "tenant-a@1"]
+    (shop,) = [b for b in result.bundles if b.name == "shop@1"]
+
+    def read_meanwhile_remounted() -> list:
+        cache = a.read()  # the request's read finishes; the remount lands before it is kept
+        if remount == "removed":
+            manager.unpin("m", a.name)
+        else:  # the folder now holds another bundle of this name: shop's cache stands for it
+            manager.pin_on_disk(
+                "m", shop.tokens, a.name, reload=shop.read, nbytes=shop.manifest.cache.nbytes,
+                lossy=False,
+            )  # fmt: skip
+        return cache
+
+    (key,) = [k for k, e in manager._pinned["m"].items() if k == a.name]
+    manager._pinned["m"][key] = dataclasses.replace(
+        manager._pinned["m"][key], reload=read_meanwhile_remounted
+    )
+    caplog.set_level(logging.INFO, logger="prefix-bundles")
+    hit = manager.fetch("m", a.tokens + [5, 6])
+    assert hit.source != "bundle:tenant-a@1" or remount == "replaced"
+    if hit.cache is not None:
+        assert hit.cache_hit_tokens < len(a.tokens)  # shop's opening, never tenant-a's K/V
+    pinned = manager._pinned["m"]
+    if remount == "removed":
+        assert a.name not in pinned
+    else:
+        assert np.array_equal(pinned[a.name].tokens, shop.tokens)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

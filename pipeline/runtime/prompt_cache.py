@@ -72,6 +72,10 @@ class _Entry:
         return lossy_min_tokens(len(self.tokens)) if self.lossy else 1
 
 
+class _Withdrawn(Exception):
+    """A bundle read back from disk was removed or replaced by a remount during the read."""
+
+
 def lossy_min_tokens(entry_tokens: int) -> int:
     """The fewest leading tokens a request must take from a lossy entry of this length."""
     return max(1, math.ceil(entry_tokens * LOSSY_MIN_SHARE))
@@ -296,14 +300,20 @@ class PromptCacheManager:
             if self.tier.fits(entry, resident, held):
                 self._reload(model_key, entry, quiet=True)
 
-    def _keep(self, model_key: str, name: str, entry: _Entry) -> _Entry | None:
+    def _keep(
+        self, model_key: str, name: str, entry: _Entry, replacing: _Entry | None = None
+    ) -> _Entry | None:
         """Hold a loaded entry (its shared form), then evict to disk what the budget cannot hold;
         the entry held, or None when nothing else could make room and it waits on disk itself
-        (it can be read back: `reload`)."""
+        (it can be read back: `reload`). `replacing`: the pinned entry it was read back for,
+        which it replaces only while still pinned (_Withdrawn, nothing placed, where a remount
+        removed or replaced it meanwhile: what it withdrew is never put back)."""
         with self._lock:
             resident = [e for e in self._resident() if e.source != entry.source]
         entry = _shared_form(entry, resident)  # compared outside the lock: entries never change
         with self._lock:
+            if replacing is not None and self._pinned.get(model_key, {}).get(name) is not replacing:
+                raise _Withdrawn
             self._place(model_key, name, entry)
         self._fit(model_key, name)
         with self._lock:
@@ -373,14 +383,18 @@ class PromptCacheManager:
                     raise PipelineError(f"bundle {name}: its cache no longer covers its tokens")
             except PipelineError as exc:
                 with self._lock:
-                    if self._pinned.get(model_key, {}).get(name) is current:
-                        del self._pinned[model_key][name]
+                    if self._pinned.get(model_key, {}).get(name) is not current:
+                        return None  # a remount withdrew it meanwhile: nothing to unmount
+                    del self._pinned[model_key][name]
                 self.tier.failed(name, exc)
                 return None
             loaded = replace(loaded, reload=current.reload)
             if not quiet:
                 self._fit(model_key, name, coming=current)  # room first: then it shares what stays
-            kept = self._keep(model_key, name, loaded)
+            try:
+                kept = self._keep(model_key, name, loaded, replacing=current)
+            except _Withdrawn:
+                return None  # removed or replaced meanwhile: the caller looks again
             held = kept is not None
             seconds = time.perf_counter() - start
             if quiet and held:
