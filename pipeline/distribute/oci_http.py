@@ -2,10 +2,10 @@
 
 huggingface_hub 1.x depends on `httpx`, 2.x on its successor `httpx2` (the same API); both are
 maintained and one is always installed with this project. Here: the client (TLS verified by the
-system store or a CA bundle), the scheme a registry speaks (loopback: HTTPS first, plain HTTP
-when the port answers in plain HTTP, as Docker does), what a wrong scheme looks like, and a body
-paced by what the caller will take (a registry that drips a byte every few seconds stays under
-any socket timeout).
+system store or a CA bundle; its TLS reads take every record already arrived), the scheme a
+registry speaks (loopback: HTTPS first, plain HTTP when the port answers in plain HTTP, as Docker
+does), what a wrong scheme looks like, and a body paced by what the caller will take (a registry
+that drips a byte every few seconds stays under any socket timeout).
 """
 
 from __future__ import annotations
