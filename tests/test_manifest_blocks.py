@@ -151,3 +151,31 @@ def test_a_proof_for_another_file_state_is_not_taken(copy: Path, tiny_model: Pat
         with pytest.raises(BundleError) as info:
             validate(copy, identity, trust_memo=True, proof=proof)
         assert info.value.check in ("cache file", "data")
+
+
+def test_a_prefix_with_more_blocks_than_a_manifest_pins_is_one_line_before_any_prefill(
+    tmp_path: Path,
+):
+    """A manifest pins at most MAX_BLOCKS blocks: a longer prefix (a 1M-context model's) is
+    refused in one line before its prefill, and the writer's own check of the real file is one
+    line too (it raised pydantic's ValidationError after the whole prefill)."""
+    from types import SimpleNamespace
+
+    import mlx.core as mx
+
+    from pipeline.builder.prefill import check_blocks
+    from pipeline.format.bundle_writer import block_record
+    from pipeline.format.errors import BuildError
+    from pipeline.format.fingerprint import ModelShape
+    from pipeline.format.manifest import MAX_BLOCKS
+
+    shape = ModelShape(28, 4, 128, 152064, 1_010_000, None)  # Qwen2.5-7B-Instruct-1M
+    definition = SimpleNamespace(path=tmp_path / "long.toml")
+    check_blocks(definition, MAX_BLOCKS * 64, shape, mx.bfloat16, None)  # 768,000: the most
+    with pytest.raises(BuildError, match=r"long\.toml: the prefix is 800,000 tokens: 12,500 "):
+        check_blocks(definition, 800_000, shape, mx.bfloat16, None)
+    tokens = MAX_BLOCKS * 64 + 1  # one row of 2 bytes per token: B is 64
+    path = tmp_path / CACHE_FILE
+    mx.save_safetensors(str(path), {"0.keys": mx.zeros((1, 1, tokens, 1), mx.float16)})
+    with pytest.raises(BuildError, match=r"^the prefix is 768,001 tokens: 12,001 cache blocks"):
+        block_record(path, tokens)

@@ -29,6 +29,7 @@ from pipeline.builder.incremental import (
 from pipeline.builder.prefill import (
     Progress,
     cache_nbytes,
+    check_blocks,
     check_context,
     check_group_size,
     dtype_name,
@@ -413,6 +414,7 @@ def _produce(job: Job, bundles_root: Path, tmp: Path) -> tuple[Manifest, dict[st
     load_seconds = time.perf_counter() - began
     cut = _stable_cut(job, loaded.tokenizer)
     check_context(d, len(cut.tokens), job.identity.shape)
+    check_blocks(d, len(cut.tokens), job.identity.shape, loaded.serving_dtype, d.spec.cache.kv_bits)
     needed = estimate_bytes(
         len(cut.tokens), job.identity.shape, loaded.serving_dtype, d.spec.cache.kv_bits
     )

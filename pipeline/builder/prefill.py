@@ -15,9 +15,12 @@ from mlx.utils import tree_map
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, make_prompt_cache
 
 from pipeline.builder.model_files import load_tokenizer, load_weights
+from pipeline.format.bundle_writer import too_many_blocks
+from pipeline.format.cache_blocks import block_tokens
 from pipeline.format.cache_codec import with_state
 from pipeline.format.errors import BuildError
 from pipeline.format.fingerprint import ModelShape
+from pipeline.format.manifest import MAX_BLOCKS
 
 # (tokens in the cache, total, seconds spent prefilling, of the tokens those reused from a parent)
 Progress = Callable[[int, int, float, int], None]
@@ -149,6 +152,17 @@ def check_context(definition: Any, tokens: int, shape: ModelShape) -> None:
             f"{definition.path}: the prefix is {tokens:,} tokens but the model's context is "
             f"{limit:,} (max_position_embeddings); shorten the included documents or split the prefix"
         )
+
+
+def check_blocks(
+    definition: Any, tokens: int, shape: ModelShape, dtype: mx.Dtype, kv_bits: int | None
+) -> None:
+    """Refuse, before any prefill, a prefix whose cache file would have more token-range blocks
+    than a manifest pins (cache.blocks: B by the rule from the estimated bytes per token; the
+    writer checks the real file again)."""
+    b = block_tokens(estimate_bytes(1, shape, dtype, kv_bits) - (1 << 20))
+    if tokens > MAX_BLOCKS * b:
+        raise BuildError(f"{definition.path}: {too_many_blocks(tokens, b, -(-tokens // b))}")
 
 
 def estimate_bytes(tokens: int, shape: ModelShape, dtype: mx.Dtype, kv_bits: int | None) -> int:

@@ -26,8 +26,9 @@ from pipeline.format.bundle_folder import (
 from pipeline.format.bundle_signature import trusted_comment
 from pipeline.format.cache_blocks import digests, header_layout
 from pipeline.format.cache_codec import write_cache
+from pipeline.format.errors import BuildError
 from pipeline.format.fingerprint import FileDigests, canonical_json, file_digests, sha256_bytes
-from pipeline.format.manifest import BlocksInfo, Manifest, blocks_info, manifest_bytes
+from pipeline.format.manifest import MAX_BLOCKS, BlocksInfo, Manifest, blocks_info, manifest_bytes
 from pipeline.format.safe_files import PRIVATE_FILE, PUBLIC_FILE, sync_path, write_new
 from pipeline.format.safetensors_read import open_file, read_header
 
@@ -52,8 +53,19 @@ def block_record(cache_file: Path, tokens: int) -> BlocksInfo:
     with open_file(cache_file) as opened:
         header = read_header(opened)
         plan = header_layout(header, tokens, opened.stat.st_size, None)
+        if plan.blocks > MAX_BLOCKS:  # the manifest could not pin them: one line, nothing written
+            raise BuildError(too_many_blocks(tokens, plan.block_tokens, plan.blocks))
         found = digests(opened.fd, plan)
     return blocks_info(plan.block_tokens, found.header, found.rest, list(found.blocks))
+
+
+def too_many_blocks(tokens: int, block_tokens: int, blocks: int) -> str:
+    """Why a prefix of `tokens` cut into `blocks` blocks of `block_tokens` cannot be a bundle."""
+    return (
+        f"the prefix is {tokens:,} tokens: {blocks:,} cache blocks of {block_tokens} tokens, and a "
+        f"manifest pins at most {MAX_BLOCKS:,} (cache.blocks, format 5); shorten the included "
+        f"documents or split the prefix (at most {MAX_BLOCKS * block_tokens:,} tokens here)"
+    )
 
 
 def write_bundle_files(
