@@ -341,3 +341,39 @@ def test_registry_options_with_a_hub_repo_are_one_line_not_ignored(
         f"error: {option[0]} is for an oci:// registry; org/bundles is a hub repo (the hub "
         "client reads HF_ENDPOINT and the system's CAs): drop it\n"
     )
+
+
+def test_a_tls_body_is_read_many_records_at_a_time_and_stays_exact(tmp_path: Path):
+    """httpx reads a TLS body one record (at most 16 KiB) per event, each a Python round through
+    h11, httpcore and httpx (most of a pull's CPU: docs/deploy.md); `oci_http.client` takes the
+    records already arrived too. Fails where an httpx upgrade drops the backend silently."""
+    import ssl
+
+    from registry_env import make_tls
+
+    from pipeline.distribute import oci_http
+
+    ca, cert, key = make_tls(tmp_path)
+
+    class Blob(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            reply(self, 200, BLOB * 8)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Blob)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with oci_http.client(str(ca)) as c:
+            url = f"https://127.0.0.1:{server.server_address[1]}/blob"
+            with c.stream("GET", url) as r:
+                chunks = list(r.iter_raw())
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert b"".join(chunks) == BLOB * 8
+    assert max(len(chunk) for chunk in chunks) > 16 << 10  # more than one TLS record per read
