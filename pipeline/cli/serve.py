@@ -96,8 +96,8 @@ def add_parser(sub: argparse._SubParsersAction, parents: list) -> argparse.Argum
     p.add_argument(
         "--snapshot-budget",
         metavar="SIZE",
-        help="the most KV bytes --snapshots writes at a stop, hottest entries first (e.g. 512MiB; "
-        "default: 2GiB)",
+        help="the most KV bytes --snapshots writes in one set (each spill and the stop's save), "
+        "hottest entries first (e.g. 512MiB; default: 2GiB)",
     )
     p.add_argument(
         "--bundle-memory",
