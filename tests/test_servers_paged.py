@@ -41,10 +41,7 @@ def command(server: str, model: Path, bundles: Path, port: int, admin: int | Non
 @pytest.mark.parametrize("server", list(SERVERS))
 @pytest.mark.parametrize(
     ("serve_options", "why"),
-    [
-        ({"snapshots": Path("snaps")}, "with --snapshots: the entries of its paged prefix cache"),
-        ({"bundle_memory": 1 << 20}, "with --bundle-memory: its blocks would hold every mounted"),
-    ],
+    [({"bundle_memory": 1 << 20}, "with --bundle-memory: its blocks would hold every mounted")],
 )
 def test_what_the_paged_engines_cannot_honour_is_refused_with_one_line(
     server: str, serve_options: dict, why: str
@@ -62,6 +59,8 @@ def test_what_the_paged_engines_cannot_honour_is_refused_with_one_line(
     )
     plain = ServeOptions(server, Path("m"), Path("b"), tuple(rest), (), True)
     refuse_options(rest, server, hook_for(server).refused(plain))  # alone: served
+    spilled = ServeOptions(server, Path("m"), Path("b"), tuple(rest), (), True, snapshots=Path("s"))
+    refuse_options(rest, server, hook_for(server).refused(spilled))  # --snapshots: its entries
 
 
 def question(model: Path, system: str, text: str, turns: list[dict] | None = None) -> dict:

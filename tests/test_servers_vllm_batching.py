@@ -87,7 +87,6 @@ def test_prefix_caches_the_hook_does_not_fill_are_refused_with_one_line(
 
     for option, serve_option, why in (
         ("--disable-prefix-cache", [], "with --continuous-batching"),
-        ("--use-paged-cache", ["--snapshots", "snaps"], "with --snapshots"),  # none listed
         ("--use-paged-cache", ["--bundle-memory", "1MiB"], "with --bundle-memory"),  # all held
     ):
         args = batching(tiny_model, shop_bundle.parents[2], free_port(), option)

@@ -16,6 +16,11 @@ by both hooks, owned by neither.
   up to its end, fully backed (`history`: our own record of each block, made where the engine
   stores it; vllm-mlx 0.6 keys a block by its own tokens, not its history, and keeps index entries
   of freed blocks, so its hand-out alone is not proof).
+- What snapshots get (`--snapshots`): each stored request's leading blocks proven by `history`,
+  their K/V rebuilt by the engine's own `reconstruct_cache` on the scheduler's thread at each
+  store (`Snapshots.changed`: the spill's capture) and at the engine's stop (its deep_reset clears
+  the cache before serve saves: what it held is kept); restored snapshots answer through the one
+  rule, handed to the scheduler as a bundle's hand-out is.
 - A remount (or a changed model folder) that withdraws or replaces a bundle held as blocks clears
   the engine's paged cache (its own entries too: any may continue the bundle's K/V; a request in
   flight then stores nothing) and the bundles still mounted enter again.
@@ -33,7 +38,7 @@ import numpy as np
 
 from pipeline.runtime.prompt_cache import fork_cache
 from pipeline.runtime.servers import usage, warm_up
-from pipeline.runtime.servers.entries import evaluate, held_offset
+from pipeline.runtime.servers.entries import evaluate, held_offset, server_entry
 from pipeline.runtime.servers.memory_cache import install_memory_cache, memory_entries
 from pipeline.runtime.servers.mounted import BUNDLE_KEY, Mounted
 
@@ -41,7 +46,6 @@ log = logging.getLogger("prefix-bundles")
 TABLE = "prefix-bundles:"  # the block tables the bundles are held under: TABLE + NAME@VERSION
 _ROOT = b"prefix-bundles-paged"
 WITH = {  # serve's options --use-paged-cache is refused with: {attribute: (option, why)}
-    "snapshots": ("--snapshots", "the entries of its paged prefix cache are not listed for them"),
     "bundle_memory": (
         "--bundle-memory",
         "its blocks would hold every mounted bundle in memory, past the budget",
@@ -55,9 +59,12 @@ def chained(previous: bytes, tokens: Sequence[int]) -> bytes:
     return hashlib.blake2b(previous + ids, digest_size=16).digest()
 
 
-def pinned_paged_cache_class(mounted: Mounted, base: type, table: type, server: str) -> type:
+def pinned_paged_cache_class(
+    mounted: Mounted, base: type, table: type, server: str, snapshots: Any = None
+) -> type:
     """`base`, the engine's BlockAwarePrefixCache (`table`: its BlockTable), holding the mounted
-    bundles as its blocks and answering through the one lookup rule."""
+    bundles as its blocks and answering through the one lookup rule (the restored `snapshots`
+    too, as the memory-aware cache does); its stored requests listed for them (`entries`)."""
 
     class Handed(table):
         """The table the scheduler gets: `num_tokens` is the K/V handed out, and it is true
@@ -79,6 +86,8 @@ def pinned_paged_cache_class(mounted: Mounted, base: type, table: type, server: 
             self.handed: dict[str, list] = {}  # request id -> the cache its lookup handed out
             self.epoch, self.looked_up = 0, {}  # request id -> epoch of its lookup
             self.extract: Any = None  # the scheduler's _extract_cache_states
+            self.stored: dict[str, tuple[int, list[int]]] = {}  # table id -> (stamp, tokens)
+            self.kept: list[tuple[int, list[int], list]] | None = None  # at the engine's stop
             PinnedPagedCache.instances.append(self)
 
         def fetch_cache(self, request_id: str, tokens: list[int]) -> tuple[Any, list[int]]:
@@ -86,7 +95,7 @@ def pinned_paged_cache_class(mounted: Mounted, base: type, table: type, server: 
             self.handed.pop(request_id, None)
             self.looked_up[request_id] = self.epoch
             own = lambda t: self.own_fetch(request_id, t)  # noqa: E731
-            cache, rest, _ = mounted.answer(server, tokens, own, True)
+            cache, rest, _ = mounted.answer(server, tokens, own, True, snapshots)
             covered = 0 if cache is None else len(tokens) - len(rest)
             if cache is not None and held_offset(cache) != covered:  # K/V = tokens it claims
                 cache, covered = None, 0
@@ -107,10 +116,12 @@ def pinned_paged_cache_class(mounted: Mounted, base: type, table: type, server: 
 
         def own_fetch(self, request_id: str, tokens: list[int]) -> tuple[Any, list[int]]:
             """The engine's own lookup, cut to the blocks proven to hold these tokens' K/V; not
-            asked (no K/V rebuilt) where its whole blocks cannot beat the pinned bundles."""
+            asked (no K/V rebuilt) where its whole blocks cannot beat the pinned bundles or a
+            restored snapshot (`with_snapshots` hands that one out where it covers more)."""
             ids, _ = self.paged_cache.find_shared_prefix(list(tokens))
-            if self.proven(tokens, ids) < mounted.covered(tokens):  # the bundle serves more
-                return None, list(tokens)
+            restored = snapshots.covered(tokens) if snapshots is not None else 0
+            if self.proven(tokens, ids) < max(mounted.covered(tokens), restored):
+                return None, list(tokens)  # a bundle or a snapshot serves more
             found, _ = base.fetch_cache(self, request_id, tokens)
             if found is None or not found.block_ids:
                 return None, list(tokens)
@@ -124,7 +135,12 @@ def pinned_paged_cache_class(mounted: Mounted, base: type, table: type, server: 
 
         def proven(self, tokens: Sequence[int], block_ids: Sequence[int]) -> int:
             """How many leading tokens the blocks hold K/V of, exactly (by `history`)."""
-            key, n = _ROOT, 0
+            return self.proven_blocks(tokens, block_ids)[0]
+
+        def proven_blocks(self, tokens: Sequence[int], block_ids: Sequence[int]) -> tuple:
+            """(tokens, blocks): the leading blocks proven to hold K/V of exactly the leading
+            tokens (by `history`), and how many tokens they hold."""
+            key, n, k = _ROOT, 0, 0
             for block_id in block_ids:
                 record = self.history.get(block_id)
                 if record is None or n + record[1] > len(tokens):
@@ -132,8 +148,8 @@ def pinned_paged_cache_class(mounted: Mounted, base: type, table: type, server: 
                 key = chained(key, tokens[n : n + record[1]])
                 if key != record[0]:
                     break
-                n += record[1]
-            return n
+                n, k = n + record[1], k + 1
+            return n, k
 
         def blocks_within(self, request_id: str, covered: int) -> list[int]:
             """The ids of the blocks the engine holds for the request inside `covered` tokens."""
@@ -151,7 +167,46 @@ def pinned_paged_cache_class(mounted: Mounted, base: type, table: type, server: 
             if warm_up.WARMING.is_set() or epoch != self.epoch:  # nothing stored
                 self.drop(request_id)
                 return None
-            return self.store(request_id, tokens, cache_data, base.store_cache)
+            stored = self.store(request_id, tokens, cache_data, base.store_cache)
+            if stored is not None and snapshots is not None:
+                for block_id in stored.block_ids:  # evaluated on the thread that made them
+                    evaluate_block(self.paged_cache.allocated_blocks.get(block_id))
+                self.stored[request_id] = (snapshots.tick(), list(tokens))
+                snapshots.changed()  # the scheduler's thread, which alone stores: the capture
+            return stored
+
+        def entries(self) -> list[tuple[int, list[int], list]]:
+            """(stamp, tokens, K/V) of each stored request (kept at the engine's stop, else
+            live): its leading blocks proven to hold K/V of exactly those tokens, rebuilt by
+            the engine's own reconstruct; none held by a longer one listed."""
+            if self.kept is not None:
+                return self.kept
+            tables = getattr(self, "_request_tables", {})
+            proven = []
+            for table_id, (stamp, tokens) in list(self.stored.items()):
+                held = tables.get(table_id)
+                if held is None:  # released (an eviction, a clear): gone
+                    self.stored.pop(table_id, None)
+                    continue
+                ids = list(held.block_table.block_ids)
+                n, k = self.proven_blocks(tokens, ids)
+                if n > 0:
+                    proven.append((stamp, tokens[:n], ids[:k]))
+            proven.sort(key=lambda p: -len(p[1]))
+            out: list[tuple[int, list[int], list]] = []
+            for stamp, tokens, ids in proven:
+                if any(t[: len(tokens)] == tokens for _, t, _ in out):
+                    continue  # a longer entry holds it
+                cache = base.reconstruct_cache(self, table("", ids, len(tokens)))
+                if cache is not None and held_offset(cache) == len(tokens):
+                    evaluate(cache)
+                    out.append((stamp, tokens, cache))
+            return out
+
+        def keep(self) -> None:
+            """Hold the entries now in the cache for the save (its engine is stopping)."""
+            if snapshots is not None:  # without --snapshots nothing is saved: hold nothing
+                self.kept = self.entries()
 
         def store(self, table_id: str, tokens: list[int], states: list, store: Any) -> Any:
             """The engine's `store`, its blocks recorded; released (None) when a block it reused
@@ -191,6 +246,7 @@ def pinned_paged_cache_class(mounted: Mounted, base: type, table: type, server: 
         def drop(self, table_id: str) -> None:
             """Release what the engine holds under a table id (its blocks' references)."""
             self.handed.pop(table_id, None)
+            self.stored.pop(table_id, None)
             base.release_cache(self, table_id)  # vllm-mlx's frees only a stored entry's table
             self.paged_cache.delete_block_table(table_id)
 
@@ -199,6 +255,7 @@ def pinned_paged_cache_class(mounted: Mounted, base: type, table: type, server: 
             pressure evicts (a bundle's too: then answered from its pinned copy)."""
             self.handed.pop(request_id, None)
             self.looked_up.pop(request_id, None)
+            self.stored.pop(request_id, None)
             name = request_id.removeprefix(TABLE) if request_id.startswith(TABLE) else None
             if name in self.held:  # still held: a remount withdrawing it clears the cache
                 log.info(
@@ -212,6 +269,7 @@ def pinned_paged_cache_class(mounted: Mounted, base: type, table: type, server: 
             self.held.clear()
             self.history.clear()
             self.handed.clear()
+            self.stored.clear()
             self.epoch += 1  # requests in flight store nothing
 
         def hold_mounted(self) -> None:
@@ -265,6 +323,15 @@ def pinned_paged_cache_class(mounted: Mounted, base: type, table: type, server: 
     return PinnedPagedCache
 
 
+def evaluate_block(block: Any) -> None:
+    """Evaluate the K/V slices a block holds (its `cache_data`), on this thread."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    data = getattr(block, "cache_data", None)
+    mx.eval([a for _, a in tree_flatten(data or []) if isinstance(a, mx.array)])
+
+
 def rows(states: list) -> int:
     """How many tokens every layer of an extracted cache holds K/V rows for (0: unknown)."""
     counts = set()
@@ -276,12 +343,18 @@ def rows(states: list) -> int:
     return min(counts) if counts else 0
 
 
-def install_paged_cache(scheduler: Any, table: type, mounted: Mounted, server: str) -> type:
+def install_paged_cache(
+    scheduler: Any, table: type, mounted: Mounted, server: str, snapshots: Any = None
+) -> type:
     """Put `pinned_paged_cache_class` in the engine's `scheduler` module; each Scheduler hands
-    its cache its own `_extract_cache_states` (how its store reads a prompt cache)."""
-    cache_class = pinned_paged_cache_class(mounted, scheduler.BlockAwarePrefixCache, table, server)
+    its cache its own `_extract_cache_states` (how its store reads a prompt cache). The
+    scheduler's deep_reset (its engine's stop) clears the cache before serve saves it, so what
+    the cache held at that moment is kept (as install_memory_cache does)."""
+    cache_class = pinned_paged_cache_class(
+        mounted, scheduler.BlockAwarePrefixCache, table, server, snapshots
+    )
     scheduler.BlockAwarePrefixCache = cache_class
-    original = scheduler.Scheduler.__init__
+    original, reset = scheduler.Scheduler.__init__, scheduler.Scheduler.deep_reset
 
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
@@ -289,8 +362,28 @@ def install_paged_cache(scheduler: Any, table: type, mounted: Mounted, server: s
         if isinstance(cache, cache_class):
             cache.extract = self._extract_cache_states
 
+    def deep_reset(self: Any, *args: Any, **kwargs: Any) -> Any:
+        cache = getattr(self, "block_aware_cache", None)
+        if isinstance(cache, cache_class):
+            cache.keep()
+        return reset(self, *args, **kwargs)
+
     scheduler.Scheduler.__init__ = __init__
+    scheduler.Scheduler.deep_reset = deep_reset
     return cache_class
+
+
+def paged_entries(
+    cache_class: type, mounted: Mounted, snapshots: Any, server: str
+) -> list[tuple[int, Any]]:
+    """Every stored request of the paged cache(s), as (recency, snapshot Entry): the K/V its
+    proven blocks hold, rebuilt by the engine's reconstruct (the bundles' tables are no entry)."""
+    source = f"{server} paged prefix cache"
+    return [
+        (stamp, server_entry(tokens, cache, source, mounted, snapshots))
+        for instance in cache_class.instances
+        for stamp, tokens, cache in instance.entries()
+    ]
 
 
 def install_batched_cache(
@@ -299,12 +392,11 @@ def install_batched_cache(
 ) -> Callable[[Mounted, Any], list]:  # fmt: skip
     """A batched engine's prefix cache under the rule, in its `scheduler` module: its paged
     BlockAwarePrefixCache with --use-paged-cache (`paged_module` holds its BlockTable), else its
-    memory-aware cache; returns the hook's `listed` (nothing for the paged one: --snapshots is
-    refused with it)."""
+    memory-aware cache; returns the hook's `listed` (its entries, for snapshots)."""
     if paged(rest):
         table = importlib.import_module(paged_module).BlockTable
-        install_paged_cache(scheduler, table, mounted, server)
-        return lambda m, s: []
+        paged_class = install_paged_cache(scheduler, table, mounted, server, snapshots)
+        return lambda m, s: paged_entries(paged_class, m, s, server)
     cache_class = install_memory_cache(scheduler, mounted, server, snapshots)
     return lambda m, s: memory_entries(cache_class, m, s, server)
 
@@ -327,6 +419,7 @@ __all__ = [
     "install_batched_cache",
     "install_paged_cache",
     "paged",
+    "paged_entries",
     "pinned_paged_cache_class",
     "refused_with",
 ]
