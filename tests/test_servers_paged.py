@@ -224,6 +224,34 @@ table, rest = pinned.fetch_cache("z", P + [40])
 late = pinned.store_cache("w", [50, 51, 52, 53, 54], states(kv(5, 3)))
 out["withdrawn"] = [table is None, late is None, pinned.held,
                     pinned.paged_cache.get_block_table("prefix-bundles:p@1") is None]
+
+# --snapshots: what the class lists is each stored request's proven blocks, their K/V rebuilt by
+# the engine's reconstruct (exactly the stored K/V); a prefix of a longer entry is not listed; the
+# capture is asked at each store; what the cache held at the engine's stop is kept past its clear
+class Shelf:  # the Snapshots calls the class makes, with no restored snapshot on it
+    changes, clock = 0, 0
+    def tick(self):
+        self.clock += 1
+        return self.clock
+    def changed(self):
+        self.changes += 1
+    covered = lossy_floor = lambda self, tokens: 0
+    fetch = lambda self, tokens, better_than: (None, 0, "")
+
+shelf = Shelf()
+listing = pinned_paged_cache_class(
+    mounted, prefix.BlockAwarePrefixCache, paged.BlockTable, pkg, shelf)
+spilled = listing(None, paged.PagedCacheManager(block_size=4, max_blocks=64))
+for rid, ids, cache in (("a", A, kv_a), ("a8", A[:8], kv(8, 4)), ("b", B, kv_b)):
+    spilled.fetch_cache(rid, ids)
+    spilled.store_cache(rid, ids, states(cache))
+def listed():
+    return [[t, mx.array_equal(c[0].keys, w[0].keys[..., : len(t), :]).item()]
+            for _, t, c in spilled.entries() for w in ([kv_a] if t == A else [kv_b])]
+out["listed"] = [listed(), shelf.changes]
+spilled.keep()
+spilled.clear()
+out["kept"] = listed()
 print(json.dumps(out))
 """
 
@@ -253,3 +281,9 @@ def test_the_engines_own_cache_holds_bundles_and_hands_out_only_proven_blocks(
     assert out["p"] == [10, 1, True, 10, True, True], out
     # withdrawn: the cache cleared, nothing of it served, the request in flight stores nothing
     assert out["withdrawn"] == [True, True, {}, True], out
+    # --snapshots: A listed with exactly its K/V; A[:8] (held by A) not; B only where stored
+    a, b = [1, 2, 3, 4, 5, 6, 7, 8, 9], [10, 11, 12, 13, 5, 6, 7, 8, 9]
+    listed = [[a, True]] if server == "vllm-mlx" else [[a, True], [b, True]]
+    assert out["listed"][0] in (listed, listed[::-1]), out
+    assert out["listed"][1] == (2 if server == "vllm-mlx" else 3), out  # a capture per store
+    assert out["kept"] == out["listed"][0], out  # past the engine's clear at its stop
