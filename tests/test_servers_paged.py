@@ -249,6 +249,9 @@ def listed():
     return [[t, mx.array_equal(c[0].keys, w[0].keys[..., : len(t), :]).item()]
             for _, t, c in spilled.entries() for w in ([kv_a] if t == A else [kv_b])]
 out["listed"] = [listed(), shelf.changes]
+shelf.budget = 1  # bytes: the hottest entry alone is rebuilt
+out["bounded"] = listed()
+del shelf.budget
 spilled.keep()
 spilled.clear()
 out["kept"] = listed()
@@ -287,3 +290,5 @@ def test_the_engines_own_cache_holds_bundles_and_hands_out_only_proven_blocks(
     assert out["listed"][0] in (listed, listed[::-1]), out
     assert out["listed"][1] == (2 if server == "vllm-mlx" else 3), out  # a capture per store
     assert out["kept"] == out["listed"][0], out  # past the engine's clear at its stop
+    hottest = [[a, True]] if server == "vllm-mlx" else [[b, True]]
+    assert out["bounded"] == hottest, out  # within a 1-byte budget: the hottest entry alone

@@ -178,7 +178,8 @@ def pinned_paged_cache_class(
         def entries(self) -> list[tuple[int, list[int], list]]:
             """(stamp, tokens, K/V) of each stored request (kept at the engine's stop, else
             live): its leading blocks proven to hold K/V of exactly those tokens, rebuilt by
-            the engine's own reconstruct; none held by a longer one listed."""
+            the engine's own reconstruct (a copy); none held by a longer one listed, and the
+            hottest only until they fill the snapshot budget (no more could be written)."""
             if self.kept is not None:
                 return self.kept
             tables = getattr(self, "_request_tables", {})
@@ -193,14 +194,19 @@ def pinned_paged_cache_class(
                 if n > 0:
                     proven.append((stamp, tokens[:n], ids[:k]))
             proven.sort(key=lambda p: -len(p[1]))
-            out: list[tuple[int, list[int], list]] = []
+            longest: list[tuple[int, list[int], list]] = []
             for stamp, tokens, ids in proven:
-                if any(t[: len(tokens)] == tokens for _, t, _ in out):
-                    continue  # a longer entry holds it
+                if not any(t[: len(tokens)] == tokens for _, t, _ in longest):
+                    longest.append((stamp, tokens, ids))  # else a longer entry holds it
+            out, budget, nbytes = [], getattr(snapshots, "budget", None), 0
+            for stamp, tokens, ids in sorted(longest, key=lambda p: -p[0]):
+                if budget is not None and nbytes >= budget:
+                    break
                 cache = base.reconstruct_cache(self, table("", ids, len(tokens)))
                 if cache is not None and held_offset(cache) == len(tokens):
                     evaluate(cache)
                     out.append((stamp, tokens, cache))
+                    nbytes += held_bytes(cache)
             return out
 
         def keep(self) -> None:
@@ -330,6 +336,15 @@ def evaluate_block(block: Any) -> None:
 
     data = getattr(block, "cache_data", None)
     mx.eval([a for _, a in tree_flatten(data or []) if isinstance(a, mx.array)])
+
+
+def held_bytes(cache: list) -> int:
+    """The bytes of the arrays a prompt cache's layers hold."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    states = [getattr(layer, "state", None) for layer in cache]
+    return sum(a.nbytes for _, a in tree_flatten(states) if isinstance(a, mx.array))
 
 
 def rows(states: list) -> int:
