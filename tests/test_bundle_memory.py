@@ -8,16 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import logging
 import shutil
-import urllib.request
 from pathlib import Path
 from types import SimpleNamespace
 
 import mlx.core as mx
 import numpy as np
 import pytest
+import servers_env
 from test_prompt_cache_shared import PREAMBLE, TAILS, define, same_cache, tenants  # noqa: F401
 
 from pipeline.format.bundle_folder import CACHE_FILE
@@ -155,18 +154,9 @@ def test_bundle_memory_is_a_size(tiny_model: Path, capsys, monkeypatch: pytest.M
 
 
 def chat(port: int, system: str, question: str) -> dict:
-    body = {
-        "messages": [{"role": "system", "content": system}, {"role": "user", "content": question}],
-        "max_tokens": 8,
-        "temperature": 0.0,
-    }
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/v1/chat/completions",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        return json.loads(resp.read())
+    """One greedy chat completion opening with `system`."""
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    return servers_env.chat(port, {"messages": messages, "max_tokens": 8, "temperature": 0.0})[0]
 
 
 @pytest.mark.slow
