@@ -37,7 +37,7 @@ from pipeline.runtime.prompt_cache import (
 )
 from pipeline.runtime.snapshot_key import host_key
 from pipeline.runtime.snapshot_restore import UNTRUSTED, choose_and_load
-from pipeline.runtime.snapshot_spill import Listed, Spiller
+from pipeline.runtime.snapshot_spill import Listed, Spiller, resolved
 from pipeline.runtime.snapshot_store import (
     Context,
     Entry,
@@ -332,16 +332,16 @@ class Snapshots:
         with self._saving:
             self._stopped = True
 
-    def save(
-        self, listed: Sequence[tuple[int, Entry]], covered: Callable[[list[int]], int]
-    ) -> None:
-        """Write the hottest of the server's entries (stamp, entry) and the restored snapshots
-        still worth keeping, within the budget, as the new set; one log line."""
+    def save(self, listed: Sequence[Listed], covered: Callable[[list[int]], int]) -> None:
+        """Write the hottest of the server's entries (stamp, entry; a deferred one is resolved
+        here) and the restored snapshots still worth keeping, within the budget, as the new
+        set; one log line."""
         if self.spiller is not None:
             self.spiller.stop()
+        entries = [pair for pair in map(resolved, listed) if pair is not None]
         with self._saving:
             self._stopped = True
-            self._write(listed, covered, "")
+            self._write(entries, covered, "")
 
     def _spill(
         self, listed: list[tuple[int, Entry]], covered: Callable[[list[int]], int], why: str

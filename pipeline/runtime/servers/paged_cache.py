@@ -28,10 +28,12 @@ by both hooks, owned by neither.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib
 import logging
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -182,6 +184,13 @@ def pinned_paged_cache_class(
             hottest only until they fill the snapshot budget (no more could be written)."""
             if self.kept is not None:
                 return self.kept
+            return [e for e in (rebuild() for rebuild in self.captured()) if e is not None]
+
+        def captured(self) -> list[Callable[[], tuple[int, list[int], list] | None]]:
+            """`entries` deferred: each stored request's proven blocks taken now (new handles
+            over their K/V, no byte copied) and rebuilt when called, on any thread (the spill's:
+            a rebuild concatenates every layer, a copy a capture on the scheduler's thread, at
+            each store, must not pay); the hottest until their blocks fill the budget."""
             tables = getattr(self, "_request_tables", {})
             proven = []
             for table_id, (stamp, tokens) in list(self.stored.items()):
@@ -202,11 +211,9 @@ def pinned_paged_cache_class(
             for stamp, tokens, ids in sorted(longest, key=lambda p: -p[0]):
                 if budget is not None and nbytes >= budget:
                     break
-                cache = base.reconstruct_cache(self, table("", ids, len(tokens)))
-                if cache is not None and held_offset(cache) == len(tokens):
-                    evaluate(cache)
-                    out.append((stamp, tokens, cache))
-                    nbytes += held_bytes(cache)
+                frozen = FrozenBlocks(self, base, ids)
+                out.append(lambda f=frozen, s=stamp, t=tokens, i=ids: f.rebuilt(s, t, i, table))
+                nbytes += frozen.nbytes
             return out
 
         def keep(self) -> None:
@@ -329,6 +336,53 @@ def pinned_paged_cache_class(
     return PinnedPagedCache
 
 
+class FrozenBlocks:
+    """An engine's paged cache as its reconstruct reads it, with one table's blocks as they were
+    when taken: each block's K/V under new handles (evaluated here, no byte copied), so the
+    engine freeing or reusing a block later never reaches them; anything else is the engine's."""
+
+    def __init__(self, owner: Any, base: type, ids: Sequence[int]) -> None:
+        from pipeline.runtime.cache_forks import fork_value
+
+        self._owner, self._base, self.nbytes = owner, base, 0
+        blocks = {}
+        for block_id in ids:
+            block = owner.paged_cache.allocated_blocks.get(block_id)
+            if block is not None:
+                block = copy.copy(block)
+                block.cache_data = fork_value(getattr(block, "cache_data", None))
+                evaluate_block(block)
+                self.nbytes += block_bytes(block)
+            blocks[block_id] = block  # a block gone stays None: the rebuild then gives none
+        self.paged_cache = SimpleNamespace(allocated_blocks=blocks)
+
+    def __getattr__(self, name: str) -> Any:  # the engine's helpers (seq axis, concat)
+        return getattr(self._owner, name)
+
+    def rebuilt(
+        self, stamp: int, tokens: list[int], ids: list[int], table: type
+    ) -> tuple[int, list[int], list] | None:
+        """(stamp, tokens, K/V) rebuilt by the engine's own reconstruct (rapid-mlx's from the
+        table itself, not a transaction's pending cache), or None when it holds other than
+        exactly `tokens`."""
+        base = self._base
+        rebuild = getattr(base, "_reconstruct_from_table", None) or base.reconstruct_cache
+        cache = rebuild(self, table("", ids, len(tokens)))
+        if cache is None or held_offset(cache) != len(tokens):
+            return None
+        evaluate(cache)
+        return stamp, tokens, cache
+
+
+def block_bytes(block: Any) -> int:
+    """The bytes of the K/V a block holds."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    data = getattr(block, "cache_data", None)
+    return sum(a.nbytes for _, a in tree_flatten(data or []) if isinstance(a, mx.array))
+
+
 def evaluate_block(block: Any) -> None:
     """Evaluate the K/V slices a block holds (its `cache_data`), on this thread."""
     import mlx.core as mx
@@ -392,13 +446,23 @@ def paged_entries(
     cache_class: type, mounted: Mounted, snapshots: Any, server: str
 ) -> list[tuple[int, Any]]:
     """Every stored request of the paged cache(s), as (recency, snapshot Entry): the K/V its
-    proven blocks hold, rebuilt by the engine's reconstruct (the bundles' tables are no entry)."""
+    proven blocks hold, rebuilt by the engine's reconstruct (the bundles' tables are no entry),
+    deferred while the engine serves (snapshot_spill.Listed: resolved off its thread)."""
     source = f"{server} paged prefix cache"
-    return [
-        (stamp, server_entry(tokens, cache, source, mounted, snapshots))
-        for instance in cache_class.instances
-        for stamp, tokens, cache in instance.entries()
-    ]
+
+    def entry(stamp: int, tokens: list[int], cache: list) -> tuple[int, Any]:
+        return stamp, server_entry(tokens, cache, source, mounted, snapshots)
+
+    def deferred(rebuild: Callable[[], Any]) -> Callable[[], tuple[int, Any] | None]:
+        return lambda: (lambda got: entry(*got) if got is not None else None)(rebuild())
+
+    listed: list[Any] = []
+    for instance in cache_class.instances:
+        if instance.kept is not None:  # the engine stopped: what it held then
+            listed += [entry(*kept) for kept in instance.kept]
+        else:  # rebuilt by whoever resolves them (the spill thread; the stop's save)
+            listed += [deferred(rebuild) for rebuild in instance.captured()]
+    return listed
 
 
 def install_batched_cache(
