@@ -17,9 +17,10 @@ by both hooks, owned by neither.
   stores it; vllm-mlx 0.6 keys a block by its own tokens, not its history, and keeps index entries
   of freed blocks, so its hand-out alone is not proof).
 - What snapshots get (`--snapshots`): each stored request's leading blocks proven by `history`,
-  their K/V rebuilt by the engine's own `reconstruct_cache` on the scheduler's thread at each
-  store (`Snapshots.changed`: the spill's capture) and at the engine's stop (its deep_reset clears
-  the cache before serve saves: what it held is kept); restored snapshots answer through the one
+  taken as new handles on the scheduler's thread at each store (`Snapshots.changed`: the spill's
+  capture; FrozenBlocks), their K/V rebuilt by the engine's own `reconstruct_cache` on the spill
+  thread; at the engine's stop (its deep_reset clears the cache before serve saves) what it
+  held is rebuilt and kept; restored snapshots answer through the one
   rule, handed to the scheduler as a bundle's hand-out is.
 - A remount (or a changed model folder) that withdraws or replaces a bundle held as blocks clears
   the engine's paged cache (its own entries too: any may continue the bundle's K/V; a request in
