@@ -8,12 +8,11 @@ import json
 import shutil
 from pathlib import Path
 
-import pytest
 from registry_env import registry
+from test_oci import no_docker_config  # noqa: F401 (autouse: no credentials, no backoff)
 
 from pipeline.cli import main
 from pipeline.cli.reports import PullReport, PushReport
-from pipeline.distribute import oci
 from pipeline.distribute.artifact import parse_manifest, tag_of
 from pipeline.distribute.blocks import read_layout
 from pipeline.distribute.oci import Registry as Client
@@ -25,14 +24,6 @@ from conftest import SYSTEM, build_bundle, document, write_definition
 MORE = " Returns are accepted within thirty days with the receipt; gift cards are final."
 TAIL = " ".join(["The front desk opens at nine and closes at five on weekdays."] * 3)
 OTHER = " ".join(["You answer questions about the staff handbook, citing its sections."] * 6)
-
-
-@pytest.fixture(autouse=True)
-def no_docker_config(tmp_path: Path, monkeypatch):
-    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "no-docker-config"))
-    monkeypatch.delenv("PREFIX_BUNDLES_REGISTRY_USER", raising=False)
-    monkeypatch.delenv("PREFIX_BUNDLES_REGISTRY_PASSWORD", raising=False)
-    monkeypatch.setattr(oci, "BACKOFF_S", 0.0)
 
 
 def define(root: Path, model: Path, name: str, text: str, version: int = 1) -> None:
